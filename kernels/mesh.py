@@ -1,0 +1,51 @@
+"""Meshes and shardings from the lab's notation.
+
+The analytic side describes arrays as ``ShardedArray`` (the book's ``A[I_X, J_Y]``); this module turns
+that into real ``NamedSharding`` objects on a device mesh, so predicted and executed programs are
+driven by the same description.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+
+from lab.errors import UserError
+from lab.notation import ShardedArray
+
+
+def make_mesh(axes: Mapping[str, int], *, explicit: bool = False) -> jax.sharding.Mesh:
+    """A mesh over the first ``prod(axes)`` devices, axes named and sized as given (major first).
+
+    Args:
+        axes: ordered mapping of axis name to size, e.g. ``{"X": 2, "Y": 4}``.
+        explicit: use ``AxisType.Explicit`` axes, so that ambiguous communication fails loudly.
+    """
+    need = math.prod(axes.values())
+    have = jax.device_count()
+    if need > have:
+        raise UserError(
+            f"mesh {','.join(f'{k}={v}' for k, v in axes.items())} needs {need} devices but "
+            f"{have} are available; shrink the mesh or emulate more with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={need}"
+        )
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    return jax.make_mesh(
+        tuple(axes.values()), tuple(axes.keys()), axis_types=(kind,) * len(axes), devices=jax.devices()[:need]
+    )
+
+
+def sharding_for(arr: ShardedArray, mesh: jax.sharding.Mesh) -> NamedSharding:
+    """``NamedSharding`` for an array in the book's notation (unreduced axes are not placements)."""
+    arr.check(dict(mesh.shape))
+    return NamedSharding(mesh, arr.with_axes({}, unreduced=()).to_partition_spec())
+
+
+def place_zeros(arr: ShardedArray, sizes: Mapping[str, int], mesh: jax.sharding.Mesh, dtype=np.float32) -> jax.Array:
+    """A zero array of the global shape, laid out on the mesh as ``arr`` says."""
+    shape = tuple(sizes[d] for d in arr.dim_names)
+    return jax.device_put(np.zeros(shape, dtype), sharding_for(arr, mesh))

@@ -1,0 +1,5 @@
+"""``python -m lab`` is the same as the ``shardlab`` console script."""
+
+from lab.cli import main
+
+raise SystemExit(main())
