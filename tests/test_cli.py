@@ -1,0 +1,217 @@
+"""The command line: JSON keys, readable tables, and one-line errors with exit code 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lab.cli import main, parse_bytes
+
+
+def run_json(capsys, *argv):
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def run_cli(*argv):
+    """The real console entry point, in a subprocess (exit code and stderr as a user sees them)."""
+    return subprocess.run([sys.executable, "-m", "lab", *argv], capture_output=True, text=True, timeout=60)
+
+
+def test_hardware_list_and_show(capsys):
+    data = run_json(capsys, "hardware", "list")
+    assert [c["name"] for c in data["hardware"]][:3] == ["tpu-v3", "tpu-v4", "tpu-v5e"]
+    show = run_json(capsys, "hardware", "show", "V5E")
+    assert show["name"] == "tpu-v5e"
+    assert show["peak_flops"] == {"bf16": 1.97e14, "int8": 3.94e14}
+    assert show["hbm_bytes"] == 16e9 and show["hbm_bandwidth"] == 8.2e11
+    assert show["derived"]["critical_intensity"]["bf16"] == pytest.approx(240, rel=0.01)
+    assert show["sources"]["hbm_bandwidth"]
+
+
+def test_roofline_matmul_keys(capsys):
+    d = run_json(
+        capsys,
+        "roofline",
+        "matmul",
+        "--hardware",
+        "v5e",
+        "--b",
+        "512",
+        "--d",
+        "8192",
+        "--f",
+        "8192",
+        "--weight-dtype",
+        "int8",
+    )
+    for key in ("flops", "bytes", "intensity", "critical_intensity", "compute_s", "memory_s", "time_s", "bound"):
+        assert key in d
+    assert d["flops"] == 2 * 512 * 8192 * 8192
+    assert d["bytes"] == 512 * 8192 * 2 + 8192 * 8192 + 512 * 8192 * 2
+    assert d["bound"] == "compute" and d["compute_dtype"] == "bf16"
+
+
+def test_roofline_inf_becomes_null(capsys):
+    d = run_json(capsys, "roofline", "matmul", "--hardware", "h100", "--b", "1", "--d", "64", "--f", "64")
+    assert d["critical_batch"] is None
+
+
+def test_collective_keys_and_book_value(capsys):
+    d = run_json(
+        capsys, "collective", "all-gather", "--hardware", "v5e", "--bytes", "bf16[2048,8192]", "--axis-size", "4"
+    )
+    assert d["time_s"] == pytest.approx(373e-6, rel=0.01) and d["latency_bound"] is False
+    d = run_json(
+        capsys,
+        "collective",
+        "all-gather",
+        "--hardware",
+        "v5e",
+        "--bytes",
+        str(2048 * 8192 * 2),
+        "--axis-size",
+        "4",
+        "--no-wraparound",
+    )
+    assert d["time_s"] == pytest.approx(559e-6, rel=0.01)
+    d = run_json(
+        capsys,
+        "collective",
+        "all-reduce",
+        "--hardware",
+        "h100",
+        "--bytes",
+        "64Mi",
+        "--axis-size",
+        "8,4",
+        "--scope",
+        "cross-node",
+    )
+    assert d["axis_sizes"] == [8, 4] and d["group_size"] == 32 and d["link"] == "nvlink+network"
+
+
+def test_sharded_matmul_keys(capsys):
+    d = run_json(
+        capsys,
+        "sharded-matmul",
+        "A[I,J_X] * B[J_X,K] -> C[I,K_X]",
+        "--sizes",
+        "I=1024,J=8192,K=4096",
+        "--mesh",
+        "X=2,Y=4",
+        "--hardware",
+        "v5e",
+    )
+    assert d["output"] == "C[I, K_X]"
+    assert [(c["kind"], c["axes"]) for c in d["collectives"]] == [("reduce-scatter", ["X"])]
+    assert d["collectives"][0]["bytes"] == 1024 * 4096 * 2
+    assert d["time_s"] == pytest.approx(d["compute_s"] + d["comm_s"])
+    for c in d["collectives"]:
+        assert set(c) >= {"kind", "axes", "bytes", "time_s"}
+
+
+def test_human_tables(capsys):
+    assert (
+        main(
+            [
+                "sharded-matmul",
+                "A[I_X,J] * B[J,K_X]",
+                "--sizes",
+                "I=64,J=64,K=128",
+                "--mesh",
+                "X=2",
+                "--hardware",
+                "h100",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "book case(s): 4" in out and "AllGather_X" in out and "time, no overlap" in out
+    assert main(["hardware", "list"]) == 0
+    assert "tpu-v5e" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["hardware", "show", "tpu-v9"], "unknown hardware 'tpu-v9'; valid: tpu-v3"),
+        (["roofline", "matmul", "--hardware", "v5e", "--b", "-3", "--d", "8", "--f", "8"], "'-3'"),
+        (["roofline", "matmul", "--hardware", "v5e", "--b", "0", "--d", "8", "--f", "8"], "positive integer"),
+        (
+            ["roofline", "matmul", "--hardware", "v5e", "--b", "8", "--d", "8", "--f", "8", "--dtype", "bf17"],
+            "unknown dtype 'bf17'; valid: fp32",
+        ),
+        (
+            ["collective", "gossip", "--hardware", "v5e", "--bytes", "1e6", "--axis-size", "4"],
+            "unknown collective 'gossip'; valid: all-gather",
+        ),
+        (
+            ["collective", "all-gather", "--hardware", "v5e", "--bytes", "lots", "--axis-size", "4"],
+            "--bytes: 'lots' is not a byte count",
+        ),
+        (["collective", "all-gather", "--hardware", "v5e", "--bytes", "1e6", "--axis-size", "4,0"], "positive integer"),
+        (
+            ["collective", "all-gather", "--hardware", "v5e", "--bytes", "1e6", "--axis-size", "4", "--scope", "rack"],
+            "invalid choice: 'rack'",
+        ),
+        (
+            ["sharded-matmul", "A[I_X,J * B[J,K]", "--sizes", "I=8,J=8,K=8", "--mesh", "X=2", "--hardware", "v5e"],
+            "at column 9",
+        ),
+        (
+            ["sharded-matmul", "A[I_X,J] * B[J,K]", "--sizes", "I=9,J=8,K=8", "--mesh", "X=2", "--hardware", "v5e"],
+            "dim I=9 does not divide over X",
+        ),
+        (
+            ["sharded-matmul", "A[I_X,J] * B[J,K]", "--sizes", "I=8,J=-8,K=8", "--mesh", "X=2", "--hardware", "v5e"],
+            "--sizes J",
+        ),
+        (
+            [
+                "sharded-matmul",
+                "A[I_X,J] * B[J,K]",
+                "--sizes",
+                "I=8,J=8,K=8",
+                "--mesh",
+                "X=2,Y=4",
+                "--chips",
+                "16",
+                "--hardware",
+                "v5e",
+            ],
+            "--mesh X=2,Y=4 has 8 devices but --chips is 16",
+        ),
+        (["hardware", "list", "--hardware-file", "/nonexistent/chips.toml"], "does not exist"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, needle):
+    r = run_cli(*argv)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert needle in lines[0]
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_python_dash_m_lab_and_version():
+    r = run_cli("--version")
+    assert r.returncode == 0 and r.stdout.startswith("shardlab ")
+
+
+@pytest.mark.parametrize(
+    ("text", "n"),
+    [
+        ("33554432", 33554432),
+        ("32Mi", 32 * 1024**2),
+        ("1e6", 1e6),
+        ("bf16[2048,8192]", 2048 * 8192 * 2),
+        ("int8[3, 5]", 15),
+        ("float32[7]", 28),
+    ],
+)
+def test_parse_bytes(text, n):
+    assert parse_bytes(text) == n

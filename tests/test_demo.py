@@ -1,0 +1,21 @@
+import pytest
+
+from lab.demo import CASES, run_demo
+
+
+def test_demo_report_on_the_emulated_mesh(jax_devices):
+    r = run_demo()
+    check = r.data["placement_check"]
+    assert check["ran"] and check["emulated"] and check["devices"] == 8
+    assert check["operands"] == 2 * len(CASES) and check["mismatches"] == []
+    for section in ("1. Roofline", "2. Sharded matmuls", "3. Collectives", "4. Emulated-mesh check"):
+        assert section in r.text
+    assert [p["cases"] for p in r.data["sharded_matmuls"]][:4] == [[1], [2], [3], [4]]
+
+
+@pytest.mark.parametrize("hw", ["h100", "cpu", "tpu-v5p"])
+def test_demo_for_other_targets(jax_devices, hw):
+    r = run_demo(hardware=hw)
+    assert r.data["hardware"]["name"] == hw
+    if hw == "cpu":
+        assert "uncalibrated placeholder" in r.text

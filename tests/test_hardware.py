@@ -1,0 +1,188 @@
+import json
+import math
+
+import pytest
+
+from lab.errors import UserError
+from lab.hardware import CATALOG, Catalog, Chip, default_catalog, get_chip, load_hardware_file
+
+CANONICAL = [
+    "tpu-v3",
+    "tpu-v4",
+    "tpu-v5e",
+    "tpu-v5p",
+    "tpu-v6e",
+    "a100-40gb",
+    "a100-80gb",
+    "h100",
+    "h200",
+    "b200",
+    "cpu",
+]
+NUMERIC_FIELDS = [
+    "hbm_bytes",
+    "hbm_bandwidth",
+    "link_bandwidth",
+    "hop_latency_s",
+    "scaleout_bandwidth",
+    "scaleout_latency_s",
+    "launch_latency_s",
+]
+
+
+def test_catalog_has_the_canonical_names():
+    assert [c.name for c in CATALOG] == CANONICAL
+
+
+@pytest.mark.parametrize("chip", CATALOG, ids=lambda c: c.name)
+def test_every_number_cites_a_source(chip):
+    for dt in chip.peak_flops:
+        assert chip.sources.get(f"peak_flops.{dt}"), f"{chip.name}: peak_flops.{dt} has no source"
+    for f in NUMERIC_FIELDS + (["price_per_hour"] if chip.price_per_hour else []):
+        assert chip.sources.get(f), f"{chip.name}: {f} has no source"
+    if chip.topology == "torus":
+        for f in ("torus_dims", "wraparound_rule", "wraparound_size", "pod_shape"):
+            assert chip.sources.get(f), f"{chip.name}: {f} has no source"
+    else:
+        assert chip.sources.get("node_size")
+
+
+@pytest.mark.parametrize(
+    ("alias", "name"),
+    [
+        ("v5e", "tpu-v5e"),
+        ("TPU-V5E", "tpu-v5e"),
+        ("tpu_v5e", "tpu-v5e"),
+        ("v4", "tpu-v4"),
+        ("Trillium", "tpu-v6e"),
+        ("a100", "a100-80gb"),
+        ("A100-40GB", "a100-40gb"),
+        ("h100-sxm", "h100"),
+        ("H100", "h100"),
+        ("h200", "h200"),
+        ("host", "cpu"),
+        ("tpuv5p", "tpu-v5p"),
+    ],
+)
+def test_names_and_aliases_resolve(alias, name):
+    assert get_chip(alias).name == name
+
+
+def test_unknown_name_lists_valid_ones():
+    with pytest.raises(UserError, match=r"unknown hardware 'tpu-v9'.*tpu-v5e.*h100"):
+        get_chip("tpu-v9")
+
+
+def test_book_critical_intensities():
+    # roofline.md: v5e 1.97e14 / 8.2e11 = 240 (bf16) and 480 for int8; H100 9.89e14 / 3.35e12 = 295.
+    v5e, h100 = get_chip("v5e"), get_chip("h100")
+    assert v5e.critical_intensity("bf16") == pytest.approx(240, rel=0.01)
+    assert v5e.critical_intensity("int8") == pytest.approx(480, rel=0.01)
+    assert h100.critical_intensity("bf16") == pytest.approx(295, rel=0.01)
+
+
+def test_dense_peaks_not_sparsity_figures():
+    # gpus.md: the H100 datasheet's 1.979e15 bf16 assumes 2:4 sparsity; dense is 9.89e14.
+    assert get_chip("h100").flops("bf16") == pytest.approx(9.89e14, rel=0.01)
+    assert get_chip("b200").flops("bf16") == pytest.approx(2.25e15, rel=0.01)
+
+
+def test_missing_dtype_is_a_clear_error():
+    with pytest.raises(UserError, match=r"tpu-v5e has no fp8 peak.*bf16, int8"):
+        get_chip("v5e").flops("fp8")
+
+
+@pytest.mark.parametrize(
+    ("chip", "shape", "expect"),
+    [
+        ("v5e", (16, 16), (True, True)),
+        ("v5e", (8, 16), (False, True)),  # tpus.md: 8x16 wraps on the long axis only
+        ("v5e", (4, 4), (False, False)),
+        ("v6e", (16, 4), (True, False)),
+        ("v5p", (4, 4, 4), (True, True, True)),  # any multiple of a full cube has wraparound
+        ("v5p", (4, 4, 8), (True, True, True)),
+        ("v5p", (2, 2, 4), (False, False, False)),  # smaller slices have none
+        ("v4", (2, 2, 1), (False, False, False)),
+    ],
+)
+def test_wraparound_rules(chip, shape, expect):
+    assert get_chip(chip).wraparound(shape) == expect
+
+
+def test_toml_file_overrides_with_base(tmp_path):
+    f = tmp_path / "chips.toml"
+    f.write_text(
+        'name = "h100-pcie"\nbase = "h100"\nhbm_bandwidth = 2.0e12\nlink_bandwidth = 6.4e10\n'
+        '[peak_flops]\nbf16 = 7.56e14\n[sources]\nhbm_bandwidth = "H100 PCIe datasheet"\n'
+    )
+    cat = default_catalog(f)
+    chip = cat.get("H100-PCIe")
+    base = cat.get("h100")
+    assert chip.hbm_bandwidth == 2.0e12 and chip.flops("bf16") == 7.56e14
+    assert chip.flops("fp8") == base.flops("fp8")  # inherited
+    assert chip.hbm_bytes == base.hbm_bytes
+    assert chip.sources["hbm_bandwidth"] == "H100 PCIe datasheet"
+    assert chip.aliases == ()  # the base's aliases still resolve to the base
+    assert cat.get("h100-sxm").name == "h100"
+
+
+def test_json_file_with_several_chips_and_round_trip(tmp_path):
+    v5e = get_chip("v5e")
+    twin = v5e.fields() | {"name": "my-v5e", "aliases": ["mine"], "hbm_bandwidth": 9e11}
+    f = tmp_path / "chips.json"
+    f.write_text(json.dumps({"chips": [twin, {"name": "slow-h100", "base": "h100", "link_bandwidth": 1e11}]}))
+    cat = default_catalog(f)
+    mine = cat.get("mine")
+    assert mine == Chip(
+        **(v5e.fields() | {"name": "my-v5e", "aliases": ("mine",), "hbm_bandwidth": 9e11, "pod_shape": (16, 16)})
+    )
+    assert cat.get("slow-h100").link_bandwidth == 1e11
+
+
+def test_to_dict_json_loads_back(tmp_path):
+    # `hardware show --json` output is itself a valid hardware file (the calibration format).
+    f = tmp_path / "b200.json"
+    f.write_text(json.dumps(get_chip("b200").to_dict() | {"name": "b200-copy", "aliases": []}))
+    (copy,) = load_hardware_file(f)
+    assert copy.fields() | {"name": "b200", "aliases": list(get_chip("b200").aliases)} == get_chip("b200").fields()
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ('name = "x"\nbase = "h100"\nwarp_speed = 9\n', r"unknown field 'warp_speed'"),
+        ('name = "x"\nkind = "gpu"\n', r"chip 'x' is missing .*peak_flops"),
+        ('name = "x"\nbase = "h100"\nhbm_bandwidth = -1.0\n', r"hbm_bandwidth must be > 0"),
+        ('name = "x"\nbase = "h100"\nkind = "fpga"\n', r"kind 'fpga' is not one of"),
+        ('name = "x"\nbase = "nope"\n', r"unknown hardware 'nope'"),
+        ('name = "x"\nbase = "h100"\n[peak_flops]\nbf17 = 1.0\n', r"unknown dtype 'bf17'"),
+        ("name = [", r"is not valid TOML"),
+    ],
+)
+def test_bad_hardware_files(tmp_path, text, match):
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(UserError, match=match):
+        load_hardware_file(f, Catalog())
+
+
+def test_missing_file_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_hardware_file(tmp_path / "nope.toml")
+
+
+def test_calibrated_host_spec_replaces_the_placeholder(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDLAB_SPECS_DIR", str(tmp_path))
+    assert not get_chip("cpu").calibrated
+    (tmp_path / "cpu.json").write_text(
+        json.dumps({"name": "cpu", "base": "cpu", "calibrated": True, "peak_flops": {"fp32": 1.23e11}})
+    )
+    chip = get_chip("cpu")
+    assert chip.calibrated and chip.flops("fp32") == 1.23e11
+
+
+def test_catalog_entries_are_immutable():
+    chip = get_chip("h100")
+    with pytest.raises(TypeError):
+        chip.peak_flops["bf16"] = 1.0  # type: ignore[index]
+    assert math.isclose(get_chip("h100").flops("bf16"), 9.89e14)
