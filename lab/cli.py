@@ -20,7 +20,7 @@ from lab.collectives import SCOPES, canonical_kind, collective_time
 from lab.errors import UserError
 from lab.hardware import Chip, default_catalog
 from lab.notation import parse_mesh, parse_positive_int, parse_sizes
-from lab.roofline import matmul
+from lab.roofline import matmul, roofline
 from lab.sharded_matmul import plan_sharded_matmul
 from lab.table import dumps, render
 from lab.units import canonical_dtype, dtype_bytes, fmt_bytes, fmt_count, fmt_rate, fmt_seconds
@@ -202,6 +202,26 @@ def cmd_roofline_matmul(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return d, text
 
 
+def cmd_roofline_op(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    chip = _chip(args)
+    r = roofline(chip, args.flops, parse_bytes(args.bytes), args.dtype, op="op")
+    text = render(
+        ["quantity", "value"],
+        [
+            ["hardware", f"{chip.name}, {r.compute_dtype} peak {fmt_rate(chip.flops(r.compute_dtype), 'FLOP/s')}"],
+            ["flops", fmt_count(r.flops)],
+            ["bytes", fmt_bytes(r.bytes)],
+            ["intensity", f"{r.intensity:.2f} FLOP/B"],
+            ["critical intensity", f"{r.critical_intensity:.1f} FLOP/B"],
+            ["compute time", fmt_seconds(r.compute_s)],
+            ["memory time", fmt_seconds(r.memory_s)],
+            ["time (max)", fmt_seconds(r.time_s)],
+            ["bound", r.bound],
+        ],
+    )
+    return r.to_dict(), text
+
+
 def cmd_collective(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     chip = _chip(args)
     c = collective_time(
@@ -317,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     hs.set_defaults(func=cmd_hardware_show)
 
     r = sub.add_parser("roofline", help="roofline costs")
-    rsub = r.add_subparsers(dest="rf_command", required=True, parser_class=_Parser, metavar="matmul")
+    rsub = r.add_subparsers(dest="rf_command", required=True, parser_class=_Parser, metavar="matmul|op")
     rm = rsub.add_parser("matmul", parents=[common, hw], help="In[B, D] @ W[D, F] on one chip")
     rm.add_argument("--b", type=_positive_int("--b"), required=True, help="token batch B")
     rm.add_argument("--d", type=_positive_int("--d"), required=True, help="contracting dim D")
@@ -331,6 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype whose peak applies (default: the wider of --dtype and --weight-dtype)",
     )
     rm.set_defaults(func=cmd_roofline_matmul)
+    ro = rsub.add_parser("op", parents=[common, hw], help="any op given its FLOPs and HBM bytes")
+    ro.add_argument("--flops", type=float, default=0.0, help="floating-point operations (default 0: a pure copy)")
+    ro.add_argument("--bytes", required=True, metavar="V", help="HBM bytes read plus written: 1048576, 1Mi, fp32[1024]")
+    ro.add_argument("--dtype", type=_dtype, default="bf16", help="dtype whose peak applies (default bf16)")
+    ro.set_defaults(func=cmd_roofline_op)
 
     c = sub.add_parser("collective", parents=[common, hw], help="one collective over one or more mesh axes")
     c.add_argument("kind", metavar="KIND", help=f"one of {', '.join(COLLECTIVE_KINDS)}")

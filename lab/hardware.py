@@ -471,7 +471,7 @@ CATALOG: tuple[Chip, ...] = (
     ),
     _gpu(
         "b200",
-        peak={"bf16": 2.25e15, "fp16": 2.25e15, "fp8": 4.5e15, "int8": 4.5e15, "fp4": 9.0e15},
+        peak={"bf16": 2.25e15, "fp16": 2.25e15, "fp8": 4.5e15, "int8": 4.5e15, "fp4": 9.0e15, "fp32": 7.5e13},
         hbm_bytes=180e9,
         hbm_bw=8.0e12,
         nvlink=9.0e11,
@@ -479,11 +479,13 @@ CATALOG: tuple[Chip, ...] = (
         price=None,
         aliases=("b200-sxm", "hgx-b200"),
         extra_sources={
+            "peak_flops.fp32": "NVIDIA HGX B200 specifications: FP32 75 TFLOPS per GPU",
             "hbm_bytes": "NVIDIA DGX B200 datasheet: 1,440 GB per 8 GPUs (192 GB announced per chip)",
             "peak_flops.bf16": "HGX B200 (1000 W) dense figures; scaling-book gpus.md table",
             "scaleout_bandwidth": "NVIDIA DGX B200 datasheet: 8x 400 Gb/s ConnectX-7 per node",
         },
-        notes="HGX/DGX B200 at 1000 W; GB200 parts run faster (2.5e15 bf16).",
+        notes="HGX/DGX B200 at 1000 W; GB200 parts run faster (2.5e15 bf16). NVIDIA lists 7.7 TB/s HBM for HGX "
+        "B200; the book's 8 TB/s is used.",
     ),
     Chip(
         name="cpu",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,8 +59,9 @@ class RooflineCost:
 
 def roofline(chip: Chip, flops: float, nbytes: float, compute_dtype: str = "bf16", op: str = "op") -> RooflineCost:
     """Price ``flops`` and ``nbytes`` of HBM traffic on ``chip`` at the peak of ``compute_dtype``."""
-    if flops < 0 or nbytes < 0:
-        raise UserError(f"{op}: flops and bytes must be >= 0, got flops={flops}, bytes={nbytes}")
+    for flag, v in (("--flops", flops), ("--bytes", nbytes)):
+        if not (isinstance(v, numbers.Real) and math.isfinite(v) and v >= 0):
+            raise UserError(f"{op}: {flag} must be a number >= 0, got {v!r}")
     dt = canonical_dtype(compute_dtype)
     peak = chip.flops(dt)
     compute_s = flops / peak

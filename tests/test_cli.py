@@ -58,6 +58,14 @@ def test_roofline_inf_becomes_null(capsys):
     assert d["critical_batch"] is None
 
 
+def test_roofline_op(capsys, tmp_path):
+    # sharding.md pop quiz: reading 1 MiB from HBM at 3.4e12 B/s takes about 308 ns.
+    f = tmp_path / "h100.toml"
+    f.write_text('name = "h100"\nbase = "h100"\nhbm_bandwidth = 3.4e12\n')
+    d = run_json(capsys, "roofline", "op", "--hardware", "h100", "--bytes", "1Mi", "--hardware-file", str(f))
+    assert d["time_s"] == pytest.approx(308e-9, rel=0.01) and d["bound"] == "memory"
+
+
 def test_collective_keys_and_book_value(capsys):
     d = run_json(
         capsys, "collective", "all-gather", "--hardware", "v5e", "--bytes", "bf16[2048,8192]", "--axis-size", "4"
@@ -185,6 +193,7 @@ def test_human_tables(capsys):
             "--mesh X=2,Y=4 has 8 devices but --chips is 16",
         ),
         (["hardware", "list", "--hardware-file", "/nonexistent/chips.toml"], "does not exist"),
+        (["roofline", "op", "--hardware", "h100", "--bytes", "1Mi", "--flops", "-5"], "--flops must be a number >= 0"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
     ],
 )
