@@ -168,10 +168,14 @@ def _torus(kind: str, v: float, sizes: Sequence[int], wraps: Sequence[bool], chi
     return _Parts(n - 1, 2 * v / w, chip.hop_latency_s, 0.0, "ici", "2V/W_link, N-1 hops (no wraparound)")
 
 
-def _switched(kind: str, v: float, g: int, chip: Chip, scope: str) -> _Parts:
+def _switched(kind: str, v: float, g: int, chip: Chip, scope: str, per_node: int | None = None) -> _Parts:
     """Ring and direct algorithms on a switch: D chips per node in the group, M nodes."""
     launch = chip.launch_latency_s
-    if scope == "node":
+    if per_node is not None and scope == "cross-node":
+        if per_node < 1 or g % per_node:
+            raise UserError(f"members_per_node={per_node} does not divide a group of {g}")
+        d, m = per_node, g // per_node
+    elif scope == "node":
         if g > chip.node_size:
             raise UserError(
                 f"a group of {g} {chip.name} chips does not fit in one {chip.node_size}-chip "
@@ -224,6 +228,7 @@ def collective_time(
     *,
     wraparound: bool | Sequence[bool] = True,
     scope: str = "node",
+    members_per_node: int | None = None,
 ) -> CollectiveCost:
     """Predict one collective over one or several mesh axes.
 
@@ -236,6 +241,10 @@ def collective_time(
         wraparound: whether each torus axis is a closed ring; one bool applies to every axis.
             Ignored on switched fabrics.
         scope: ``node`` (ICI slice / NVLink domain) or ``cross-node`` (DCN / scale-out network).
+        members_per_node: for ``cross-node`` groups on a switched fabric, how many members share a
+            node (a strided group such as data parallelism over tensor-parallel nodes has 1). By
+            default a group no larger than a node has one member per node and a larger one fills
+            whole nodes.
     """
     kind = canonical_kind(kind)
     if scope not in SCOPES:
@@ -275,8 +284,9 @@ def collective_time(
             formula="0 (group of one)",
         )
     if kind == "all-reduce":
-        rs = collective_time("reduce-scatter", nbytes, sizes, chip, wraparound=wraps, scope=scope)
-        ag = collective_time("all-gather", nbytes, sizes, chip, wraparound=wraps, scope=scope)
+        kw = {"wraparound": wraps, "scope": scope, "members_per_node": members_per_node}
+        rs = collective_time("reduce-scatter", nbytes, sizes, chip, **kw)
+        ag = collective_time("all-gather", nbytes, sizes, chip, **kw)
         return CollectiveCost(
             kind=kind,
             hardware=chip.name,
@@ -296,7 +306,7 @@ def collective_time(
     if chip.topology == "torus" and scope == "node":
         parts = _torus(kind, float(nbytes), sizes, wraps, chip)
     else:
-        parts = _switched(kind, float(nbytes), math.prod(sizes), chip, scope)
+        parts = _switched(kind, float(nbytes), math.prod(sizes), chip, scope, members_per_node)
     hop_total = parts.hops * parts.hop_latency_s
     return CollectiveCost(
         kind=kind,
