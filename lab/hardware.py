@@ -663,3 +663,61 @@ def default_catalog(hardware_file: str | os.PathLike | None = None) -> Catalog:
 def get_chip(name: str, hardware_file: str | os.PathLike | None = None) -> Chip:
     """Look a chip up by canonical name or alias, case-insensitively."""
     return default_catalog(hardware_file).get(name)
+
+
+# Short names accepted by --scale, mapped to fields (``flops`` scales every dtype's peak).
+SCALE_ALIASES = {
+    "flops": "peak_flops",
+    "peak": "peak_flops",
+    "hbm": "hbm_bytes",
+    "hbm_capacity": "hbm_bytes",
+    "ici_bandwidth": "link_bandwidth",
+    "nvlink_bandwidth": "link_bandwidth",
+    "dcn_bandwidth": "scaleout_bandwidth",
+    "network_bandwidth": "scaleout_bandwidth",
+    "latency": "hop_latency_s",
+}
+
+
+def parse_scale(text: str) -> dict[str, float]:
+    """``"hbm_bandwidth=2,flops=1.5"`` -> ``{"hbm_bandwidth": 2.0, "peak_flops": 1.5}``."""
+    out: dict[str, float] = {}
+    scalable = {f.name for f in dataclasses.fields(Chip) if f.type in ("float", "float | None")} | {"peak_flops"}
+    for part in str(text).split(","):
+        if not part.strip():
+            continue
+        if "=" not in part:
+            raise UserError(f"--scale: {part.strip()!r} is not FIELD=FACTOR; example: hbm_bandwidth=2,flops=1.5")
+        key, val = (x.strip() for x in part.split("=", 1))
+        field_name = SCALE_ALIASES.get(key.lower().replace("-", "_"), key.lower().replace("-", "_"))
+        if field_name not in scalable:
+            raise UserError(
+                f"--scale: unknown field {key!r}; valid: flops, {', '.join(sorted(scalable - {'peak_flops'}))}"
+                f", ici_bandwidth"
+            )
+        try:
+            factor = float(val)
+        except ValueError:
+            raise UserError(f"--scale: factor {val!r} for {key} is not a number") from None
+        if not factor > 0:
+            raise UserError(f"--scale: factor for {key} must be > 0, got {val}")
+        out[field_name] = out.get(field_name, 1.0) * factor
+    return out
+
+
+def scale_chip(chip: Chip, factors: dict[str, float] | str) -> Chip:
+    """A what-if copy of ``chip`` with fields multiplied by ``factors`` (see :func:`parse_scale`)."""
+    factors = parse_scale(factors) if isinstance(factors, str) else factors
+    if not factors:
+        return chip
+    data = chip.fields()
+    for name, f in factors.items():
+        if name == "peak_flops":
+            data["peak_flops"] = {k: v * f for k, v in chip.peak_flops.items()}
+        else:
+            data[name] = getattr(chip, name) * f
+    label = ",".join(f"{k}x{v:g}" for k, v in factors.items())
+    data["name"] = f"{chip.name}[{label}]"
+    data["aliases"] = ()
+    data["notes"] = (chip.notes + " " if chip.notes else "") + f"What-if: {label}."
+    return Chip(**data)

@@ -408,4 +408,5 @@ def resolve_model(spec: str | None, overrides: dict[str, Any] | None = None) -> 
         model = ModelConfig(**(dataclasses.asdict(model) | {"name": f"{model.name}+flags"} | overrides))
     return model
 
+
 __all__ = ["CATALOG", "ModelConfig", "get_model", "load_model_file", "resolve_model"]

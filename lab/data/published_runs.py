@@ -136,7 +136,7 @@ _NT1 = f"{_NARAYANAN}, Table 1"
 
 MEGATRON_CONFIGS: tuple[MegatronConfig, ...] = (
     MegatronConfig("KT3-22B", "megatron-22b", 64, 6144, 48, 8, 1, 8, 4, 4, 1, 2048, 51200, 22.07e9, _KT3),
-    MegatronConfig("KT3-175B", "gpt3-175b", 96, 12288, 96, 8, 8, 64, 64, 1, 3, 2048, 51200, 174.6e9, _KT3),
+    MegatronConfig("KT3-175B", "megatron-175b", 96, 12288, 96, 8, 8, 64, 64, 1, 3, 2048, 51200, 174.6e9, _KT3),
     MegatronConfig("KT3-530B", "megatron-530b", 128, 20480, 105, 8, 35, 280, 280, 1, 3, 2048, 51200, 529.6e9, _KT3),
     MegatronConfig("KT3-1T", "megatron-1t", 160, 25600, 128, 8, 64, 512, 512, 1, 1, 2048, 51200, 1008e9, _KT3),
     # --- Narayanan et al. 2021, weak-scaling series ---
