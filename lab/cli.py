@@ -18,7 +18,7 @@ from lab import __version__
 from lab.collectives import KINDS as COLLECTIVE_KINDS
 from lab.collectives import SCOPES, canonical_kind, collective_time
 from lab.errors import UserError
-from lab.hardware import Chip, default_catalog
+from lab.hardware import Chip, default_catalog, scale_chip
 from lab.notation import parse_mesh, parse_positive_int, parse_sizes
 from lab.roofline import matmul, roofline
 from lab.sharded_matmul import plan_sharded_matmul
@@ -81,7 +81,18 @@ def _axis_sizes(text: str) -> tuple[int, ...]:
 
 
 def _chip(args: argparse.Namespace) -> Chip:
-    return default_catalog(args.hardware_file).get(args.hardware)
+    chip = default_catalog(args.hardware_file).get(args.hardware)
+    scale = getattr(args, "scale", None)
+    return scale_chip(chip, scale) if scale else chip
+
+
+def _with_chip(fn):
+    """Adapt ``fn(args, chip)`` to the ``func(args)`` that main() calls."""
+
+    def run(args: argparse.Namespace):
+        return fn(args, _chip(args))
+
+    return run
 
 
 def cmd_hardware_list(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -323,6 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="chip name or alias (tpu-v5e, v5e, h100, a100, cpu...); see `shardlab hardware list`",
     )
+    hw.add_argument(
+        "--scale",
+        metavar="FIELD=X,...",
+        help="what-if: multiply chip fields, e.g. hbm_bandwidth=2,flops=1.5,ici_bandwidth=0.5",
+    )
 
     p = _Parser(prog="shardlab", description="Predict, compile and measure sharded JAX Transformer workloads.")
     p.add_argument("--version", action="version", version=f"shardlab {__version__}")
@@ -391,6 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-wraparound", action="store_true")
     s.add_argument("--scope", choices=SCOPES, default="node")
     s.set_defaults(func=cmd_sharded_matmul)
+
+    from lab.cli_train import register as register_train
+
+    register_train(sub, common, hw, _with_chip)
 
     d = sub.add_parser("demo", parents=[common], help="the default scenario on 8 emulated devices")
     d.add_argument("--hardware", default="tpu-v5e", metavar="NAME", help="target chip to predict for")

@@ -16,9 +16,12 @@ memory-bound ops by bytes, collectives by :mod:`lab.collectives`), composed into
   first stage holds ``pp``; interleaving adds ``1 + (pp-1)/(pp*v)``; GPipe holds all), plus
   Korthikanti's embedding/logit term. The book's ``k`` checkpoints of ``[B, D]`` per layer replace
   the per-layer form when ``checkpoints_per_layer`` is given.
+  ``selective`` is Korthikanti's (the attention core is recomputed) with unfused attention; with
+  fused (flash) attention, which never stores scores, it keeps matmul outputs only and recomputes
+  the norms and the MLP activation (JAX's ``dots_saveable``).
 * **Time.** Per microbatch and layer: the forward ops, the backward ones (matmuls twice their
-  forward time; flash attention 2.5x; memory-bound ops twice), recomputation (selective: the
-  attention core again; full: the whole forward, collectives included), and tensor-parallel
+  forward time; flash attention 2.5x; memory-bound ops twice), recomputation (whatever the policy
+  dropped, run again; full: the whole forward, collectives included), and tensor-parallel
   collectives (two AllReduces, or AllGather/ReduceScatter pairs with sequence parallelism, per
   direction). Overlap assumptions, stated once: TP and EP collectives and pipeline sends are
   exposed; context-parallel KV passing hides behind attention; FSDP gathers and scatters hide
@@ -332,14 +335,18 @@ def activation_bytes_per_layer(
     if remat == "full":
         return 2.0 * s * b * h / (t if sp else 1)
     drop = 1.0 if model.dropout else 0.0
-    # Replicated across TP unless SP: two norm inputs (4sbh), attention and MLP inputs (4sbh), 2 dropout masks.
-    shared = (8.0 + 2.0 * drop) * s * b * h
+    # With fused attention there is no score matrix for selective recomputation to drop; it then keeps
+    # matmul outputs only and recomputes the norms and the MLP activation (JAX's dots_saveable policy).
+    dots_only = remat == "selective" and flash_attention
+    # Replicated across TP unless SP: two norm inputs (4sbh), attention and MLP inputs (4sbh, the norm
+    # outputs, recomputed under dots_only), 2 dropout masks.
+    shared = ((4.0 if dots_only else 8.0) + 2.0 * drop) * s * b * h
     kv_per_rank = max(model.kv_heads / t, 1.0) * model.head_dim
     q_per_rank = model.q_dim / t
     # Split by TP: Q, K, V, the attention output (out-projection input), and the MLP's internals.
     attn = 2.0 * s * b * (2 * q_per_rank + 2 * kv_per_rank)
     f_local = model.d_ff * model.experts_per_token / t
-    mlp = 2.0 * s * b * f_local * (3 if model.gated_mlp else 2)
+    mlp = 2.0 * s * b * f_local * ((3 if model.gated_mlp else 2) - (1 if dots_only else 0))
     scores = 0.0
     if not flash_attention and remat == "none":
         # softmax output (2 bytes), its dropout mask (1) and dropout output (2): 5 a s^2 b / t
@@ -457,7 +464,8 @@ def layer_cost(cfg: TrainConfig) -> LayerCost:
     mem("mlp.activation", act_elems * (6.0 if m.gated_mlp else 4.0))
     mm("mlp.down", per_expert, m.d_ff / t, d, experts_local)
     sp_div = t if lay.sequence_parallel else 1
-    mem("norms_residuals", tokens / sp_div * d * (20.0 + (2.0 if m.dropout else 0.0)))
+    mem("norms", tokens / sp_div * d * 8.0)  # two norms: read and write 2 bytes per element each
+    mem("residuals", tokens / sp_div * d * (12.0 + (2.0 if m.dropout else 0.0)))  # two (bias-dropout-)adds
 
     fwd = sum(o[2] for o in ops)
     bwd = sum(o[3] for o in ops)
@@ -492,6 +500,8 @@ def layer_cost(cfg: TrainConfig) -> LayerCost:
         directions = 3
     elif cfg.remat == "selective" and not cfg.flash_attention:
         recompute = sum(o[2] for o in ops if o[1] == "attention")
+    elif cfg.remat == "selective":  # fused attention: recompute the norms and the MLP activation instead
+        recompute = sum(o[2] for o in ops if o[0] in ("norms", "mlp.activation"))
     return LayerCost(
         fwd=fwd,
         bwd=bwd,
@@ -612,3 +622,75 @@ def min_chips(cfg: TrainConfig, mem: Memory | None = None) -> int | None:
     if room <= 0:
         return None
     return max(1, math.ceil(state / room))
+
+
+# ----- the book's thresholds -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Communication thresholds of the scaling book (training.md; gpus.md for GPUs).
+
+    ``alpha = C / W`` with W the bandwidth an AllGather sees per chip: the bidirectional ICI link
+    times the number of axes on a TPU, NVLink egress inside a GPU node, node egress across nodes.
+    """
+
+    hardware: str
+    d_ff: int | None
+    axes: int
+    tp_axes: int
+    alpha: float
+    dp_min_tokens_per_chip: float
+    dp_min_tokens_per_chip_cross_node: float
+    tp_max_degree: float | None
+    fsdp_tp_min_tokens_per_chip: float | None
+    fsdp_opt_degree: float | None
+    dcn_min_tokens_per_slice: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def limits(
+    chip: Chip,
+    d_ff: int | None = None,
+    *,
+    axes: int = 1,
+    tp_axes: int = 1,
+    chips: int | None = None,
+    batch_tokens: float | None = None,
+    dtype: str = "bf16",
+) -> Limits:
+    """The book's DP, TP and FSDP+TP thresholds for ``chip`` (and a model's ``d_ff``)."""
+    for name, v in (("--axes", axes), ("--tp-axes", tp_axes)):
+        if v < 1:
+            raise UserError(f"{name} must be >= 1, got {v}")
+    c = chip.flops(dtype)
+    if chip.topology == "torus":
+        w = chip.ici_bidirectional
+        cross = c / chip.scaleout_bandwidth
+        dcn = c / chip.scaleout_bandwidth
+    else:
+        w = chip.link_bandwidth
+        cross = c / (chip.node_size * chip.scaleout_bandwidth)
+        dcn = None
+    alpha = c / w
+    tp_max = fsdp_tp = opt = None
+    if d_ff is not None:
+        tp_max = tp_axes * d_ff * w / c  # training.md: Y < M_Y F / alpha
+        fsdp_tp = alpha**2 / (axes * tp_axes * d_ff)  # B/N > alpha^2 / (M_X M_Y F)
+        if chips and batch_tokens:
+            opt = math.sqrt(batch_tokens / d_ff * axes / tp_axes * chips)  # X_opt = sqrt(B/F * M_X/M_Y * N)
+    return Limits(
+        hardware=chip.name,
+        d_ff=d_ff,
+        axes=axes,
+        tp_axes=tp_axes,
+        alpha=alpha,
+        dp_min_tokens_per_chip=alpha / axes,
+        dp_min_tokens_per_chip_cross_node=cross,
+        tp_max_degree=tp_max,
+        fsdp_tp_min_tokens_per_chip=fsdp_tp,
+        fsdp_opt_degree=opt,
+        dcn_min_tokens_per_slice=dcn,
+    )

@@ -1,0 +1,102 @@
+import pytest
+
+from lab.errors import UserError
+from lab.models import CATALOG, get_model, load_model_file, resolve_model
+
+
+def narayanan_f1(layers, h, v=51200, s=2048):
+    # Narayanan et al. 2021 Eq. 2 (GPT with learned positions and tied embeddings).
+    return 12 * layers * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * layers * h))
+
+
+@pytest.mark.parametrize(
+    ("name", "layers", "h"),
+    [
+        ("megatron-22b", 48, 6144),
+        ("megatron-175b", 96, 12288),
+        ("megatron-530b", 105, 20480),
+        ("megatron-1t", 128, 25600),
+        ("megatron-1.7b", 24, 2304),
+        ("megatron-310.1b", 96, 16384),
+    ],
+)
+def test_megatron_params_follow_f1(name, layers, h):
+    # F1 omits the final LayerNorm (2h parameters); everything else must agree exactly.
+    assert get_model(name).params - 2 * h == pytest.approx(narayanan_f1(layers, h), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "rel"),
+    [
+        ("llama3-70b", 70.55e9, 0.001),  # applied-training.md, recomputed from exact dims
+        ("llama3-8b", 8.03e9, 0.001),
+        ("llama3-405b", 405.85e9, 0.001),
+        ("llama2-13b", 13.0e9, 0.005),  # training.md: 13.0e9
+        ("gpt3-175b", 175e9, 0.005),
+    ],
+)
+def test_published_parameter_counts(name, params, rel):
+    assert get_model(name).params == pytest.approx(params, rel=rel)
+
+
+def test_moe_active_params():
+    m = get_model("mixtral-8x7b")  # Mistral's announcement: 46.7B total, 12.9B active
+    assert m.params == pytest.approx(46.7e9, rel=0.005)
+    assert m.active_params == pytest.approx(12.9e9, rel=0.005)
+
+
+def test_kv_cache_book_numbers():
+    # inference.md: LLaMA-3 70B int8 KV is 2*8*128*80 = 160 kB per token; LLaMA-2 13B bf16 about 6.7 GB for 8192 tokens.
+    assert get_model("llama3-70b").kv_bytes_per_token("int8") == 2 * 8 * 128 * 80
+    assert get_model("llama2-13b").kv_bytes_per_token("bf16") * 8192 == pytest.approx(6.7e9, rel=0.01)
+
+
+def test_flops_conventions_match_the_papers():
+    s, h, L, V = 2048, 12288, 96, 51200
+    m = get_model("megatron-175b")
+    f2 = 72 * L * s * h * h * (1 + s / (6 * h) + V / (12 * h * L))  # Korthikanti Eq. 7 (per sequence)
+    f3 = 72 * L * s * h * h * (1 + s / (3 * h) + V / (12 * h * L))  # Eq. 8, selective recompute
+    f4 = 96 * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))  # Narayanan Eq. 3, full recompute
+    assert m.flops_per_token(s, causal=False) * s == pytest.approx(f2, rel=1e-12)
+    assert m.flops_per_token(s, causal=False, recompute="selective") * s == pytest.approx(f3, rel=1e-12)
+    assert m.flops_per_token(s, causal=False, recompute="full") * s == pytest.approx(f4, rel=1e-12)
+    assert m.flops_per_token() == 6 * m.params
+
+
+def test_gqa_swiglu_causal_matches_megatron_bridge():
+    # F12: 12 L h^2 [(1 + G/a + s/(2h)) + 1.5 ffn/h + V/(2 L h)] per token.
+    m, s = get_model("llama3-70b"), 8192
+    L, h, a, g, f, V = 80, 8192, 64, 8, 28672, 128256
+    f12 = 12 * L * h * h * ((1 + g / a + s / (2 * h)) + 1.5 * f / h + V / (2 * L * h))
+    assert m.flops_per_token(s) == pytest.approx(f12, rel=1e-12)
+
+
+def test_custom_models_from_flags_and_files(tmp_path):
+    m = resolve_model(None, {"layers": 2, "d_model": 64, "d_ff": 256, "heads": 4, "vocab": 1000})
+    assert m.head_dim == 16 and m.kv_heads == 4 and m.gated_mlp
+    assert m.params == 2 * (2 * 64 * 64 * 2 + 3 * 64 * 256 + 2 * 64) + 2 * 1000 * 64 + 64
+    over = resolve_model("llama3-8b", {"layers": 16})
+    assert over.layers == 16 and over.d_model == 4096
+    f = tmp_path / "tiny.toml"
+    f.write_text('name = "tiny"\nbase = "llama3-8b"\nlayers = 4\n')
+    assert load_model_file(f).layers == 4 and load_model_file(f).vocab == 128256
+
+
+@pytest.mark.parametrize(
+    ("spec", "overrides", "match"),
+    [
+        ("llama9", {}, "unknown model 'llama9'"),
+        (None, {}, "name a model"),
+        (None, {"layers": 2, "d_model": 64}, "missing --d-ff"),
+        (None, {"layers": 2, "d_model": 64, "d_ff": 8, "heads": 4, "kv_heads": 3, "vocab": 10}, "not a multiple"),
+        ("llama3-8b", {"layers": 0}, "layers must be a positive integer"),
+    ],
+)
+def test_bad_models(spec, overrides, match):
+    with pytest.raises(UserError, match=match):
+        resolve_model(spec, overrides)
+
+
+def test_catalog_names_unique():
+    names = [m.name for m in CATALOG]
+    assert len(names) == len(set(names))
