@@ -263,6 +263,37 @@ def cmd_train_limits(args: argparse.Namespace, chip) -> tuple[dict[str, Any], st
     return lim.to_dict(), render(["threshold", "value"], rows, title=f"{chip.name}: the book's thresholds")
 
 
+def cmd_plan(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
+    from lab.planner import plan
+
+    model = _model(args)
+    seq = args.seq_len or model.max_seq_len
+    result = plan(
+        model, chip, args.chips, args.batch_tokens, seq, top=args.top, dtype=args.dtype, optimizer=args.optimizer
+    )
+    return result.to_dict(), result.table()
+
+
+def cmd_study_generations(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from pathlib import Path
+
+    from lab.study import generations
+
+    if not args.tokens > 0:
+        raise UserError(f"--tokens must be positive, got {args.tokens}")
+    study = generations(
+        args.model, chips=args.chips, tokens=args.tokens, seq_len=args.seq_len, global_batch=args.global_batch
+    )
+    png = Path(args.png or f"runs/study/generations_{study.model}.png")
+    try:
+        png.parent.mkdir(parents=True, exist_ok=True)
+        study.plot(png)
+    except OSError as exc:
+        raise UserError(f"cannot write the chart to {str(png)!r}: {exc.strerror}; pass --png PATH") from None
+    d = study.to_dict() | {"png": str(png)}
+    return d, study.table() + f"\n\nchart: {png}"
+
+
 def cmd_validate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from lab.validate import run_validation
 
@@ -330,6 +361,34 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     tl.add_argument("--batch-tokens", type=_positive_int("--batch-tokens"))
     tl.add_argument("--dtype", type=_dtype, default="bf16")
     tl.set_defaults(func=with_chip(cmd_train_limits))
+
+    pl = sub.add_parser(
+        "plan",
+        parents=[common, hw, model_parent(positional=False)],
+        help="search every layout, remat policy and microbatch; rank by predicted step time",
+    )
+    pl.add_argument("--chips", type=_positive_int("--chips"), required=True)
+    pl.add_argument("--batch-tokens", type=_positive_int("--batch-tokens"), required=True)
+    pl.add_argument("--seq-len", type=_positive_int("--seq-len"), help="default: the model's context")
+    pl.add_argument("--top", type=_positive_int("--top"), default=10)
+    pl.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
+    pl.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam")
+    pl.set_defaults(func=with_chip(cmd_plan))
+
+    st = sub.add_parser("study", help="studies across hardware generations and technologies")
+    ssub = st.add_subparsers(dest="study_command", required=True, parser_class=_Parser, metavar="generations")
+    sg = ssub.add_parser(
+        "generations",
+        parents=[common],
+        help="one model's training time on A100, H100, H200 and B200 systems of one size",
+    )
+    sg.add_argument("--model", default="gpt3-175b", metavar="NAME")
+    sg.add_argument("--chips", type=_positive_int("--chips"), default=1024)
+    sg.add_argument("--tokens", type=float, default=300e9)
+    sg.add_argument("--seq-len", type=_positive_int("--seq-len"), default=2048)
+    sg.add_argument("--global-batch", type=_positive_int("--global-batch"), default=1536)
+    sg.add_argument("--png", metavar="PATH", help="bar chart (default: runs/study/generations_<model>.png)")
+    sg.set_defaults(func=cmd_study_generations)
 
     v = sub.add_parser("validate", parents=[common], help="replay the published calibration runs")
     v.set_defaults(func=cmd_validate)

@@ -354,15 +354,26 @@ def activation_bytes_per_layer(
     return (shared / (t if sp else 1)) + attn + mlp + scores
 
 
+def local_params(m: ModelConfig, lay: Layout) -> float:
+    """Parameters one chip owns before ZeRO/FSDP: everything / (tp x pp), experts also / ep."""
+    dense = m.params - m.expert_params_total
+    return dense / (lay.tp * lay.pp) + m.expert_params_total / (lay.tp * lay.pp * lay.ep)
+
+
+def layer_params_local(m: ModelConfig, lay: Layout) -> float:
+    """One layer's parameters on one tensor/expert-parallel rank (what FSDP gathers for that layer)."""
+    experts = m.experts * m.expert_params if m.is_moe else 0
+    return (m.layer_params - experts + experts / lay.ep) / lay.tp
+
+
 def memory_per_chip(cfg: TrainConfig) -> Memory:
     m, lay = cfg.model, cfg.layout
-    dense = m.params - m.expert_params_total
-    local = dense / (lay.tp * lay.pp) + m.expert_params_total / (lay.tp * lay.pp * lay.ep)
+    local = local_params(m, lay)
     f = lay.fsdp_eff
     zero_group = lay.dp * lay.fsdp
     params = local * WEIGHT_BYTES / f
     if f > 1:  # the layer being computed (and the next, prefetched) are gathered whole
-        params += 2 * (m.layer_params / lay.tp) * WEIGHT_BYTES
+        params += 2 * layer_params_local(m, lay) * WEIGHT_BYTES
     grads = local * GRAD_BYTES / (zero_group if lay.zero >= 2 else f)
     opt = local * OPTIMIZERS[cfg.optimizer] / (zero_group if lay.zero >= 1 else f)
     per_layer = activation_bytes_per_layer(
@@ -425,6 +436,11 @@ class LayerCost:
     ops: tuple[tuple[str, str, float, float], ...]  # (name, kind, forward s, backward s)
 
 
+def _wide(dtype: str) -> str:
+    """The dtype of matmuls that low-precision recipes keep wide (attention, logits)."""
+    return "bf16" if dtype in ("fp8", "fp4", "int8", "int4") else dtype
+
+
 def layer_cost(cfg: TrainConfig) -> LayerCost:
     """Per-op forward/backward times of one layer (see the module docstring for the model)."""
     m, lay, chip, dt = cfg.model, cfg.layout, cfg.chip, cfg.dtype
@@ -446,7 +462,8 @@ def layer_cost(cfg: TrainConfig) -> LayerCost:
 
     mm("qkv", tokens, d, (q + 2 * kv) * h)
     causal_skip = 0.5 if (cfg.flash_attention and cfg.causal) else 1.0
-    bmm = 2 * eff.matmul_time(chip, s_local, h, cfg.seq_len, dt, cfg.microbatch * q) * causal_skip
+    # fp8 recipes (Transformer Engine and the like) keep attention and the output layer in bf16.
+    bmm = 2 * eff.matmul_time(chip, s_local, h, cfg.seq_len, _wide(dt), cfg.microbatch * q) * causal_skip
     if cfg.flash_attention:
         ops.append(("attention", "attention", bmm, 2.5 * bmm))
     else:
@@ -517,7 +534,7 @@ def _logits_time(cfg: TrainConfig) -> float:
     """Last stage: output projection forward and backward, and the cross-entropy over the vocabulary."""
     m, lay = cfg.model, cfg.layout
     tokens = cfg.microbatch * cfg.seq_len / lay.cp
-    mm = eff.matmul_time(cfg.chip, tokens, m.d_model, m.vocab / lay.tp, cfg.dtype)
+    mm = eff.matmul_time(cfg.chip, tokens, m.d_model, m.vocab / lay.tp, _wide(cfg.dtype))
     ce = eff.memory_time(cfg.chip, tokens * m.vocab / lay.tp * 10.0)  # bf16 logits in, fp32 softmax, grads out
     return 3 * mm + ce
 
@@ -548,7 +565,7 @@ def estimate(cfg: TrainConfig, *, check: bool = True, layer: LayerCost | None = 
     fsdp_mb = 0.0
     f = lay.fsdp_eff
     if f > 1:
-        wbytes = m.layer_params / lay.tp * WEIGHT_BYTES
+        wbytes = layer_params_local(m, lay) * WEIGHT_BYTES
         place = _placement(chip, f, lay.tp * lay.cp)
         ag = eff.comm_time(chip, "all-gather", wbytes, f, **place)
         rs = eff.comm_time(chip, "reduce-scatter", wbytes, f, **place)
@@ -560,19 +577,16 @@ def estimate(cfg: TrainConfig, *, check: bool = True, layer: LayerCost | None = 
     bubble = bubble_mb * t_mb
 
     # Data parallelism: one gradient reduction per step, behind the last microbatch's backward.
+    local = local_params(m, lay)
     dp_exposed = 0.0
     dp_comm = 0.0
     if lay.dp_eff > 1:
-        dense = m.params - m.expert_params_total
-        local = dense / (lay.tp * lay.pp) + m.expert_params_total / (lay.tp * lay.pp * lay.ep)
         gbytes = local / f * 2.0  # bf16 gradients (the book's convention)
         place = _placement(chip, lay.dp_eff, lay.tp * lay.cp * lay.fsdp)
         dp_comm = eff.comm_time(chip, "all-reduce", gbytes, lay.dp_eff, **place)
         dp_exposed = max(0.0, dp_comm - layers * (lc.bwd + lc.recompute))
 
     # Optimizer: a memory-bound pass over this chip's share of the state.
-    dense = m.params - m.expert_params_total
-    local = dense / (lay.tp * lay.pp) + m.expert_params_total / (lay.tp * lay.pp * lay.ep)
     shard = lay.dp * lay.fsdp if lay.zero >= 1 else f
     optimizer = eff.memory_time(chip, local / shard * UPDATE_BYTES[cfg.optimizer])
 
@@ -592,7 +606,9 @@ def estimate(cfg: TrainConfig, *, check: bool = True, layer: LayerCost | None = 
     }
     tokens = cfg.batch_tokens
     model_flops = m.flops_per_token(cfg.seq_len, causal=cfg.causal) * tokens
-    hw_flops = m.flops_per_token(cfg.seq_len, causal=cfg.causal, recompute=cfg.remat) * tokens
+    # Under fused attention, selective recomputation reruns elementwise ops only: no extra FLOPs.
+    counted = "none" if (cfg.remat == "selective" and cfg.flash_attention) else cfg.remat
+    hw_flops = m.flops_per_token(cfg.seq_len, causal=cfg.causal, recompute=counted) * tokens
     mem = memory_per_chip(cfg)
     return TrainEstimate(
         config=cfg,

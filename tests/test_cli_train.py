@@ -9,13 +9,14 @@ import pytest
 from lab.cli import main
 
 
-def run_json(capsys, *argv):
-    assert main([*argv, "--json"]) == 0
+def run_json(capsys, command, *extra):
+    """Run ``shardlab COMMAND --json`` in-process; ``command`` is split on spaces, ``extra`` appended as is."""
+    assert main([*command.split(), *extra, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
 def test_model_show_keys(capsys):
-    d = run_json(capsys, "model", "show", "llama3-70b", "--kv-dtype", "int8")
+    d = run_json(capsys, "model show llama3-70b --kv-dtype int8")
     for key in (
         "params",
         "active_params",
@@ -34,46 +35,18 @@ def test_model_show_keys(capsys):
     assert d["flops_per_token"] == 6 * d["params"]
     custom = run_json(
         capsys,
-        "model",
-        "show",
-        "--layers",
-        "2",
-        "--d-model",
-        "64",
-        "--d-ff",
-        "256",
-        "--heads",
-        "4",
-        "--vocab",
-        "1000",
-        "--no-gated-mlp",
-        "--seq-len",
-        "128",
+        "model show --layers 2 --d-model 64 --d-ff 256 --heads 4 --vocab 1000 --no-gated-mlp --seq-len 128",
     )
     assert custom["gated_mlp"] is False and custom["seq_len"] == 128
-    moe = run_json(capsys, "model", "show", "mixtral-8x7b")
+    moe = run_json(capsys, "model show mixtral-8x7b")
     assert moe["active_params"] < moe["params"]
 
 
 def test_train_estimate_keys(capsys):
     d = run_json(
         capsys,
-        "train",
-        "estimate",
-        "--model",
-        "llama3-8b",
-        "--hardware",
-        "h100",
-        "--chips",
-        "16",
-        "--tp",
-        "2",
-        "--global-batch",
-        "64",
-        "--seq-len",
-        "4096",
-        "--tokens",
-        "1e12",
+        "train estimate --model llama3-8b --hardware h100 --chips 16 --tp 2 --global-batch 64 "
+        "--seq-len 4096 --tokens 1e12",
     )
     for key in (
         "total_flops",
@@ -100,20 +73,7 @@ def test_book_training_time_on_a_v5p_pod(capsys):
     # applied-training.md: LLaMA-3 70B on 15T tokens, 6N convention, 8960 v5p chips at 40% MFU: about 44 days.
     d = run_json(
         capsys,
-        "train",
-        "estimate",
-        "--model",
-        "llama3-70b",
-        "--hardware",
-        "v5p",
-        "--chips",
-        "8960",
-        "--tokens",
-        "15e12",
-        "--mfu",
-        "0.4",
-        "--global-batch",
-        "8960",
+        "train estimate --model llama3-70b --hardware v5p --chips 8960 --tokens 15e12 --mfu 0.4 --global-batch 8960",
     )
     assert d["total_flops"] == pytest.approx(6 * 70.55e9 * 15e12, rel=0.001)
     assert d["days"] == pytest.approx(44, rel=0.03)
@@ -148,23 +108,9 @@ def test_narayanan_training_days_with_mfu(capsys):
 
 
 def test_train_limits_keys(capsys):
-    d = run_json(capsys, "train", "limits", "--hardware", "v5p", "--model", "llama3-70b", "--axes", "2")
+    d = run_json(capsys, "train limits --hardware v5p --model llama3-70b --axes 2")
     assert {"dp_min_tokens_per_chip", "tp_max_degree", "fsdp_tp_min_tokens_per_chip"} <= set(d)
-    d = run_json(
-        capsys,
-        "train",
-        "limits",
-        "--hardware",
-        "v5p",
-        "--d-ff",
-        "32768",
-        "--axes",
-        "2",
-        "--chips",
-        "64",
-        "--batch-tokens",
-        "49152",
-    )
+    d = run_json(capsys, "train limits --hardware v5p --d-ff 32768 --axes 2 --chips 64 --batch-tokens 49152")
     assert d["fsdp_opt_degree"] == pytest.approx(13.9, rel=0.01)
 
 
@@ -189,6 +135,36 @@ def test_scale_what_if(capsys):
     fast = run_json(capsys, *args, "--scale", "ici_bandwidth=2")
     assert fast["breakdown"]["comm_tp_s"] < base["breakdown"]["comm_tp_s"]
     assert fast["hardware"].startswith("h100[")
+
+
+def test_plan_command(capsys):
+    d = run_json(
+        capsys,
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--hardware",
+        "h100",
+        "--chips",
+        "16",
+        "--batch-tokens",
+        str(64 * 4096),
+        "--seq-len",
+        "4096",
+        "--top",
+        "3",
+    )
+    assert len(d["top"]) == 3 and d["evaluated"] >= d["feasible"] > 0
+    times = [e["step_time_s"] for e in d["top"]]
+    assert times == sorted(times) and all(e["fits"] and e["chips"] == 16 for e in d["top"])
+
+
+def test_study_generations_writes_its_chart(capsys, tmp_path):
+    png = tmp_path / "gen.png"
+    d = run_json(capsys, "study", "generations", "--chips", "128", "--global-batch", "256", "--png", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    names = [r["hardware"] for r in d["rows"]]
+    assert names[0] == "a100-80gb" and "b200" in names
 
 
 def test_validate_command(capsys):
@@ -290,6 +266,27 @@ def test_validate_command(capsys):
             "--batch-tokens 1000 is not a multiple of --seq-len 4096",
         ),
         (["model", "show", "--layers", "-2", "--d-model", "64"], "--layers must be a positive integer"),
+        (
+            [
+                "plan",
+                "--model",
+                "llama3-70b",
+                "--hardware",
+                "h100",
+                "--chips",
+                "8",
+                "--batch-tokens",
+                "65536",
+                "--seq-len",
+                "8192",
+            ],
+            "nothing fits on 8 h100",
+        ),
+        (["study", "generations", "--chips", "100"], "--chips 100 does not divide"),
+        (
+            ["train", "estimate", "--model", "llama3-8b", "--hardware", "a100", "--chips", "8", "--dtype", "fp8"],
+            "a100-80gb has no fp8 peak",
+        ),
     ],
 )
 def test_bad_input_exit_2(argv, needle):

@@ -1,0 +1,249 @@
+"""The layout planner: sorted, feasible, complete (against brute force) and clear about bad input."""
+
+import itertools
+import json
+import math
+
+import pytest
+
+from lab.errors import UserError
+from lab.hardware import get_chip
+from lab.models import get_model
+from lab.planner import PlanResult, plan, search_space_size
+from lab.table import dumps
+from lab.training import Layout, TrainConfig, check_config, estimate, min_chips
+
+MI = 1024 * 1024
+ALL = 10**9  # a `top` larger than any search space: every feasible configuration comes back
+
+
+@pytest.fixture(scope="module")
+def h100():
+    return get_chip("h100")
+
+
+@pytest.fixture(scope="module")
+def llama70b_64(h100):
+    """The headline case: llama3-70b on 64 H100, 16 Mi tokens of 8192 per step, every fitting config."""
+    return plan(get_model("llama3-70b"), h100, 64, 16 * MI, 8192, top=ALL)
+
+
+def _assert_well_formed(result: PlanResult, chips: int):
+    assert result.top, "a plan always has at least one result"
+    assert len(result.top) <= result.feasible <= result.evaluated <= result.screened
+    times = [e.step_time_s for e in result.top]
+    assert times == sorted(times)
+    assert all(times[0] <= t for t in times)
+    for est in result.top:
+        c, lay = est.config, est.config.layout
+        assert est.memory.total <= est.memory.hbm_bytes
+        assert lay.dp * lay.fsdp * lay.tp * lay.pp * lay.cp == chips == lay.chips
+        assert lay.sequence_parallel == (lay.tp > 1)
+        assert lay.zero == (1 if lay.dp > 1 else 0)
+        assert lay.cp in (1, 2, 4, 8)
+        assert c.batch_tokens == result.batch_tokens and c.seq_len == result.seq_len
+        if lay.pp_schedule == "interleaved":
+            assert lay.interleave == 2 and lay.pp > 1 and c.microbatches % lay.pp == 0
+        check_config(c)  # raises on anything invalid
+        assert math.isfinite(est.step_time_s) and est.step_time_s > 0
+
+
+def test_top_is_sorted_and_every_result_fits(llama70b_64):
+    _assert_well_formed(llama70b_64, 64)
+    assert llama70b_64.feasible == len(llama70b_64.top)  # top=ALL returns every feasible configuration
+    for est in llama70b_64.top:
+        assert est.config.layout.tp <= 8  # tensor parallelism stays inside an 8-GPU NVLink node
+
+
+def test_top_k_is_a_prefix_of_the_full_ranking(llama70b_64, h100):
+    top5 = plan(get_model("llama3-70b"), h100, 64, 16 * MI, 8192, top=5)
+    assert len(top5.top) == 5
+    assert [e.config for e in top5.top] == [e.config for e in llama70b_64.top[:5]]
+    assert top5.feasible == llama70b_64.feasible and top5.evaluated == llama70b_64.evaluated
+
+
+def test_best_plan_beats_hand_written_tp8_fsdp8(llama70b_64, h100):
+    model = get_model("llama3-70b")
+    best = llama70b_64.top[0]
+    assert best.config.layout.tp <= 8 and best.memory.fits
+    hand = []
+    for sp in (False, True):
+        for remat in ("none", "selective", "full"):
+            for mb in (1, 2):
+                lay = Layout(tp=8, fsdp=8, sequence_parallel=sp)
+                est = estimate(TrainConfig(model, h100, lay, 8192, 2048, microbatch=mb, remat=remat))
+                if est.memory.fits:
+                    hand.append(est)
+    assert hand, "the hand-written layout must fit for this comparison to mean anything"
+    assert best.step_time_s <= min(e.step_time_s for e in hand)
+    # Layout(tp=8, fsdp=8) with sequence parallelism is in the search space, so it is among the results.
+    ranked = {(e.config.layout, e.config.microbatch, e.config.remat) for e in llama70b_64.top}
+    assert (Layout(tp=8, fsdp=8, sequence_parallel=True), 1, "full") in ranked
+
+
+def _brute_force(model, chip, chips, seq_len, global_batch, remats, microbatches):
+    """Every configuration of the planner's search space, built by hand and validated by check_config."""
+    divs = [d for d in range(1, chips + 1) if chips % d == 0]
+    eps = [e for e in range(1, model.experts + 1) if model.experts % e == 0]
+    out = []
+    for dp, fsdp, tp, pp, cp in itertools.product(divs, repeat=5):
+        if dp * fsdp * tp * pp * cp != chips or tp > chip.node_size or cp not in (1, 2, 4, 8):
+            continue
+        for ep, (sched, v) in itertools.product(eps, [("1f1b", 1), ("interleaved", 2)]):
+            if sched == "interleaved" and pp == 1:
+                continue
+            lay = Layout(dp, fsdp, tp, pp, cp, ep, 1 if dp > 1 else 0, tp > 1, sched, v)
+            for mb, remat in itertools.product(microbatches, remats):
+                cfg = TrainConfig(model, chip, lay, seq_len, global_batch, microbatch=mb, remat=remat)
+                try:
+                    out.append(estimate(cfg, check=True))
+                except UserError:
+                    continue
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "chips", "seq_len", "global_batch", "remats", "microbatches"),
+    [
+        ("llama2-7b", 8, 2048, 32, ("none", "selective", "full"), (1, 2, 4)),
+        ("mixtral-8x7b", 16, 4096, 16, ("selective", "full"), (1, 2)),
+    ],
+)
+def test_exhaustive_cross_check(h100, name, chips, seq_len, global_batch, remats, microbatches):
+    model = get_model(name)
+    brute = _brute_force(model, h100, chips, seq_len, global_batch, remats, microbatches)
+    fits = [e for e in brute if e.memory.fits]
+    assert brute and fits and len(fits) < len(brute)  # a space with both outcomes
+    kw = {"top": ALL, "remats": remats, "microbatches": microbatches}
+    screened = plan(model, h100, chips, global_batch * seq_len, seq_len, **kw)
+    unscreened = plan(model, h100, chips, global_batch * seq_len, seq_len, screen_memory=False, **kw)
+    _assert_well_formed(screened, chips)
+
+    # The same space: every valid configuration considered, every fitting one ranked.
+    assert screened.screened == unscreened.screened == unscreened.evaluated == len(brute)
+    assert screened.feasible == unscreened.feasible == len(fits) == len(screened.top)
+    assert screened.evaluated == len(fits)  # overflowing configurations are screened out, not priced
+    key = lambda e: (e.config.layout, e.config.microbatch, e.config.remat)  # noqa: E731
+    assert {key(e) for e in screened.top} == {key(e) for e in fits}
+    # The planner's cached layer costs give exactly the step times of direct, checked estimate() calls.
+    direct = {key(e): e.step_time_s for e in fits}
+    assert all(e.step_time_s == direct[key(e)] for e in screened.top)
+    assert screened.top[0].step_time_s == min(direct.values())
+    assert [e.step_time_s for e in unscreened.top] == [e.step_time_s for e in screened.top]
+    assert search_space_size(
+        model, h100, chips, global_batch * seq_len, seq_len, remats=remats, microbatches=microbatches
+    ) == len(brute)
+    if model.is_moe:
+        for e in screened.top:
+            lay = e.config.layout
+            assert model.experts % lay.ep == 0 and (lay.dp * lay.fsdp) % lay.ep == 0
+        assert any(e.config.layout.ep > 1 for e in screened.top)
+
+
+@pytest.mark.parametrize(("hardware", "tp_max"), [("h100", 8), ("tpu-v5e", 16)])
+def test_tensor_parallel_limit_per_fabric(hardware, tp_max):
+    # llama3-8b: 32 heads, 8 KV heads, so tp = 16 and 32 pass check_config; the fabric decides.
+    model, chip = get_model("llama3-8b"), get_chip(hardware)
+    result = plan(model, chip, 64, 64 * 4096, 4096, top=ALL, remats=("full",), microbatches=(1,))
+    _assert_well_formed(result, 64)
+    tps = {e.config.layout.tp for e in result.top}
+    assert max(tps) == tp_max
+
+
+def test_to_dict_is_strict_json(llama70b_64, h100):
+    result = plan(get_model("llama2-7b"), h100, 8, 32 * 2048, 2048, top=4)
+    for r in (result, llama70b_64):
+        d = json.loads(dumps(r.to_dict()))
+        assert d["model"] == r.model and d["hardware"] == r.hardware and d["chips"] == r.chips
+        assert d["evaluated"] == r.evaluated and d["feasible"] == r.feasible
+        assert d["batch_tokens"] == r.batch_tokens and d["seq_len"] == r.seq_len
+        assert "seconds" in d and "configs_per_s" in d
+        assert [t["rank"] for t in d["top"]] == list(range(1, len(r.top) + 1))
+        assert d["top"][0]["step_time_s"] == r.top[0].step_time_s
+        assert all(t["fits"] for t in d["top"])
+    # A zero-second search has an infinite rate, which JSON carries as null.
+    instant = PlanResult("m", "h", 1, 1, 1, 0, 0, 0.0, ())
+    assert json.loads(dumps(instant.to_dict()))["configs_per_s"] is None
+
+
+def test_table_names_every_column(h100):
+    result = plan(get_model("llama2-7b"), h100, 8, 32 * 2048, 2048, top=3)
+    text = result.table()
+    for col in ("rank", "layout", "remat", "microbatch", "step time", "tokens/s", "MFU", "HBM", "bottleneck"):
+        assert col in text
+    assert result.top[0].config.layout.describe() in text
+    assert result.top[0].bottleneck in text
+    assert len(text.splitlines()) == 3 + 3  # title, header, rule, one row per result
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"batch_tokens": 16 * 8192 + 1}, "131073"),
+        ({"chips": 0}, "0"),
+        ({"chips": -3}, "-3"),
+        ({"seq_len": 0}, "0"),
+        ({"top": 0}, "top"),
+        ({"remats": ("partial",)}, "'partial'"),
+        ({"microbatches": (0,)}, "microbatch 0"),
+        ({"optimizer": "lion"}, "'lion'"),
+        ({"dtype": "fp4"}, "fp4"),
+    ],
+)
+def test_bad_inputs_name_the_value(h100, kwargs, needle):
+    args = {"chips": 8, "batch_tokens": 16 * 8192, "seq_len": 8192} | kwargs
+    with pytest.raises(UserError) as exc:
+        plan(get_model("llama3-8b"), h100, **args)
+    assert needle in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_batch_not_a_multiple_suggests_valid_values(h100):
+    with pytest.raises(UserError, match=r"batch_tokens 131073 is not a multiple of seq_len 8192; try 131072 or 139264"):
+        plan(get_model("llama3-8b"), h100, 8, 131073, 8192)
+
+
+def test_nothing_fits_names_the_chip_count_needed(h100):
+    model = get_model("llama3-405b")
+    with pytest.raises(UserError) as exc:
+        plan(model, h100, 8, 16 * 8192, 8192)
+    msg = str(exc.value)
+    need = min_chips(TrainConfig(model, h100, Layout(), 8192, 16, microbatch=1, remat="full"))
+    assert need is not None and need > 8
+    assert msg.startswith("nothing fits on 8 h100: the state alone needs at least ")
+    assert f"at least {need} chips" in msg
+
+
+def test_no_valid_layout_suggests_a_chip_count(h100):
+    # 7 chips: 7 divides neither the 64 heads nor the 80 layers, and a batch of 16 sequences
+    # does not divide over 7 replicas.
+    with pytest.raises(UserError) as exc:
+        plan(get_model("llama3-70b"), h100, 7, 16 * 8192, 8192)
+    assert "7 h100" in str(exc.value) and "try 8 chips" in str(exc.value)
+
+
+def test_repeated_options_are_searched_once(h100):
+    model = get_model("llama2-7b")
+    once = plan(model, h100, 8, 32 * 2048, 2048, remats=("full",), microbatches=(1, 2))
+    twice = plan(model, h100, 8, 32 * 2048, 2048, remats=("full", "full"), microbatches=(2, 1, 2))
+    assert once.screened == twice.screened and once.evaluated == twice.evaluated
+    assert once.top[0].step_time_s == twice.top[0].step_time_s
+
+
+def test_benchmark_runs_and_prints_json(capsys):
+    """A smoke test of scripts/bench_planner's module (one run per case; no timing is asserted)."""
+    from lab import planner_bench
+
+    assert planner_bench.main(["--json", "--repeat", "1"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [(c["model"], c["hardware"], c["chips"]) for c in data["cases"]] == [
+        (m, h, n) for m, h, n, _, _ in planner_bench.CASES
+    ]
+    for c in data["cases"]:
+        assert c["evaluated"] >= c["feasible"] > 0 and c["screened"] >= c["evaluated"]
+        assert c["configs_per_s"] is None or c["configs_per_s"] > 0
+
+
+def test_microbatch_larger_than_the_batch_is_named(h100):
+    with pytest.raises(UserError, match=r"every microbatch size \(16\) exceeds the global batch of 8 sequences"):
+        plan(get_model("llama3-8b"), h100, 8, 8 * 8192, 8192, microbatches=(16,))
