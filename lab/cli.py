@@ -411,6 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     from lab.cli_train import register as register_train
 
     register_train(sub, common, hw, _with_chip)
+    from lab.cli_infer import register as register_infer
+
+    register_infer(sub, common, hw, _with_chip)
 
     d = sub.add_parser("demo", parents=[common], help="the default scenario on 8 emulated devices")
     d.add_argument("--hardware", default="tpu-v5e", metavar="NAME", help="target chip to predict for")

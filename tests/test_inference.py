@@ -1,0 +1,227 @@
+"""The inference estimator against the scaling book's serving chapters (inference.md, applied-inference.md)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lab.cli import main
+from lab.errors import UserError
+from lab.hardware import get_chip
+from lab.inference import InferConfig, estimate_inference
+from lab.models import get_model
+
+V5E, H100 = get_chip("v5e"), get_chip("h100")
+L70 = get_model("llama3-70b")
+
+
+def est(model=L70, chip=V5E, **kw):
+    return estimate_inference(InferConfig(model=model, chip=chip, **kw))
+
+
+def test_llama70b_int8_on_v5e_4x2_and_4x4():
+    # applied-inference.md: batch 32, 8k context, int8 params and KV: about 112 GB in all; memory-bound step
+    # (KV + params) / (8 x HBM BW) = 17 ms on a 4x2, half that on a 4x4. The book uses 160e3 B/token and 70e9.
+    a = est(batch=32, context=8192, tp=8, weights="int8", kv="int8")
+    assert a.total_bytes == pytest.approx(112e9, rel=0.02)
+    assert a.kv_s + a.weights_s == pytest.approx(17e-3, rel=0.03)
+    assert a.weights_s > a.compute_s  # int8 weights, bf16 FLOPs: compute-bound only past B = 120
+    assert a.fits
+    b = est(batch=32, context=8192, tp=16, weights="int8", kv="int8")
+    assert b.kv_s + b.weights_s == pytest.approx((a.kv_s + a.weights_s) / 2, rel=1e-9)
+    assert a.decode_step_s > a.kv_s + a.weights_s  # the collectives come on top
+
+
+def test_tp_collectives_get_latency_bound_at_small_batch():
+    # Two AllReduces of [B, D] per layer: at batch 1 every shard is far under the 45 kB threshold.
+    small = est(batch=1, context=1024, tp=8)
+    assert small.latency_bound_collectives and small.comm_s > 0
+    # Latency-bound collectives make TP=2 slower than bandwidth alone predicts.
+    tp1 = est(model=get_model("llama3-8b"), chip=H100, batch=1, context=1024, tp=1)
+    tp2 = est(model=get_model("llama3-8b"), chip=H100, batch=1, context=1024, tp=2)
+    assert tp2.latency_bound_collectives
+    assert tp2.decode_step_s > 1.05 * tp1.decode_step_s / 2  # not the 2x that HBM bandwidth alone promises
+
+
+def test_critical_batch_for_int8_weights_is_120():
+    # Compute overtakes weight reads at B = 120 with int8 weights and bf16 FLOPs (240 for bf16 weights).
+    def crossover(weights):
+        b = 1
+        while True:
+            e = est(batch=b, context=16, tp=16, weights=weights)
+            if e.compute_s > e.weights_s:
+                return b
+            b += 1
+
+    assert crossover("int8") == pytest.approx(120, rel=0.05)
+    assert crossover("bf16") == pytest.approx(240, rel=0.05)
+
+
+def test_prefill_at_40_percent_mfu():
+    # applied-inference.md: 2 x 70e9 x 8192 / (16 x 1.97e14 x 0.4) = 0.91 s.
+    e = est(batch=1, context=8192, tp=16, prefill_len=8192, mfu=0.4)
+    assert e.prefill_s == pytest.approx(0.91 * L70.active_params / 70e9, rel=0.01)
+    assert e.to_dict()["time_to_first_token_s"] == e.prefill_s
+
+
+def test_full_hbm_step_is_hbm_over_bandwidth():
+    # applied-inference.md: at the largest batch that fits, a step streams a full chip of HBM: 16 GB / 8.2e11 = 19 ms.
+    probe = est(batch=1, context=8192, tp=16, weights="int8", kv="int8")
+    full = est(batch=probe.max_batch, context=8192, tp=16, weights="int8", kv="int8")
+    assert full.fits and not est(batch=probe.max_batch + 1, context=8192, tp=16, weights="int8", kv="int8").fits
+    assert full.kv_s + full.weights_s == pytest.approx(V5E.hbm_bytes / V5E.hbm_bandwidth, rel=0.05)
+
+
+def test_gqa_kv_replication_and_batch_sharding():
+    # 8 KV heads over tp=16: one sequence's cache is replicated twice; a batch of 2+ shards by sequence too.
+    one = est(batch=1, context=8192, tp=16)
+    two = est(batch=2, context=8192, tp=16)
+    assert one.kv_bytes_per_chip == pytest.approx(L70.kv_bytes_per_token("bf16") * 8192 / 8)
+    assert two.kv_bytes_per_chip == pytest.approx(one.kv_bytes_per_chip)
+
+
+def test_quantisation_changes_bytes_not_flops():
+    bf = est(batch=8, context=4096, tp=8)
+    q = est(batch=8, context=4096, tp=8, weights="int4", kv="int8")
+    assert q.compute_s == pytest.approx(bf.compute_s)
+    assert q.weights_s == pytest.approx(bf.weights_s / 4) and q.kv_s == pytest.approx(bf.kv_s / 2)
+    fast = est(batch=8, context=4096, tp=8, weights="int8", compute="int8")
+    assert fast.compute_s == pytest.approx(bf.compute_s / 2)
+
+
+def test_moe_reads_only_routed_experts():
+    mix = get_model("mixtral-8x7b")
+    one = est(model=mix, chip=H100, batch=1, context=1024, tp=2)
+    many = est(model=mix, chip=H100, batch=64, context=1024, tp=2)
+    dense_bytes = mix.params * 2 / 2
+    assert one.weights_s * H100.hbm_bandwidth < 0.5 * dense_bytes  # 2 of 8 experts per token
+    assert many.weights_s * H100.hbm_bandwidth == pytest.approx(dense_bytes, rel=0.01)
+    ep = est(model=mix, chip=H100, batch=64, context=1024, tp=2, ep=4)
+    assert ep.comm_s > many.comm_s
+
+
+def test_does_not_fit_reports_instead_of_failing():
+    e = est(batch=64, context=32768, tp=4)
+    assert not e.fits and e.max_batch < 64 and e.min_chips > 4
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"batch": 0, "context": 10}, "--batch must be a positive integer"),
+        ({"batch": 1, "context": 10, "tp": 3}, "--tp 3 does not divide 64 attention heads"),
+        ({"batch": 3, "context": 10, "dp": 2}, "--batch 3 does not divide over --dp 2"),
+        ({"batch": 1, "context": 10, "ep": 2}, "--ep 2 needs a mixture-of-experts model"),
+        ({"batch": 1, "context": 10, "weights": "fp32"}, "--weights fp32 is not one of"),
+    ],
+)
+def test_bad_input(kw, match):
+    with pytest.raises(UserError, match=match):
+        est(**kw)
+
+
+def test_cli_keys_and_warning(capsys):
+    assert (
+        main(
+            [
+                "infer",
+                "estimate",
+                "--model",
+                "llama3-70b",
+                "--hardware",
+                "v5e",
+                "--chips",
+                "16",
+                "--batch",
+                "32",
+                "--context",
+                "8192",
+                "--weights",
+                "int8",
+                "--kv",
+                "int8",
+                "--prefill-len",
+                "2048",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    d = json.loads(capsys.readouterr().out)
+    for key in (
+        "param_bytes",
+        "kv_bytes",
+        "total_bytes",
+        "fits",
+        "min_chips",
+        "max_batch",
+        "decode_step_s",
+        "compute_s",
+        "memory_s",
+        "comm_s",
+        "tokens_per_s",
+        "tokens_per_s_per_chip",
+        "prefill_s",
+        "time_to_first_token_s",
+        "cost_per_million_tokens_usd",
+        "tp_max_degree",
+        "latency_bound_collectives",
+    ):
+        assert key in d
+    assert d["tp"] == 16 and d["cost_per_million_tokens_usd"] > 0
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lab",
+            "infer",
+            "estimate",
+            "--model",
+            "llama3-8b",
+            "--hardware",
+            "h100",
+            "--chips",
+            "1",
+            "--batch",
+            "1",
+            "--context",
+            "100000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and "warning: --context 100000 exceeds" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--batch", "0", "--context", "10"], "--batch"),
+        (["--batch", "1", "--context", "-5"], "--context"),
+        (["--batch", "1", "--context", "10", "--weights", "int3"], "'int3' is not a storage dtype"),
+        (["--batch", "1", "--context", "10", "--tp", "3"], "tp x dp x ep must equal --chips 8"),
+    ],
+)
+def test_cli_bad_input_exit_2(argv, needle):
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lab",
+            "infer",
+            "estimate",
+            "--model",
+            "llama3-8b",
+            "--hardware",
+            "h100",
+            "--chips",
+            "8",
+            *argv,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
