@@ -414,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     from lab.cli_infer import register as register_infer
 
     register_infer(sub, common, hw, _with_chip)
+    from lab.cli_audit import register as register_audit
+
+    register_audit(sub, common)
 
     d = sub.add_parser("demo", parents=[common], help="the default scenario on 8 emulated devices")
     d.add_argument("--hardware", default="tpu-v5e", metavar="NAME", help="target chip to predict for")
@@ -431,4 +434,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     with contextlib.suppress(BrokenPipeError):  # `shardlab ... | head`
         print(dumps(data) if args.json else text)
-    return 0
+    return getattr(args, "_exit_code", 0)

@@ -117,6 +117,104 @@ def cmd_infer_estimate(args: argparse.Namespace, chip) -> tuple[dict[str, Any], 
     return e.to_dict(), render(["quantity", "value"], rows)
 
 
+def _png(path: str | None, default: str, draw) -> str:
+    from pathlib import Path
+
+    png = Path(path or default)
+    try:
+        png.parent.mkdir(parents=True, exist_ok=True)
+        draw(png)
+    except OSError as exc:
+        raise UserError(f"cannot write the chart to {str(png)!r}: {exc.strerror}; pass --png PATH") from None
+    return str(png)
+
+
+def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
+    from lab.notation import parse_positive_int
+
+    if text is None:
+        return None
+    return tuple(parse_positive_int(x, flag) for x in text.split(",") if x.strip())
+
+
+def cmd_infer_sweep(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from lab.serving import sweep
+
+    model = _model(args)
+    _warn_context(model, args.context)
+    result = sweep(
+        model,
+        args.hardware,
+        context=args.context,
+        weights=args.weights,
+        kv=args.kv,
+        chips=_ints(args.chips, "--chips"),
+        batches=_ints(args.batches, "--batches"),
+        achievable=args.achievable,
+        hardware_file=args.hardware_file,
+        scale=args.scale,
+    )
+    png = _png(args.png, f"runs/infer/sweep_{model.name}_{result.hardware}.png", result.plot)
+    return result.to_dict() | {"png": png}, result.table() + f"\n\nchart: {png}"
+
+
+def cmd_infer_topology(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from lab.serving import topology, topology_table
+
+    model = _model(args)
+    _warn_context(model, args.context)
+    rows = topology(model, args.hardware, context=args.context, hardware_file=args.hardware_file, scale=args.scale)
+    data = {"model": model.name, "hardware": args.hardware, "context": args.context, "rows": [r.__dict__ for r in rows]}
+    return data, topology_table(rows, model.name, args.hardware, args.context)
+
+
+def cmd_infer_disaggregate(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
+    """Prefill and decode servers of the same topology: how many prefill servers per decode server."""
+    from lab.serving import disaggregate
+
+    cfg = infer_config(args, chip)
+    if cfg.prefill_len is None or cfg.generate is None:
+        raise UserError("infer disaggregate needs --prefill-len P and --generate G (median prompt and output lengths)")
+    single = InferConfig(**{**cfg.__dict__, "batch": cfg.dp, "context": cfg.prefill_len})
+    prefill_s = estimate_inference(single).prefill_s / cfg.dp
+    decode = estimate_inference(cfg)
+    ratio = disaggregate(prefill_s, decode.decode_step_s, cfg.batch, cfg.generate)
+    data = {
+        "prefill_s": prefill_s,
+        "decode_step_s": decode.decode_step_s,
+        "batch": cfg.batch,
+        "prefill_len": cfg.prefill_len,
+        "generate": cfg.generate,
+        "prefill_servers_per_decode_server": ratio,
+        "chips_per_server": cfg.chips,
+    }
+    rows = [
+        ["prefill of one sequence", fmt_seconds(prefill_s) + (f" at MFU {cfg.mfu:g}" if cfg.mfu else "")],
+        ["decode step", f"{fmt_seconds(decode.decode_step_s)} at batch {cfg.batch}, context {cfg.context}"],
+        ["prefill : decode servers", f"{ratio:.2f} : 1 (servers of {cfg.chips} x {chip.name} each)"],
+    ]
+    return data, render(["quantity", "value"], rows)
+
+
+def cmd_study_memtech(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from lab.memtech import memory_tech
+
+    study = memory_tech(
+        args.model,
+        args.hardware,
+        stacks=args.stacks,
+        context=args.context,
+        batch=args.batch,
+        tp=args.tp,
+        weights=args.weights,
+        kv=args.kv,
+        hardware_file=args.hardware_file,
+        scale=args.scale,
+    )
+    png = _png(args.png, f"runs/study/memory_tech_{study.model}_{study.hardware}.png", study.plot)
+    return study.to_dict() | {"png": png}, study.table() + f"\n\nchart: {png}"
+
+
 def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, with_chip) -> dict[str, Any]:
     """Add ``infer estimate`` (and return the ``infer`` subparsers for the other inference commands)."""
     from lab.cli import _dtype, _Parser, _positive_int
@@ -148,4 +246,57 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     ie.add_argument("--mfu", type=float, help="prefill at this MFU (2 N tokens FLOPs) instead of the roofline")
     ie.add_argument("--achievable", action="store_true", help="apply the efficiency model instead of ideal peaks")
     ie.set_defaults(func=with_chip(cmd_infer_estimate))
+
+    def serving_args(p) -> None:
+        p.add_argument("--context", type=_positive_int("--context"), default=8192, help="tokens per KV cache")
+        p.add_argument("--weights", type=_storage_dtype, default="bf16")
+        p.add_argument("--kv", type=_storage_dtype, default="bf16")
+
+    sw = isub.add_parser(
+        "sweep",
+        parents=[common, model_parent(positional=False)],
+        help="latency vs throughput over batch sizes and topologies: Pareto table and PNG",
+    )
+    sw.add_argument("--hardware", required=True, metavar="NAME")
+    sw.add_argument("--scale", metavar="FIELD=X,...")
+    serving_args(sw)
+    sw.add_argument("--chips", metavar="N,N,...", help="topologies (tensor-parallel degrees) to try")
+    sw.add_argument("--batches", metavar="B,B,...", help="batch sizes to try (default powers of two and the max)")
+    sw.add_argument("--achievable", action="store_true")
+    sw.add_argument("--png", metavar="PATH")
+    sw.set_defaults(func=cmd_infer_sweep)
+
+    tp_ = isub.add_parser(
+        "topology",
+        parents=[common, model_parent(positional=False)],
+        help="the smallest slice for each weight precision",
+    )
+    tp_.add_argument("--hardware", required=True, metavar="NAME")
+    tp_.add_argument("--scale", metavar="FIELD=X,...")
+    tp_.add_argument("--context", type=_positive_int("--context"), default=8192)
+    tp_.set_defaults(func=cmd_infer_topology)
+
+    dg = isub.add_parser(
+        "disaggregate",
+        parents=[common, hw, model_parent(positional=False)],
+        help="prefill servers per decode server that keep both saturated",
+    )
+    for action in ie._actions:
+        if action.dest in (
+            "chips",
+            "batch",
+            "context",
+            "prefill_len",
+            "generate",
+            "weights",
+            "kv",
+            "compute",
+            "tp",
+            "dp",
+            "ep",
+            "mfu",
+            "achievable",
+        ):
+            dg._add_action(action)
+    dg.set_defaults(func=with_chip(cmd_infer_disaggregate))
     return {"infer": isub}

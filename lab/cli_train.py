@@ -294,6 +294,12 @@ def cmd_study_generations(args: argparse.Namespace) -> tuple[dict[str, Any], str
     return d, study.table() + f"\n\nchart: {png}"
 
 
+def _study_memtech(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from lab.cli_infer import cmd_study_memtech
+
+    return cmd_study_memtech(args)
+
+
 def cmd_validate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from lab.validate import run_validation
 
@@ -376,7 +382,9 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     pl.set_defaults(func=with_chip(cmd_plan))
 
     st = sub.add_parser("study", help="studies across hardware generations and technologies")
-    ssub = st.add_subparsers(dest="study_command", required=True, parser_class=_Parser, metavar="generations")
+    ssub = st.add_subparsers(
+        dest="study_command", required=True, parser_class=_Parser, metavar="generations|memory-tech"
+    )
     sg = ssub.add_parser(
         "generations",
         parents=[common],
@@ -389,6 +397,22 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     sg.add_argument("--global-batch", type=_positive_int("--global-batch"), default=1536)
     sg.add_argument("--png", metavar="PATH", help="bar chart (default: runs/study/generations_<model>.png)")
     sg.set_defaults(func=cmd_study_generations)
+    sm = ssub.add_parser(
+        "memory-tech",
+        parents=[common],
+        help="decode latency and throughput against HBM generations and on-chip bandwidth",
+    )
+    sm.add_argument("--model", default="llama3-70b", metavar="NAME")
+    sm.add_argument("--hardware", default="h100", metavar="NAME")
+    sm.add_argument("--scale", metavar="FIELD=X,...")
+    sm.add_argument("--stacks", type=_positive_int("--stacks"), help="HBM stacks (default: the chip's own)")
+    sm.add_argument("--context", type=_positive_int("--context"), default=8192)
+    sm.add_argument("--batch", type=_positive_int("--batch"), help="fixed batch (default: the largest that fits)")
+    sm.add_argument("--tp", type=_positive_int("--tp"), default=8)
+    sm.add_argument("--weights", choices=("bf16", "fp8", "int8", "int4"), default="bf16")
+    sm.add_argument("--kv", choices=("bf16", "fp8", "int8", "int4"), default="bf16")
+    sm.add_argument("--png", metavar="PATH")
+    sm.set_defaults(func=_study_memtech)
 
     v = sub.add_parser("validate", parents=[common], help="replay the published calibration runs")
     v.set_defaults(func=cmd_validate)

@@ -52,6 +52,28 @@ def memory_time(chip: Chip, nbytes: float) -> float:
     return nbytes / (MEMORY_FRACTION * chip.hbm_bandwidth)
 
 
+def collective_on(
+    chip: Chip,
+    kind: str,
+    nbytes: float,
+    group: int,
+    *,
+    scope: str = "node",
+    members_per_node: int | None = None,
+    axes: tuple[int, ...] | None = None,
+):
+    """The collective model's cost of a group of ``group`` chips where it physically sits: on a torus, the
+    slice it occupies (its axes and their wraparound by the chip's rule); None for a group of one."""
+    if group <= 1 or nbytes <= 0:
+        return None
+    wrap: bool | tuple[bool, ...] = True
+    if axes is None and chip.topology == "torus" and scope == "node":
+        axes = chip.slice_shape(group)
+        wrap = chip.wraparound(axes)
+    sizes = axes if axes is not None else (group,)
+    return collective_time(kind, nbytes, sizes, chip, scope=scope, members_per_node=members_per_node, wraparound=wrap)
+
+
 def comm_time(
     chip: Chip,
     kind: str,
@@ -63,8 +85,7 @@ def comm_time(
     axes: tuple[int, ...] | None = None,
 ) -> float:
     """Achievable time of one collective (the collective model at the fabric's measured efficiency)."""
-    if group <= 1 or nbytes <= 0:
+    c = collective_on(chip, kind, nbytes, group, scope=scope, members_per_node=members_per_node, axes=axes)
+    if c is None:
         return 0.0
-    sizes = axes if axes is not None else (group,)
-    c = collective_time(kind, nbytes, sizes, chip, scope=scope, members_per_node=members_per_node)
     return c.time_s / COLLECTIVE_FRACTION[chip.kind]

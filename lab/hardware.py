@@ -179,6 +179,26 @@ class Chip:
         d["pod_shape"] = list(self.pod_shape) if self.pod_shape else None
         return d
 
+    def slice_shape(self, chips: int) -> tuple[int, ...]:
+        """The physical torus slice a group of ``chips`` occupies: as square as the torus allows,
+        each axis a power of two no longer than the pod's (e.g. 16 v5e chips -> 4x4, 8 -> 2x4).
+        Off a torus, or when ``chips`` is not a power of two, one axis of ``chips``."""
+        if self.topology != "torus" or chips < 1 or chips & (chips - 1):
+            return (chips,)
+        dims = [1] * (self.torus_dims or 1)
+        limits = sorted(self.pod_shape or (chips,))
+        n = chips
+        while n > 1:
+            order = sorted(range(len(dims)), key=lambda i: dims[i])
+            for i in order:
+                if dims[i] * 2 <= (limits[i] if i < len(limits) else chips):
+                    dims[i] *= 2
+                    break
+            else:
+                return (chips,)
+            n //= 2
+        return tuple(sorted((d for d in dims if d > 1), reverse=False)) or (1,)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict: every field, plus derived figures under ``derived``."""
         d = self.fields()

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from lab import efficiency as eff
-from lab.collectives import collective_time
 from lab.errors import UserError
 from lab.hardware import Chip
 from lab.models import ModelConfig
@@ -77,7 +76,7 @@ def check_infer(cfg: InferConfig) -> None:
             raise UserError(f"--{name} must be a positive integer, got {v!r}")
     for name in ("prefill_len", "generate"):
         v = getattr(cfg, name)
-        if v is not None and (not isinstance(v, int) or v < 1):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
     for name in ("weights", "kv"):
         dt = canonical_dtype(getattr(cfg, name))
@@ -246,7 +245,7 @@ def _comm(chip: Chip, kind: str, nbytes: float, group: int, achievable: bool) ->
     if group <= 1 or nbytes <= 0:
         return 0.0, False
     scope = "node" if chip.topology == "torus" or group <= (chip.node_size or group) else "cross-node"
-    c = collective_time(kind, nbytes, group, chip, scope=scope)
+    c = eff.collective_on(chip, kind, nbytes, group, scope=scope)
     return c.time_s / (eff.COLLECTIVE_FRACTION[chip.kind] if achievable else 1.0), c.latency_bound
 
 
@@ -303,7 +302,9 @@ def prefill_time(cfg: InferConfig) -> float | None:
     per_chip = flops / cfg.chips
     wbytes = param_bytes_per_chip(m, cfg.tp, cfg.ep, cfg.weights)
     kv_write = (
-        kv_bytes_per_sequence(m, p, cfg.kv) * cfg.replica_batch / (kv_shards(m, cfg.tp, cfg.replica_batch) * cfg.ep)
+        kv_bytes_per_sequence(m, p, cfg.kv)
+        * cfg.replica_batch
+        / (kv_shards(m, cfg.tp, cfg.replica_batch / cfg.ep) * cfg.ep)
     )
     core = max(
         _flop_time(chip, per_chip, cfg.compute, cfg.achievable), _mem_time(chip, wbytes + kv_write, cfg.achievable)
