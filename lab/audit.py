@@ -216,9 +216,10 @@ def compare(
         if key[1] == ():
             continue  # a collective over size-1 axes moves nothing
         groups[key].append(c)
+    order = {a: i for i, a in enumerate(mesh)}
     want: dict[tuple[str, tuple[str, ...]], list[Predicted]] = defaultdict(list)
-    for p in predicted:
-        want[(p.kind, p.axes)].append(p)
+    for p in predicted:  # groups are sets of devices: the order axes are named in is not visible in HLO
+        want[(p.kind, tuple(sorted(p.axes, key=order.get)))].append(p)
 
     entries, used = [], set()
     for key, preds in want.items():
@@ -381,9 +382,10 @@ def audit_kernel(
     result = audit_compiled(name, compiled, predicted, flops, mesh, sizes, dtype, jax.devices()[0].platform)
     if chip is None:
         return result
+    order = {a: i for i, a in enumerate(mesh)}
     times: dict[tuple[str, tuple[str, ...]], float] = defaultdict(float)
     for p in predicted:
         one = collective_time(p.kind, p.bytes / p.steps, [mesh[a] for a in p.axes], chip).time_s
-        times[(p.kind, p.axes)] += p.steps * one
+        times[(p.kind, tuple(sorted(p.axes, key=order.get)))] += p.steps * one
     priced = tuple(dataclasses.replace(e, predicted_time_s=times.get((e.kind, e.axes))) for e in result.entries)
     return dataclasses.replace(result, entries=priced, hardware=chip.name)

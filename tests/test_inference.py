@@ -225,3 +225,68 @@ def test_cli_bad_input_exit_2(argv, needle):
         timeout=60,
     )
     assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_serving_commands(capsys, tmp_path):
+    png = tmp_path / "sweep.png"
+    assert (
+        main(
+            [
+                "infer",
+                "sweep",
+                "--model",
+                "llama3-70b",
+                "--hardware",
+                "v5e",
+                "--weights",
+                "int8",
+                "--kv",
+                "int8",
+                "--context",
+                "2048",
+                "--chips",
+                "8,16",
+                "--png",
+                str(png),
+                "--json",
+            ]
+        )
+        == 0
+    )
+    d = json.loads(capsys.readouterr().out)
+    assert png.read_bytes()[:4] == b"\x89PNG" and d["png"] == str(png)
+    assert main(["infer", "topology", "--model", "llama3-70b", "--hardware", "v5e", "--json"]) == 0
+    rows = {r["weights"]: r["slice_chips"] for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert (rows["bf16"], rows["int8"], rows["int4"]) == (16, 8, 4)  # applied-inference.md: 4x4, 4x2, 2x2
+    assert (
+        main(
+            [
+                "infer",
+                "disaggregate",
+                "--model",
+                "llama3-70b",
+                "--hardware",
+                "v5e",
+                "--chips",
+                "16",
+                "--batch",
+                "32",
+                "--context",
+                "8192",
+                "--prefill-len",
+                "8192",
+                "--generate",
+                "512",
+                "--mfu",
+                "0.4",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    ratio = json.loads(capsys.readouterr().out)["prefill_servers_per_decode_server"]
+    assert ratio == pytest.approx(3, rel=0.1)  # the book: P = 3G
+    png2 = tmp_path / "mem.png"
+    assert main(["study", "memory-tech", "--png", str(png2), "--json"]) == 0
+    mem = json.loads(capsys.readouterr().out)
+    assert png2.read_bytes()[:4] == b"\x89PNG" and mem["findings"]

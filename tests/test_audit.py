@@ -1,0 +1,177 @@
+"""The compiled-program audit: every kernel on every mesh matches its prediction; a reshard is caught."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from lab.errors import UserError
+from lab.experiment import load_experiment
+
+MESHES = [{"X": 8, "Y": 1}, {"X": 2, "Y": 4}, {"X": 4, "Y": 2}, {"X": 2, "Y": 2, "Z": 2}]
+MATMUL_SIZES = {"I": 7 * 8, "J": 11 * 8, "K": 13 * 8}
+COLLECTIVE_SIZES = {"N": 3 * 8 * 8}
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cases():
+    from kernels.registry import KERNELS
+
+    for name, k in KERNELS.items():
+        for mesh in MESHES:
+            label = "x".join(str(v) for v in mesh.values())
+            if k.family == "collective":
+                subsets = [None, ("X",), ("Y",)] + ([("X", "Z"), ("Z", "X")] if "Z" in mesh else [])
+                for axes in subsets:
+                    yield pytest.param(name, mesh, COLLECTIVE_SIZES, axes, id=f"{name}-{label}-{axes}")
+            else:
+                yield pytest.param(name, mesh, MATMUL_SIZES, None, id=f"{name}-{label}")
+
+
+@pytest.mark.parametrize(("name", "mesh", "sizes", "axes"), list(_cases()))
+def test_every_kernel_matches_its_prediction(jax_devices, name, mesh, sizes, axes):
+    from lab.audit import audit_kernel
+
+    r = audit_kernel(name, mesh, sizes, "fp32", axes)
+    assert r.all_match, r.table()
+    for e in r.entries:  # every predicted collective appears with its bytes exactly
+        assert e.match and e.compiled_bytes == e.predicted_bytes, r.table()
+    assert not r.unexpected
+    assert r.flops_match
+
+
+def test_collective_matmul_uses_permutes_where_blocking_gathers(jax_devices):
+    from lab.audit import audit_kernel
+
+    ring = audit_kernel("collective_matmul_allgather", {"X": 2, "Y": 4}, MATMUL_SIZES)
+    blocking = audit_kernel("matmul_allgather_blocking", {"X": 2, "Y": 4}, MATMUL_SIZES)
+    assert [e.kind for e in ring.entries] == ["permute"] and [e.kind for e in blocking.entries] == ["all-gather"]
+    assert "all-gather(" not in ring.hlo_text and "collective-permute" in ring.hlo_text
+    assert ring.flops_compiled == blocking.flops_compiled  # same matmul work, chunked
+    # Y-1 chunks of A[I/X, J/Y] in fp32 travel the ring: the bytes the blocking AllGather's output adds.
+    chunk = 56 // 2 * 88 // 4 * 4
+    assert ring.entries[0].compiled_bytes == 3 * chunk
+
+
+def test_a_forced_reshard_is_reported_with_its_source_line(jax_devices):
+    """Case 1 needs no communication; asking for an output sharded the other way forces a reshard."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from kernels.mesh import make_mesh
+    from kernels.registry import get_kernel
+    from lab.audit import audit_compiled, predict
+
+    mesh = {"X": 2, "Y": 4}
+    jmesh = make_mesh(mesh)
+    a = jax.device_put(np.ones((56, 88), np.float32), NamedSharding(jmesh, P("X", None)))
+    b = jax.device_put(np.ones((88, 104), np.float32), NamedSharding(jmesh, P(None, "Y")))
+    wrong = NamedSharding(jmesh, P("Y", "X"))  # C[I_Y, K_X] instead of the natural C[I_X, K_Y]
+    fn = jax.jit(lambda a, b: jnp.einsum("ij,jk->ik", a, b), out_shardings=wrong)
+    predicted, flops = predict(get_kernel("sharded_matmul_case1"), mesh, MATMUL_SIZES, "fp32")
+    assert predicted == []
+    r = audit_compiled("case1-misharded", fn.lower(a, b).compile(), predicted, flops, mesh, MATMUL_SIZES, "fp32", "cpu")
+    assert not r.all_match and r.unexpected
+    assert all("test_audit.py" in u["source"] for u in r.unexpected), r.unexpected
+    assert "UNEXPECTED" in r.table()
+
+
+def test_bf16_collectives_on_cpu_are_named_not_hidden(jax_devices):
+    from lab.audit import audit_kernel
+
+    r = audit_kernel("collective_all_reduce", {"X": 2, "Y": 4}, COLLECTIVE_SIZES, "bf16", ("X",))
+    (e,) = r.entries
+    assert e.predicted_bytes == COLLECTIVE_SIZES["N"] * 2
+    if e.compiled_bytes != e.predicted_bytes:  # XLA:CPU runs the bf16 all-reduce in f32
+        assert e.match and "f32" in e.note and "element counts" in e.note
+    assert r.all_match
+
+
+@pytest.mark.parametrize(
+    "path", sorted(p for p in os.listdir(os.path.join(REPO, "experiments")) if p.endswith(".toml"))
+)
+def test_shipped_experiments_load_and_match(jax_devices, path):
+    from lab.audit import audit_kernel
+
+    exp = load_experiment(os.path.join(REPO, "experiments", path))
+    assert exp.name == path.removesuffix(".toml") and exp.devices <= 8
+    with open(os.path.join(REPO, "experiments", path)) as f:
+        assert f.readline().startswith("# ")  # each file says in a comment what question it answers
+    r = audit_kernel(exp.kernel, exp.mesh, exp.sizes, exp.dtype, exp.axes)
+    assert r.all_match, r.table()
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        (
+            '[experiment]\nkernel = "k"\ndtype = "float64"\n[mesh]\nX = 2\n[sizes]\nN = 8\n',
+            r":3: \[experiment\]\.dtype",
+        ),
+        ('[experiment]\nkernel = "k"\n[mesh]\nX = 0\n[sizes]\nN = 8\n', r":4: \[mesh\]\.X = 0 must be a positive"),
+        (
+            '[experiment]\nkernel = "k"\n[mesh]\nX = 2\n[sizes]\nN = 8\n[bogus]\n',
+            r":7: \[bogus\] is not a known section",
+        ),
+        (
+            '[experiment]\nkernal = "k"\n[mesh]\nX = 2\n[sizes]\nN = 8\n',
+            r":2: \[experiment\]\.kernal is not a known field",
+        ),
+        (
+            '[experiment]\nkernel = "k"\naxes = ["Q"]\n[mesh]\nX = 2\n[sizes]\nN = 8\n',
+            r"names 'Q', which is not a mesh",
+        ),
+        ('[experiment]\nkernel = "k"\n[sizes]\nN = 8\n', r"missing the \[mesh\] table"),
+        ("[experiment\n", r"not valid TOML"),
+    ],
+)
+def test_bad_experiment_files_name_the_field_and_line(tmp_path, text, match):
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(UserError, match=match):
+        load_experiment(f)
+
+
+def _cli(*argv, env=None):
+    e = dict(os.environ)
+    e.pop("XLA_FLAGS", None)
+    e.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "lab", *argv], capture_output=True, text=True, timeout=120, env=e, cwd=REPO
+    )
+
+
+def test_cli_audit_json_keys():
+    r = _cli("audit", "experiments/sharded_matmul_case3.toml", "--sizes", "I=56,J=88,K=104", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert {"entries", "unexpected", "flops_predicted", "flops_compiled", "all_match"} <= set(d)
+    (e,) = d["entries"]
+    assert {"op", "kind", "axes", "predicted_bytes", "compiled_bytes", "match"} <= set(e)
+    assert e["kind"] == "all-reduce" and e["axes"] == ["X"] and e["compiled_bytes"] == 56 * 104 * 4
+    assert d["all_match"] and d["emulated"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "needle"),
+    [
+        (["audit", "nope"], None, "unknown kernel 'nope'; valid: sharded_matmul_case1"),
+        (["audit", "sharded_matmul_case2", "--sizes", "I=56,J=9,K=104"], None, "dim J=9 does not divide over X"),
+        (
+            ["audit", "sharded_matmul_case2", "--mesh", "X=4,Y=4"],
+            {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+            "needs 16 devices but 8 are available",
+        ),
+        (["audit", "missing.toml"], None, "experiment file 'missing.toml' does not exist"),
+        (["audit"], None, "name a kernel or an experiment file"),
+    ],
+)
+def test_cli_audit_bad_input(argv, env, needle):
+    r = _cli(*argv, env=env)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
