@@ -273,7 +273,7 @@ def compare(
                     match = True
                     note = (
                         f"XLA ran it in {'/'.join(sorted(cdtypes))}, predicted {pdtype}; compared element counts "
-                        f"({elems})"
+                        f"({elems:.0f})"
                     )
         if got:
             used.add(key)
