@@ -283,7 +283,7 @@ def collective_time(
             latency_bound=False,
             formula="0 (group of one)",
         )
-    if kind == "all-reduce":
+    if kind == "all-reduce" and not dict(chip.calibration.get("collective_factor", {})).get(kind):
         kw = {"wraparound": wraps, "scope": scope, "members_per_node": members_per_node}
         rs = collective_time("reduce-scatter", nbytes, sizes, chip, **kw)
         ag = collective_time("all-gather", nbytes, sizes, chip, **kw)
@@ -303,10 +303,21 @@ def collective_time(
             formula="ReduceScatter + AllGather",
         )
 
-    if chip.topology == "torus" and scope == "node":
+    if kind == "all-reduce":  # calibrated: the AllGather's structure twice, scaled by the measured factor
+        ag = (
+            _torus("all-gather", float(nbytes), sizes, wraps, chip)
+            if chip.topology == "torus" and scope == "node"
+            else _switched("all-gather", float(nbytes), math.prod(sizes), chip, scope, members_per_node)
+        )
+        parts = dataclasses.replace(ag, hops=2 * ag.hops, bandwidth_s=2 * ag.bandwidth_s, formula="2 x AllGather")
+    elif chip.topology == "torus" and scope == "node":
         parts = _torus(kind, float(nbytes), sizes, wraps, chip)
     else:
         parts = _switched(kind, float(nbytes), math.prod(sizes), chip, scope, members_per_node)
+    # A calibrated host scales each kind's bandwidth term by what it measured (shardlab calibrate).
+    factor = dict(chip.calibration.get("collective_factor", {})).get(kind)
+    if factor:
+        parts = dataclasses.replace(parts, bandwidth_s=parts.bandwidth_s * float(factor))
     hop_total = parts.hops * parts.hop_latency_s
     return CollectiveCost(
         kind=kind,

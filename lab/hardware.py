@@ -68,6 +68,8 @@ class Chip:
         sources: where each number comes from, keyed by field name (``peak_flops.<dtype>`` too).
         calibrated: True when the numbers were fitted on this host by ``shardlab calibrate``.
         notes: free text shown by ``hardware show``.
+        calibration: what calibration measured beyond the fields (fit quality per term, per-collective
+            correction factors under ``collective_factor``); empty for catalog chips.
     """
 
     name: str
@@ -91,6 +93,7 @@ class Chip:
     sources: Mapping[str, str] = field(default_factory=dict)
     calibrated: bool = False
     notes: str = ""
+    calibration: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Freeze the mappings so a catalog entry cannot be mutated by a caller.
@@ -100,6 +103,7 @@ class Chip:
             MappingProxyType({canonical_dtype(k): float(v) for k, v in dict(self.peak_flops).items()}),
         )
         object.__setattr__(self, "sources", MappingProxyType(dict(self.sources)))
+        object.__setattr__(self, "calibration", MappingProxyType(dict(self.calibration)))
         object.__setattr__(self, "aliases", tuple(a.lower() for a in self.aliases))
         if self.pod_shape is not None:
             object.__setattr__(self, "pod_shape", tuple(int(x) for x in self.pod_shape))
@@ -175,6 +179,7 @@ class Chip:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["peak_flops"] = dict(self.peak_flops)
         d["sources"] = dict(self.sources)
+        d["calibration"] = dict(self.calibration)
         d["aliases"] = list(self.aliases)
         d["pod_shape"] = list(self.pod_shape) if self.pod_shape else None
         return d
