@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kernels import blocks
 from kernels import collective_matmul as cm
 from kernels import collectives as coll
 from kernels import sharded_matmul as sm
@@ -306,6 +307,34 @@ _COLLECTIVES = {
 }
 
 
+def _build_block(
+    name: str,
+    mesh: Mesh,
+    sizes: Mapping[str, int],
+    dtype=np.float32,
+    axes: tuple[str, ...] | None = None,
+    *,
+    seed: int = 0,
+) -> Built:
+    del axes
+    missing = [a for a in (blocks.X, blocks.Y) if a not in mesh.axis_names]
+    if missing:
+        raise UserError(f'{name} needs mesh axes X and Y; give a missing axis size 1, e.g. {{"X": 8, "Y": 1}}')
+    _check_sizes(name, sizes, ("B", "D", "F"))
+    shape = dict(mesh.shape)
+    for part in blocks.TP_MLP_NOTATION.split(";"):
+        expr = parse_matmul(part)
+        for arr in (expr.lhs, expr.rhs, expr.out):
+            arr.check(shape, sizes)
+    dtype = _dtype(dtype)
+    b, d, f = sizes["B"], sizes["D"], sizes["F"]
+    host = _inputs([(b, d), (d, f), (f, d)], dtype, seed)
+    args = tuple(
+        jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in zip(host, blocks.TP_MLP_SPECS, strict=True)
+    )
+    return Built(fn=blocks.tp_mlp(mesh), args=args, host_args=host, reference=blocks.reference_tp_mlp)
+
+
 def _registry() -> dict[str, Kernel]:
     out: dict[str, Kernel] = {}
     for name, family, notation, make, explicit, description in _MATMULS:
@@ -327,6 +356,14 @@ def _registry() -> dict[str, Kernel]:
             dims=("N",),
             build=partial(_build_collective, name, kind),
         )
+    out["tp_mlp"] = Kernel(
+        name="tp_mlp",
+        family="block",
+        description="Megatron MLP block: column-parallel up, GeLU, row-parallel down, AllReduce_Y",
+        notation=blocks.TP_MLP_NOTATION,
+        dims=("B", "D", "F"),
+        build=partial(_build_block, "tp_mlp"),
+    )
     return out
 
 
@@ -343,6 +380,8 @@ def get_kernel(name: str) -> Kernel:
 
 def output_spec(kernel: Kernel, mesh: Mesh, axes: tuple[str, ...] | None = None) -> P:
     """The ``PartitionSpec`` a kernel's output has: the notation's output, or the collective's layout."""
+    if kernel.family == "block":
+        return blocks.TP_MLP_OUT
     if kernel.notation is not None:
         return parse_matmul(kernel.notation).out.to_partition_spec()
     kind = kernel.name.removeprefix("collective_")

@@ -193,7 +193,13 @@ def predict(
         return preds, flops
     if kernel.notation is None:
         raise UserError(f"no prediction rule for kernel {kernel.name!r}")
-    return _from_plan(kernel.notation, sizes, mesh, dtype)
+    preds: list[Predicted] = []
+    flops = 0.0
+    for part in kernel.notation.split(";"):  # a block is several matmuls in sequence
+        p, f = _from_plan(part.strip(), sizes, mesh, dtype)
+        preds += p
+        flops += f
+    return preds, flops
 
 
 # ----- comparison --------------------------------------------------------------------------

@@ -385,7 +385,7 @@ class CompiledDot:
     times: float = 1.0
 
 
-def _operand_shapes(module: Module, instr: Instruction) -> list[Shape]:
+def operand_shapes(module: Module, instr: Instruction) -> list[Shape]:
     """Operand shapes: printed inline in some HLO dialects, else looked up by name in the computation."""
     inline = parse_shapes(instr.operands_text)
     if inline:
@@ -405,7 +405,7 @@ def collectives(module: Module) -> list[CompiledCollective]:
         kind = COLLECTIVES.get(instr.opcode)
         if kind is None:
             continue
-        ops = _operand_shapes(module, instr)
+        ops = operand_shapes(module, instr)
         results = list(instr.result)
         if instr.opcode.endswith("-start") and len(results) > len(ops):
             results = results[len(ops) :]  # (operands..., outputs...) tuples of async starts
@@ -450,7 +450,7 @@ def dots(module: Module) -> list[CompiledDot]:
     out = []
     for instr, times in module.walk():
         if instr.opcode == "dot":
-            ops = _operand_shapes(module, instr)
+            ops = operand_shapes(module, instr)
             out_shape = instr.result[0] if instr.result else None
             lhs_c = instr.attr("lhs_contracting_dims") or "{}"
             cdims = [int(x) for x in lhs_c.strip("{}").split(",") if x.strip()]
@@ -460,7 +460,7 @@ def dots(module: Module) -> list[CompiledDot]:
         elif (instr.opcode == "custom-call" and "gemm" in (instr.attr("custom_call_target") or "").lower()) or (
             instr.opcode == "custom-call" and "matmul" in (instr.attr("custom_call_target") or "").lower()
         ):
-            ops = _operand_shapes(module, instr)
+            ops = operand_shapes(module, instr)
             cfg = instr.attr("backend_config") or ""
             m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', cfg)
             if not ops or not m:

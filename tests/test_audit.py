@@ -14,6 +14,7 @@ from lab.experiment import load_experiment
 MESHES = [{"X": 8, "Y": 1}, {"X": 2, "Y": 4}, {"X": 4, "Y": 2}, {"X": 2, "Y": 2, "Z": 2}]
 MATMUL_SIZES = {"I": 7 * 8, "J": 11 * 8, "K": 13 * 8}
 COLLECTIVE_SIZES = {"N": 3 * 8 * 8}
+BLOCK_SIZES = {"B": 7 * 8, "D": 11 * 8, "F": 13 * 8}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -28,7 +29,8 @@ def _cases():
                 for axes in subsets:
                     yield pytest.param(name, mesh, COLLECTIVE_SIZES, axes, id=f"{name}-{label}-{axes}")
             else:
-                yield pytest.param(name, mesh, MATMUL_SIZES, None, id=f"{name}-{label}")
+                sizes = BLOCK_SIZES if k.family == "block" else MATMUL_SIZES
+                yield pytest.param(name, mesh, sizes, None, id=f"{name}-{label}")
 
 
 @pytest.mark.parametrize(("name", "mesh", "sizes", "axes"), list(_cases()))

@@ -120,10 +120,12 @@ def test_registry_lists_every_kernel_once(jax_devices):
     from lab.notation import parse_matmul
 
     collectives = [f"collective_{k}" for k in COLLECTIVE_KINDS]
-    assert sorted(KERNELS) == sorted(MATMUL_NAMES + collectives)
+    assert sorted(KERNELS) == sorted([*MATMUL_NAMES, *collectives, "tp_mlp"])
     for name, k in KERNELS.items():
         assert k.name == name and k.description
-        if name in collectives:
+        if name == "tp_mlp":
+            assert (k.family, k.dims) == ("block", ("B", "D", "F"))
+        elif name in collectives:
             assert (k.family, k.dims, k.notation) == ("collective", ("N",), None)
         else:
             assert k.family == ("sharded_matmul" if name.startswith("sharded_matmul") else "collective_matmul")
@@ -298,3 +300,17 @@ def test_unknown_kernel_raises_user_error():
 
     with pytest.raises(UserError, match=r"unknown kernel 'nope'; valid: sharded_matmul_case1, "):
         get_kernel("nope")
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [{"X": 8, "Y": 1}, {"X": 2, "Y": 4}, {"X": 4, "Y": 2}, {"X": 2, "Y": 2, "Z": 2}],
+    ids=lambda m: "x".join(map(str, m.values())),
+)
+def test_tp_mlp_block_matches_reference(jax_devices, mesh):
+    from kernels.mesh import make_mesh
+    from kernels.registry import get_kernel
+
+    built = get_kernel("tp_mlp").build(make_mesh(mesh), {"B": 7 * 8, "D": 11 * 8, "F": 13 * 8})
+    out = built.fn(*built.args)
+    np.testing.assert_allclose(np.asarray(out), built.reference(*built.host_args), rtol=1e-5, atol=1e-4)
