@@ -48,9 +48,11 @@ COLLECTIVES = {
     "all-gather": "all-gather",
     "all-gather-start": "all-gather",
     "reduce-scatter": "reduce-scatter",
+    "reduce-scatter-start": "reduce-scatter",
     "all-reduce": "all-reduce",
     "all-reduce-start": "all-reduce",
     "all-to-all": "all-to-all",
+    "all-to-all-start": "all-to-all",
     "collective-permute": "collective-permute",
     "collective-permute-start": "collective-permute",
 }

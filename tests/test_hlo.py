@@ -408,11 +408,6 @@ ENTRY %main.5_spmd (param.0: f32[32,16]) -> (f32[8,16], f32[32,16]) {
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="lab.hlo.COLLECTIVES lacks 'reduce-scatter-start' and 'all-to-all-start' (XLA's sugared async forms): "
-    "both collectives are silently dropped",
-)
 def test_async_reduce_scatter_and_all_to_all_start_forms():
     got = by_name(collectives(parse_module(ASYNC_SUGAR)))
     assert set(got) == {"reduce-scatter-start", "all-to-all-start"}
