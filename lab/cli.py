@@ -417,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     from lab.cli_audit import register as register_audit
 
     register_audit(sub, common)
+    from lab.cli_run import register as register_run
+
+    register_run(sub, common)
 
     d = sub.add_parser("demo", parents=[common], help="the default scenario on 8 emulated devices")
     d.add_argument("--hardware", default="tpu-v5e", metavar="NAME", help="target chip to predict for")

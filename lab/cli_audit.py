@@ -66,7 +66,8 @@ def cmd_audit(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         for a in axes:
             if a not in mesh:
                 raise UserError(f"--axes names {a!r}, which is not a mesh axis ({', '.join(mesh)})")
-    chip = default_catalog(args.hardware_file).get(hardware)
+    # "calibrated" prices with this host's calibration (the cpu entry, replaced by specs/cpu.json when present)
+    chip = default_catalog(args.hardware_file).get("cpu" if hardware == "calibrated" else hardware)
     result = audit_kernel(kernel, mesh, sizes, dtype, axes, chip=chip)
     if args.hlo:
         try:

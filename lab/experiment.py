@@ -5,7 +5,7 @@
 [experiment]
 name = "sharded_matmul_case2"          # defaults to the file name
 kernel = "sharded_matmul_case2"        # a kernel from `shardlab audit --list`
-hardware = "tpu-v5e"                   # the chip predictions are priced for (default: cpu)
+hardware = "tpu-v5e"                   # the chip predictions are priced for (default: calibrated)
 dtype = "float32"                      # float32 | bfloat16
 axes = ["X"]                           # collective microkernels only: the mesh axes they span
 
@@ -35,7 +35,7 @@ from typing import Any
 from lab.errors import UserError
 
 DTYPES = {"float32": "fp32", "fp32": "fp32", "f32": "fp32", "bfloat16": "bf16", "bf16": "bf16"}
-SECTIONS = {"experiment", "mesh", "sizes", "run"}
+SECTIONS = {"experiment", "mesh", "sizes", "run", "model"}
 EXPERIMENT_KEYS = {"name", "kernel", "hardware", "dtype", "axes", "question"}
 
 
@@ -45,11 +45,12 @@ class Experiment:
     kernel: str
     mesh: dict[str, int]
     sizes: dict[str, int]
-    hardware: str = "cpu"
+    hardware: str = "calibrated"
     dtype: str = "fp32"
     axes: tuple[str, ...] | None = None
     path: str | None = None
     run: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
 
     @property
     def devices(self) -> int:
@@ -102,7 +103,7 @@ def load_experiment(path: str | Path) -> Experiment:
     dtype = exp.get("dtype", "float32")
     if dtype not in DTYPES:
         raise bad("experiment", "dtype", f"= {dtype!r} is not one of float32, bfloat16")
-    hardware = exp.get("hardware", "cpu")
+    hardware = exp.get("hardware", "calibrated")
     if not isinstance(hardware, str):
         raise bad("experiment", "hardware", 'must be a chip name such as "tpu-v5e"')
     axes = exp.get("axes")
