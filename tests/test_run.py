@@ -1,0 +1,213 @@
+"""The main job end to end on the emulated mesh: files, report keys and the sweep/resume contract."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from lab.errors import UserError
+from lab.run import run_experiment
+
+KINDS = {
+    "matmul",
+    "all-gather",
+    "reduce-scatter",
+    "all-reduce",
+    "all-to-all",
+    "collective-permute",
+    "attention",
+    "elementwise",
+    "other",
+}
+
+
+def _experiment(tmp_path, body: str, name: str = "exp") -> str:
+    f = tmp_path / f"{name}.toml"
+    f.write_text(body)
+    return str(f)
+
+
+TP_MLP = """# a small TP MLP block
+[experiment]
+kernel = "tp_mlp"
+dtype = "float32"
+[mesh]
+X = 2
+Y = 4
+[sizes]
+B = 64
+D = 128
+F = 512
+[run]
+warmup = 1
+repeats = 2
+"""
+
+
+def test_run_writes_the_report_the_issue_names(jax_devices, tmp_path):
+    path = _experiment(tmp_path, TP_MLP)
+    result = run_experiment(path, str(tmp_path / "runs"), quiet=True, hardware="cpu")
+    d = result.run_dir
+    for f in (
+        "report.md",
+        "report.json",
+        "ops.csv",
+        "roofline.png",
+        "predicted_vs_measured.png",
+        "breakdown.png",
+        "experiment.toml",
+        "env.json",
+        "spec.json",
+        "hlo.txt",
+    ):
+        assert (d / f).is_file(), f
+    assert list((d / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    r = json.loads((d / "report.json").read_text())
+    for key in (
+        "backend",
+        "emulated",
+        "hardware",
+        "ops",
+        "coverage",
+        "step_time_measured_s",
+        "step_time_predicted_s",
+        "audit",
+    ):
+        assert key in r
+    assert r["backend"] == "cpu" and r["emulated"] is True and "calibrated" in r["hardware"]
+    assert r["audit"]["all_match"]
+    for op in r["ops"]:
+        assert {"name", "kind", "predicted_s", "measured_s", "ratio", "flops", "bytes", "collective_bytes"} <= set(op)
+        assert op["kind"] in KINDS
+    kinds = {op["kind"] for op in r["ops"]}
+    assert {"matmul", "all-reduce"} <= kinds
+    assert 0 < r["coverage"] <= 1
+    matmuls = [op for op in r["ops"] if op["kind"] == "matmul"]
+    assert sum(op["flops"] for op in matmuls) == 2 * (64 // 2) * 128 * (512 // 4) * 2  # up and down projections
+    env = json.loads((d / "env.json").read_text())
+    assert env["device_count"] == 8 and env["versions"]["jax"]
+    assert "Emulated" in (d / "report.md").read_text()
+
+
+SWEEP = """# all-reduce over a sweep of sizes
+[experiment]
+kernel = "collective_all_reduce"
+dtype = "float32"
+axes = ["Y"]
+[mesh]
+X = 2
+Y = 4
+[sizes]
+N = 1024
+[run]
+repeats = 1
+[run.sweep]
+N = [1024, 4096, 16384]
+"""
+
+
+def test_sweep_keeps_finished_points_and_resume_continues(jax_devices, tmp_path):
+    path = _experiment(tmp_path, SWEEP, "sweep")
+    out = str(tmp_path / "runs")
+    first = run_experiment(path, out, quiet=True, hardware="cpu", run_id="s")
+    points = sorted(p.name for p in (first.run_dir / "points").iterdir())
+    assert points == ["N1024", "N16384", "N4096"]
+    summary = json.loads((first.run_dir / "sweep.json").read_text())
+    assert [p["sizes"]["N"] for p in summary["points"]] == [1024, 4096, 16384]
+    # Simulate an interruption after the first point: the others are gone, the first stays.
+    kept = first.run_dir / "points" / "N1024" / "report.json"
+    stamp = kept.stat().st_mtime_ns
+    for name in ("N4096", "N16384"):
+        shutil.rmtree(first.run_dir / "points" / name)
+    time.sleep(0.01)
+    again = run_experiment(path, out, quiet=True, hardware="cpu", run_id="s", resume=True)
+    assert again.run_dir == first.run_dir
+    assert kept.stat().st_mtime_ns == stamp  # not recomputed
+    assert (again.run_dir / "points" / "N16384" / "report.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        (TP_MLP.replace("X = 2\nY = 4", "X = 4\nY = 4"), "needs 16 devices but 8 are available"),
+        (TP_MLP.replace('kernel = "tp_mlp"', 'kernel = "tp_mlpp"'), "unknown kernel 'tp_mlpp'"),
+        (TP_MLP.replace("B = 64", "B = 63"), "does not divide"),
+        (SWEEP.replace("N = [1024, 4096, 16384]", "M = [1]"), r"\[run.sweep\].M sweeps a size"),
+    ],
+)
+def test_bad_experiments(jax_devices, tmp_path, body, match):
+    with pytest.raises(UserError, match=match):
+        run_experiment(_experiment(tmp_path, body), str(tmp_path / "runs"), quiet=True, hardware="cpu")
+
+
+def test_unwritable_run_directory(jax_devices, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(UserError, match="cannot write the run directory"):
+        run_experiment(_experiment(tmp_path, TP_MLP), str(blocker), quiet=True, hardware="cpu")
+
+
+def test_cli_run_bad_input_is_one_line():
+    r = subprocess.run(
+        [sys.executable, "-m", "lab", "run", "missing.toml"], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 2 and "experiment file 'missing.toml' does not exist" in r.stderr
+    assert len([line for line in r.stderr.splitlines() if "error" in line]) == 1 and "Traceback" not in r.stderr
+
+
+def _get_json(url: str):
+    import gzip
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        body = resp.read()
+        if resp.headers.get("Content-Encoding") == "gzip" or body[:2] == b"\x1f\x8b":
+            body = gzip.decompress(body)
+    return json.loads(body)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_tensorboard_lists_the_run_and_its_trace(jax_devices, tmp_path):
+    """Start TensorBoard with the profile plugin on loopback against a run's logdir and ask its HTTP API."""
+    import tensorboard_plugin_profile  # noqa: F401  (installed by the dev extra; fails loudly if missing)
+    result = run_experiment(_experiment(tmp_path, TP_MLP), str(tmp_path / "runs"), quiet=True, hardware="cpu")
+    logdir = result.run_dir / "tensorboard"
+    port = _free_port()
+    exe = os.path.join(os.path.dirname(sys.executable), "tensorboard")
+    proc = subprocess.Popen(
+        [exe, "--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 90
+        runs = None
+        while time.time() < deadline:
+            try:
+                plugins = _get_json(f"{base}/data/plugins_listing")
+                if "profile" in plugins:
+                    runs = _get_json(f"{base}/data/plugin/profile/runs")
+                    if runs:
+                        break
+            except (OSError, ValueError):
+                pass
+            time.sleep(1)
+        assert runs, "TensorBoard never listed a profile run"
+        run = runs[0]
+        tools = _get_json(f"{base}/data/plugin/profile/run_tools?run={run}")
+        assert any("trace" in t for t in tools), tools
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
