@@ -313,7 +313,19 @@ def cmd_demo(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from lab.demo import run_demo
 
     report = run_demo(hardware=args.hardware, hardware_file=args.hardware_file)
-    return report.data, report.text
+    if args.analytic_only:
+        return report.data, report.text
+    from pathlib import Path
+
+    from lab.cli_run import run_text
+    from lab.run import run_experiment
+
+    experiment = Path(__file__).resolve().parent.parent / "experiments" / "tp_mlp.toml"
+    result = run_experiment(str(experiment), args.out, quiet=args.json, hardware_file=args.hardware_file)
+    shown = experiment.relative_to(Path.cwd()) if experiment.is_relative_to(Path.cwd()) else experiment
+    head = f"\n\n5. The main job on the emulated mesh: shardlab run {shown}\n"
+    data = report.data | {"run": result.report | {"run_dir": str(result.run_dir)}}
+    return data, report.text + head + run_text(result)
 
 
 # ----- parser ------------------------------------------------------------------------------
@@ -423,6 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", parents=[common], help="the default scenario on 8 emulated devices")
     d.add_argument("--hardware", default="tpu-v5e", metavar="NAME", help="target chip to predict for")
+    d.add_argument("--analytic-only", action="store_true", help="skip the run (compile, profile, ledger)")
+    d.add_argument("--out", default="runs", help="parent folder of the run directory (default runs/)")
     d.set_defaults(func=cmd_demo)
     return p
 

@@ -44,9 +44,15 @@ def cmd_run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             title=f"{r['experiment']}: {len(rows)} points" + (" (emulated)" if r["emulated"] else ""),
         )
         return r | {"run_dir": str(result.run_dir)}, text + f"\n\nreports under {result.run_dir}/points/"
+    return r | {"run_dir": str(result.run_dir)}, run_text(result)
+
+
+def run_text(result) -> str:
+    """The ledger and where the files are, for one finished run."""
     from lab.report import ledger_table
     from lab.units import fmt_seconds
 
+    r = result.report
     hw = r["hardware"]
     ratio = r["summary"]["median_ratio_large"]
     cal = "a host-calibrated spec" if hw.get("calibrated") else "an UNCALIBRATED spec"
@@ -65,7 +71,7 @@ def cmd_run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "breakdown.png)",
         f"trace:  tensorboard --logdir {r['tensorboard']}",
     ]
-    return r | {"run_dir": str(result.run_dir)}, "\n".join(lines)
+    return "\n".join(lines)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:

@@ -1,0 +1,134 @@
+"""Host calibration of the ``cpu`` chip (quick mode, once per module; no assertion is about timing)."""
+
+import json
+import math
+
+import pytest
+
+from lab.calibrate import Calibration, Fit, _line, calibrate, write_spec
+from lab.collectives import KINDS, collective_time
+from lab.errors import UserError
+from lab.hardware import Catalog, Chip, get_chip, load_hardware_file
+
+MEASURED = (
+    "peak_flops.fp32",
+    "peak_flops.bf16",
+    "hbm_bytes",
+    "hbm_bandwidth",
+    "link_bandwidth",
+    "hop_latency_s",
+    "launch_latency_s",
+)
+
+
+@pytest.fixture(scope="module")
+def cal(jax_devices):
+    lines = []
+    result = calibrate(quick=True, progress=lines.append)
+    assert lines, "progress is called once per phase"
+    return result
+
+
+def test_result_is_a_calibrated_cpu_chip(cal):
+    assert isinstance(cal, Calibration)
+    chip = cal.chip
+    assert isinstance(chip, Chip)
+    assert (chip.name, chip.kind, chip.calibrated) == ("cpu", "cpu", True)
+    assert chip.flops("fp32") > 0 and chip.flops("bf16") > 0
+    assert chip.hbm_bandwidth > 0 and chip.link_bandwidth > 0 and chip.hop_latency_s > 0
+    assert chip.hbm_bytes > 0 and chip.launch_latency_s >= 0
+    assert cal.mesh == {"X": 2, "Y": 4} and cal.seconds > 0
+    assert chip.calibration["quick"] is True
+
+
+def test_every_measured_field_says_how_it_was_measured(cal):
+    for key in MEASURED:
+        source = cal.chip.sources[key]
+        assert source.startswith("measured on this host by shardlab calibrate on "), key
+        assert "R^2=" in source, key
+    fitted = {f.term for f in cal.fits}
+    assert set(MEASURED) <= fitted
+
+
+def test_every_collective_kind_has_a_fit_and_a_factor(cal):
+    factors = cal.chip.calibration["collective_factor"]
+    assert set(factors) == set(KINDS)
+    for kind in KINDS:
+        assert factors[kind] > 0
+        fit = cal.fit(f"collective_factor.{kind}")
+        assert isinstance(fit, Fit) and fit.points >= 3 and fit.r2 is not None
+        assert fit.value == factors[kind]
+    # link_bandwidth is chosen from the AllGather fit, so AllGather needs no correction.
+    assert math.isclose(factors["all-gather"], 1.0, rel_tol=1e-9)
+
+
+def test_fitted_chip_reproduces_its_large_message_measurements(cal):
+    # Consistency of the fitting algebra (V conventions, model slopes, factors), from the recorded points.
+    chip = cal.chip
+    for kind in KINDS:
+        rec = chip.calibration["collectives"][kind]
+        nbytes, measured = max(rec["points"], key=lambda p: p[0])[:2]
+        predicted = collective_time(kind, nbytes, tuple(rec["axis_sizes"]), chip)
+        assert not predicted.latency_bound, kind
+        assert predicted.time_s == pytest.approx(measured, rel=0.10), kind
+
+
+def test_allgather_prices_at_the_fitted_link_bandwidth(cal):
+    chip, g = cal.chip, 8
+    cost = collective_time("all-gather", 8e6, (2, 4), chip)
+    assert cost.bandwidth_s == pytest.approx(8e6 * (g - 1) / (g * chip.link_bandwidth))
+    assert cost.time_s == pytest.approx(chip.launch_latency_s + max((g - 1) * chip.hop_latency_s, cost.bandwidth_s))
+
+
+def test_spec_round_trips_through_the_loader(cal, tmp_path):
+    path = write_spec(cal, tmp_path / "out" / "cpu.json")
+    assert path.is_file()
+    json.loads(path.read_text())  # strict JSON
+    (loaded,) = load_hardware_file(path, Catalog())
+    assert loaded == cal.chip
+
+
+def test_default_spec_path_replaces_the_placeholder(cal, tmp_path, monkeypatch):
+    specs = tmp_path / "specs"
+    monkeypatch.setenv("SHARDLAB_SPECS_DIR", str(specs))
+    assert not get_chip("cpu").calibrated
+    path = write_spec(cal)
+    assert path == specs / "cpu.json" and path.is_file()
+    assert get_chip("cpu") == cal.chip
+    assert get_chip("host") == cal.chip
+
+
+def test_notes_say_what_the_devices_are(cal):
+    notes = cal.chip.notes
+    assert "emulated" in notes and "memory copies" in notes
+
+
+def test_to_dict_and_table(cal):
+    d = cal.to_dict()
+    json.dumps(d, allow_nan=False)
+    assert d["chip"]["name"] == "cpu" and len(d["fits"]) == len(cal.fits)
+    table = cal.table()
+    for f in cal.fits:
+        assert f.term in table
+    assert "R^2" in table and "emulated" in table
+
+
+def test_unknown_fit_is_a_user_error(cal):
+    with pytest.raises(UserError, match="fitted terms"):
+        cal.fit("warp_speed")
+
+
+@pytest.mark.parametrize(
+    ("mesh", "match"),
+    [({"X": 1}, "one device"), ({"X": 64}, "needs 64 devices"), ({"X": 0}, "positive sizes")],
+)
+def test_bad_meshes_fail_before_measuring(jax_devices, mesh, match):
+    with pytest.raises(UserError, match=match):
+        calibrate(mesh, quick=True)
+
+
+def test_line_fit():
+    a, b, r2 = _line([1.0, 2.0, 3.0], [3.0, 5.0, 7.0])
+    assert (a, b, r2) == pytest.approx((1.0, 2.0, 1.0))
+    a, b, r2 = _line([1.0, 2.0], [2.0, 3.0], intercept=1.0)
+    assert a == 1.0 and b == pytest.approx(1.0) and r2 == pytest.approx(1.0)
