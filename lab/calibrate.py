@@ -565,6 +565,38 @@ def calibrate(
             )
         )
 
+    # 5b. Other group sizes: on one host a smaller group is not proportionally cheaper (every device still
+    # copies through the same memory), so each kind gets a factor per group size, from its largest message.
+    by_group: dict[str, dict[str, float]] = {kind: {str(g): factors[kind]} for kind in MODEL_KINDS}
+    from kernels.registry import get_kernel as _get_kernel
+
+    for axis, size in mesh.items():
+        if size < 2 or size == g:
+            continue
+        for kind in MODEL_KINDS:
+            n = _elements(kind, coll_sizes[-1], size)
+            built = _get_kernel(f"collective_{KERNEL_KIND[kind]}").build(jmesh, {"N": n}, "float32", (axis,))
+            t_k, t_d = _measure([lambda b=built: b.fn(*b.args), dispatch], repeats, budget)
+            net = _median([a - b for a, b in zip(t_k, t_d, strict=True)])
+            del built
+            v = 4.0 * n * size if kind in ("all-gather", "all-to-all") else 4.0 * n
+            model_bw = slopes_per_w[kind] / link_bw  # seconds per byte of V over all axes: rescale to this group
+            probe = dataclasses.replace(
+                base,
+                link_bandwidth=link_bw,
+                hop_latency_s=0.0,
+                launch_latency_s=0.0,
+                calibration={"collective_factor": dict.fromkeys(MODEL_KINDS, 1.0)},
+            )
+            model_s = collective_time(kind, v, (size,), probe).bandwidth_s
+            del model_bw
+            if model_s > 0 and net > launch:
+                by_group[kind][str(size)] = (net - launch) / model_s
+        say(
+            f"collectives over one axis of {size}: factors "
+            + ", ".join(f"{k} {by_group[k].get(str(size), float('nan')):.2f}" for k in MODEL_KINDS)
+        )
+
     # 6. Checks the model does not fit: other group sizes, all devices at once.
     checks: dict[str, Any] = {}
     if not quick and len(mesh) > 1:
@@ -639,6 +671,7 @@ def calibrate(
         "seconds": seconds,
         "host": {"cpu": cpu, "logical_cpus": os.cpu_count(), "jax": jax.__version__, "devices": n_dev},
         "collective_factor": factors,
+        "collective_factor_by_group": by_group,
         "fits": [dataclasses.asdict(f) for f in fits],
         "matmul": {k: [list(r) for r in rows] for k, rows in matmul.items()},
         "memory": {"inplace": copies["inplace"], "fresh_output": copies["fresh"]},

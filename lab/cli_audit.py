@@ -55,6 +55,9 @@ def cmd_audit(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         mesh = {**mesh, "Y": 1}  # matmul kernels name X and Y; a 1-D mesh has Y of size 1
     ensure_host_devices(math.prod(mesh.values()))
 
+    if kernel in ("train_step", "decode"):
+        return _audit_model(exp if target.endswith(".toml") else None, kernel, mesh, sizes)
+
     from kernels.registry import get_kernel  # imports JAX
     from lab.audit import audit_kernel
     from lab.hardware import default_catalog
@@ -78,6 +81,26 @@ def cmd_audit(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if args.strict and not result.all_match:
         args._exit_code = 1
     return data, result.table()
+
+
+def _audit_model(exp, kernel: str, mesh: dict[str, int], sizes: dict[str, int] | None):
+    if kernel == "decode" or exp is None:
+        raise UserError(
+            "the audit predicts the Transformer's train step from an experiment file "
+            "(e.g. experiments/train_fsdp_tp.toml); decode has no plan-level prediction yet, use shardlab run"
+        )
+    from kernels.transformer import TransformerConfig
+    from lab.model_audit import audit_train
+
+    try:
+        cfg = TransformerConfig(**exp.model, compute_dtype="bfloat16" if exp.dtype == "bf16" else "float32")
+    except TypeError as exc:
+        raise UserError(f"{exp.path}: [model] {exc}") from None
+    sizes = sizes or exp.sizes
+    result = audit_train(
+        cfg, str(exp.run.get("rules", "fsdp_tp")), mesh, sizes["batch"], sizes["seq"], str(exp.run.get("remat", "none"))
+    )
+    return result.to_dict(), result.table()
 
 
 def cmd_audit_list(args: argparse.Namespace) -> tuple[dict[str, Any], str]:

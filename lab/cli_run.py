@@ -34,7 +34,7 @@ def cmd_run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                 fmt_seconds(p["step_time_measured_s"] or 0),
                 f"{100 * p['coverage']:.0f}%",
                 f"{p['median_ratio_large']:.2f}" if p["median_ratio_large"] else "-",
-                "yes" if p["all_match"] else "NO",
+                {True: "yes", False: "NO", None: "-"}[p["all_match"]],
             ]
             for p in r["points"]
         ]
@@ -57,7 +57,7 @@ def run_text(result) -> str:
     ratio = r["summary"]["median_ratio_large"]
     cal = "a host-calibrated spec" if hw.get("calibrated") else "an UNCALIBRATED spec"
     emulated = f" (EMULATED: timings vs {cal}, structure exact)" if r["emulated"] else ""
-    verdict = "all match" if r["audit"]["all_match"] else "MISMATCH"
+    verdict = {True: "all match", False: "MISMATCH", None: "not predicted"}[r["audit"].get("all_match")]
     large = f"median measured/predicted {ratio:.2f}" if ratio else "none"
     lines = [
         f"{r['experiment']} on {r['devices']} {r['backend']} devices{emulated}",

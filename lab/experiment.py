@@ -130,6 +130,9 @@ def load_experiment(path: str | Path) -> Experiment:
     run = doc.get("run", {})
     if not isinstance(run, dict):
         raise bad("run", None, "must be a table")
+    model = doc.get("model", {})
+    if not isinstance(model, dict):
+        raise bad("model", None, "must be a table of the model's dims")
     return Experiment(
         name=exp.get("name", p.stem),
         kernel=kernel,
@@ -140,4 +143,5 @@ def load_experiment(path: str | Path) -> Experiment:
         axes=tuple(axes) if axes is not None else None,
         path=str(p),
         run=run,
+        model=model,
     )

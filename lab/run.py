@@ -169,6 +169,47 @@ def _sweep_points(exp: Experiment) -> list[tuple[str, dict[str, int]]]:
     return out
 
 
+MODEL_KERNELS = ("train_step", "decode")
+
+
+def _build_model(exp: Experiment, sizes: dict[str, int], mesh: dict[str, int], progress):
+    """The JAX Transformer's train step or greedy decode, its HLO and (train step) its audit."""
+    from kernels import transformer as tf
+
+    fields = dict(exp.model) | {"compute_dtype": "bfloat16" if exp.dtype == "bf16" else "float32"}
+    try:
+        cfg = tf.TransformerConfig(**fields)
+    except TypeError as exc:
+        raise UserError(f"{exp.path}: [model] {exc}") from None
+    rules = str(exp.run.get("rules", "fsdp_tp"))
+    if exp.kernel == "train_step":
+        remat = str(exp.run.get("remat", "none"))
+        for key in ("batch", "seq"):
+            if key not in sizes:
+                raise UserError(f"{exp.path}: [sizes] needs {key} for a train_step")
+        step, args = tf.build_train(cfg, rules, mesh, sizes["batch"], sizes["seq"], remat)
+        progress("compiling and auditing against the training estimator")
+        hlo = step.lower(*args).compile().as_text()
+        from lab.model_audit import audit_train
+
+        audit = audit_train(cfg, rules, mesh, sizes["batch"], sizes["seq"], remat).to_dict()
+        state = {"args": args}
+
+        def one_step():  # parameters and optimizer state are donated: carry them from step to step
+            params, opt_state, loss = step(*state["args"])
+            state["args"] = (params, opt_state, state["args"][2])
+            return loss
+
+        return one_step, (), hlo, audit
+    for key in ("batch", "prompt_len", "steps"):
+        if key not in sizes:
+            raise UserError(f"{exp.path}: [sizes] needs {key} for decode")
+    fn, args = tf.build_decode(cfg, rules, mesh, sizes["batch"], sizes["prompt_len"], sizes["steps"])
+    progress("compiling (decode has no plan-level audit yet)")
+    hlo = fn.lower(*args).compile().as_text()
+    return fn, args, hlo, {"all_match": None, "note": "no plan-level prediction for decode: ledger only"}
+
+
 def run_point(
     exp: Experiment,
     sizes: dict[str, int],
@@ -184,24 +225,29 @@ def run_point(
     from lab import ledger, report, trace
     from lab.audit import audit_compiled, predict
 
-    kernel = get_kernel(exp.kernel)
     mesh = dict(exp.mesh)
-    if exp.kernel.startswith(("sharded_matmul", "collective_matmul", "matmul_", "tp_mlp")) and "Y" not in mesh:
-        mesh["Y"] = 1
-    progress(f"{exp.name} {sizes}: building on mesh {mesh}")
-    built = kernel.build(make_mesh(mesh), sizes, exp.dtype, exp.axes)
-    progress("compiling and auditing")
-    compiled = built.fn.lower(*built.args).compile()
-    predicted, flops = predict(kernel, mesh, sizes, exp.dtype, exp.axes)
-    audit = audit_compiled(exp.kernel, compiled, predicted, flops, mesh, sizes, exp.dtype, env["backend"])
-    (out_dir / "hlo.txt").write_text(audit.hlo_text)
-    ops_pred = ledger.predict_ops(audit.hlo_text, chip, mesh)
+    if exp.kernel in MODEL_KERNELS:
+        progress(f"{exp.name} {sizes}: building the Transformer {exp.kernel} on mesh {mesh}")
+        fn, args, hlo_text, audit_dict = _build_model(exp, sizes, mesh, progress)
+    else:
+        kernel = get_kernel(exp.kernel)
+        if exp.kernel.startswith(("sharded_matmul", "collective_matmul", "matmul_", "tp_mlp")) and "Y" not in mesh:
+            mesh["Y"] = 1
+        progress(f"{exp.name} {sizes}: building on mesh {mesh}")
+        built = kernel.build(make_mesh(mesh), sizes, exp.dtype, exp.axes)
+        progress("compiling and auditing")
+        compiled = built.fn.lower(*built.args).compile()
+        predicted, flops = predict(kernel, mesh, sizes, exp.dtype, exp.axes)
+        audit = audit_compiled(exp.kernel, compiled, predicted, flops, mesh, sizes, exp.dtype, env["backend"])
+        fn, args, hlo_text, audit_dict = built.fn, built.args, audit.hlo_text, audit.to_dict()
+    (out_dir / "hlo.txt").write_text(hlo_text)
+    ops_pred = ledger.predict_ops(hlo_text, chip, mesh)
 
     warmup = int(exp.run.get("warmup", 1))
     repeats = int(exp.run.get("repeats", 5))
     logdir = out_dir / "tensorboard"
     progress(f"profiling {repeats} repeats after {warmup} warm-up")
-    files = trace.record(built.fn, built.args, str(logdir), warmup=warmup, repeats=repeats)
+    files = trace.record(fn, args, str(logdir), warmup=warmup, repeats=repeats)
     progress("parsing the trace")
     tr = trace.parse(files, hlo_names={p.name for p in ops_pred})
     stats = tr.per_op()
@@ -239,7 +285,7 @@ def run_point(
             "ops": len(rows),
             "repeats": repeats,
         },
-        "audit": audit.to_dict(),
+        "audit": audit_dict,
         "tensorboard": str(logdir),
         "perfetto_trace": files.perfetto,
     }

@@ -101,6 +101,8 @@ def test_shipped_experiments_load_and_match(jax_devices, path):
     from lab.audit import audit_kernel
 
     exp = load_experiment(os.path.join(REPO, "experiments", path))
+    if exp.kernel in ("train_step", "decode"):  # the Transformer's experiments: tests/test_model_audit.py
+        return
     assert exp.name == path.removesuffix(".toml") and exp.devices <= 8
     with open(os.path.join(REPO, "experiments", path)) as f:
         assert f.readline().startswith("# ")  # each file says in a comment what question it answers

@@ -181,6 +181,7 @@ def _free_port() -> int:
 def test_tensorboard_lists_the_run_and_its_trace(jax_devices, tmp_path):
     """Start TensorBoard with the profile plugin on loopback against a run's logdir and ask its HTTP API."""
     import tensorboard_plugin_profile  # noqa: F401  (installed by the dev extra; fails loudly if missing)
+
     result = run_experiment(_experiment(tmp_path, TP_MLP), str(tmp_path / "runs"), quiet=True, hardware="cpu")
     logdir = result.run_dir / "tensorboard"
     port = _free_port()
