@@ -15,8 +15,10 @@ call, a few repeats interleaved round-robin when two programs are compared, medi
   too: above glibc's mmap threshold (32 MiB) every fresh output is page-faulted in, which is much slower.
 * **collectives** on the mesh (default ``X=2, Y=4``, every axis): the registry's microkernels at sizes
   from ~4 KB to ~16 MB of ``V`` (the collective model's byte convention, :mod:`lab.collectives`), each
-  paired with a trivial program on the same mesh whose time (the dispatch of a multi-device program) is
-  subtracted. The latency regime is measured inside one program (a loop of K collectives, so dispatch
+  timed as ``shardlab run`` measures ops: its own time in a ``jax.profiler`` trace (slowest device,
+  rendezvous waits excluded, no program launch), because XLA:CPU's collectives run slower under the
+  profiler than timed from outside and predictions must be compared on the footing they are measured
+  on. The latency regime is measured inside one program (a loop of K collectives, so dispatch
   cancels): AllGather over each single axis and over all axes gives ``launch + (G - 1) * hop`` on the
   switch model, hence ``launch_latency_s`` and ``hop_latency_s``. The bandwidth line ``t = launch + b V``
   is fitted per kind (least squares, so the large messages dominate); AllGather's slope fixes
@@ -353,8 +355,27 @@ def _latency(mesh, kind: str, axes: tuple[str, ...], steps: tuple[int, int], rep
     return _median([(b - a) / (k2 - k1) for a, b in zip(t1, t2, strict=True)])
 
 
+def _traced_seconds(built, repeats: int) -> float:
+    """The collective's own time as the profiler sees it (median over steps, slowest device, waits excluded).
+
+    Calibrating from the same per-op measurement that ``shardlab run`` reports keeps predictions and
+    measurements on one footing: under the profiler XLA:CPU's collectives run measurably slower than
+    when timed from outside, and the per-op time leaves out the program's launch.
+    """
+    import tempfile
+
+    from lab import trace
+    from lab.hlo import collectives, parse_module
+
+    names = {c.name for c in collectives(parse_module(built.fn.lower(*built.args).compile().as_text()))}
+    with tempfile.TemporaryDirectory(prefix="shardlab-calibrate-") as logdir:
+        files = trace.record(built.fn, built.args, logdir, warmup=1, repeats=max(2, min(repeats, 5)))
+        stats = trace.parse(files, names).per_op()
+    return sum(st.median_self_s for st in stats.values())
+
+
 def _collective_points(mesh, kind: str, sizes: Sequence[int], dispatch, repeats: int, budget: float) -> list:
-    """``[V, net seconds, kernel seconds, dispatch seconds]`` per size over every mesh axis."""
+    """``[V, seconds, seconds, 0]`` per size over every mesh axis, timed through the profiler's per-op view."""
     import numpy as np
 
     from kernels.registry import get_kernel
@@ -365,9 +386,8 @@ def _collective_points(mesh, kind: str, sizes: Sequence[int], dispatch, repeats:
     for nbytes in sizes:
         n = _elements(kind, nbytes, g)
         built = kernel.build(mesh, {"N": n}, np.float32, None)
-        t_kernel, t_dispatch = _measure([lambda b=built: b.fn(*b.args), dispatch], repeats, budget)
-        net = _median([k - d for k, d in zip(t_kernel, t_dispatch, strict=True)])
-        rows.append([_model_bytes(kind, n, g), net, _median(t_kernel), _median(t_dispatch)])
+        net = _traced_seconds(built, repeats)
+        rows.append([_model_bytes(kind, n, g), net, net, 0.0])
         del built
     return rows
 
@@ -522,7 +542,7 @@ def calibrate(
         lat_how,
     )
 
-    # 5. Bandwidth regime: microkernels over every axis, dispatch subtracted.
+    # 5. Bandwidth regime: microkernels over every axis, each collective timed through the profiler.
     dispatch = _dispatch_program(jmesh)
     coll_sizes = COLLECTIVE_BYTES[q]
     axis_sizes = tuple(mesh.values())
@@ -552,8 +572,8 @@ def calibrate(
             record(
                 Fit("link_bandwidth", link_bw, r2, len(points[kind]), f"AllGather over {g}: (G-1)/G / slope"),
                 "link_bandwidth",
-                f"AllGather over all {g} devices, V {span}, dispatch subtracted; t = launch + V(G-1)/(G*W) by "
-                f"least squares (large messages dominate)",
+                f"AllGather over all {g} devices, V {span}, per-op time under the profiler; "
+                f"t = launch + V(G-1)/(G*W) by least squares (large messages dominate)",
             )
         record(
             Fit(
@@ -576,8 +596,7 @@ def calibrate(
         for kind in MODEL_KINDS:
             n = _elements(kind, coll_sizes[-1], size)
             built = _get_kernel(f"collective_{KERNEL_KIND[kind]}").build(jmesh, {"N": n}, "float32", (axis,))
-            t_k, t_d = _measure([lambda b=built: b.fn(*b.args), dispatch], repeats, budget)
-            net = _median([a - b for a, b in zip(t_k, t_d, strict=True)])
+            net = _traced_seconds(built, repeats)
             del built
             v = 4.0 * n * size if kind in ("all-gather", "all-to-all") else 4.0 * n
             model_bw = slopes_per_w[kind] / link_bw  # seconds per byte of V over all axes: rescale to this group

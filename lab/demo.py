@@ -92,7 +92,7 @@ def run_demo(hardware: str = "tpu-v5e", hardware_file: str | None = None) -> Dem
         f"shardlab demo: LLaMA-3-8B MLP block (D={D_MODEL}, F={D_FF}), {TOKENS} tokens, "
         f"mesh X={MESH['X']} x Y={MESH['Y']}, {dtype}, predicted for {chip.name}"
     )
-    out.append("Predictions only: compiling and measuring the same program arrive with the audit and run harness.")
+    out.append("Sections 1-3 predict for the target chip; 4 checks placement on the emulated mesh; 5 is the main job.")
     out.append(
         f"{chip.name}: {fmt_rate(chip.flops(dtype), 'FLOP/s')} {dtype}, {fmt_bytes(chip.hbm_bytes)} HBM at "
         f"{fmt_rate(chip.hbm_bandwidth, 'B/s')} (critical intensity {chip.critical_intensity(dtype):.0f}), "
