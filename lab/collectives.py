@@ -220,6 +220,14 @@ def _switched(kind: str, v: float, g: int, chip: Chip, scope: str, per_node: int
     return _Parts(hops, bw, per_hop, launch, link, formula)
 
 
+def _calibrated_factor(chip: Chip, kind: str, group: int) -> float | None:
+    """What a calibrated host measured for this kind's bandwidth term (shardlab calibrate): for this group
+    size when it measured one, else for the whole mesh; None on uncalibrated chips."""
+    by_group = dict(dict(chip.calibration.get("collective_factor_by_group", {})).get(kind, {}))
+    factor = by_group.get(str(group)) or dict(chip.calibration.get("collective_factor", {})).get(kind)
+    return float(factor) if factor else None
+
+
 def collective_time(
     kind: str,
     nbytes: float,
@@ -283,10 +291,8 @@ def collective_time(
             latency_bound=False,
             formula="0 (group of one)",
         )
-    if kind == "all-reduce" and not (
-        dict(chip.calibration.get("collective_factor", {})).get(kind)
-        or dict(chip.calibration.get("collective_factor_by_group", {})).get(kind)
-    ):
+    factor = _calibrated_factor(chip, kind, math.prod(sizes))
+    if kind == "all-reduce" and not factor:
         kw = {"wraparound": wraps, "scope": scope, "members_per_node": members_per_node}
         rs = collective_time("reduce-scatter", nbytes, sizes, chip, **kw)
         ag = collective_time("all-gather", nbytes, sizes, chip, **kw)
@@ -317,10 +323,6 @@ def collective_time(
         parts = _torus(kind, float(nbytes), sizes, wraps, chip)
     else:
         parts = _switched(kind, float(nbytes), math.prod(sizes), chip, scope, members_per_node)
-    # A calibrated host scales each kind's bandwidth term by what it measured (shardlab calibrate),
-    # for this group size when it measured one.
-    by_group = dict(dict(chip.calibration.get("collective_factor_by_group", {})).get(kind, {}))
-    factor = by_group.get(str(math.prod(sizes))) or dict(chip.calibration.get("collective_factor", {})).get(kind)
     if factor:
         parts = dataclasses.replace(parts, bandwidth_s=parts.bandwidth_s * float(factor))
     hop_total = parts.hops * parts.hop_latency_s
