@@ -63,6 +63,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "## Ledger",
         "",
+        "Measured: each op's own time (rendezvous waits excluded) on its slowest device, median over the repeats.",
+        "",
         "```",
         ledger_table(report["ops"]),
         "```",
