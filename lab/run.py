@@ -127,6 +127,8 @@ def environment() -> dict[str, Any]:
     import jaxlib
 
     devs = jax.devices()
+    import lab.trace  # noqa: F401  (installs the filter for the profile plugin's import-time log line)
+
     versions = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": platform.python_version()}
     for mod in ("libtpu", "xprof", "tensorboard_plugin_profile"):
         with contextlib.suppress(ImportError, AttributeError):

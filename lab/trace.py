@@ -43,6 +43,7 @@ import contextlib
 import glob
 import gzip
 import json
+import logging
 import os
 import re
 import statistics
@@ -53,6 +54,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from lab.errors import UserError
+
+# The profile plugin (xprof), when installed, logs at INFO on import that TensorFlow is absent; the lab
+# never uses TensorFlow, so that line is noise on every run.
+logging.getLogger("tensorboard.plugins.profile").addFilter(
+    lambda record: "tensorflow is not available" not in record.getMessage()
+)
 
 STEP_NAME = "step"
 _DEVICE_PLANE = re.compile(r"^/device:([A-Z][A-Z0-9]*):(\d+)$")
