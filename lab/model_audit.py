@@ -40,7 +40,6 @@ class ModelAudit:
     entries: tuple[AuditEntry, ...]
     unexpected: tuple[dict[str, Any], ...]
     flops_compiled: float
-    flops_predicted: float
     memory: dict[str, float]
 
     @property
@@ -58,7 +57,6 @@ class ModelAudit:
             "unexpected": list(self.unexpected),
             "all_match": self.all_match,
             "flops_compiled": self.flops_compiled,
-            "flops_predicted": self.flops_predicted,
             "memory": self.memory,
         }
 
@@ -102,7 +100,7 @@ def _axes(rule) -> tuple[str, ...]:
 
 def predict_train(
     cfg, rules_name: str, mesh: dict[str, int], batch: int, seq: int, remat: str, dtype_bytes: float = 4.0
-) -> tuple[list[Predicted], float]:
+) -> list[Predicted]:
     """The estimator's collectives for one train step of ``kernels.transformer`` (module docstring)."""
     from kernels.transformer import get_rules, param_info
 
@@ -219,7 +217,7 @@ def predict_train(
         )
     if loss:
         preds.append(loss)
-    return preds, 0.0
+    return preds
 
 
 def _leaves(tree, prefix=""):
@@ -232,16 +230,15 @@ def _leaves(tree, prefix=""):
 
 def audit_train(cfg, rules_name: str, mesh: dict[str, int], batch: int, seq: int, remat: str = "none") -> ModelAudit:
     """Compile the train step and compare its collectives and memory with the estimators."""
-    from kernels.transformer import build_train
+    from kernels.transformer import build_train, get_rules
     from lab.hardware import get_chip
     from lab.models import ModelConfig
     from lab.training import Layout, TrainConfig, memory_per_chip
 
     step, args = build_train(cfg, rules_name, mesh, batch, seq, remat)
     compiled = step.lower(*args).compile()
-    text = compiled.as_text()
-    module = parse_module(text)
-    predicted, _ = predict_train(cfg, rules_name, mesh, batch, seq, remat)
+    module = parse_module(compiled.as_text())
+    predicted = predict_train(cfg, rules_name, mesh, batch, seq, remat)
     entries, unexpected = compare(predicted, collectives(module), mesh)
     flops = sum(d.flops * d.times for d in dots(module))
     mem = compiled.memory_analysis()
@@ -258,8 +255,6 @@ def audit_train(cfg, rules_name: str, mesh: dict[str, int], batch: int, seq: int
         vocab=cfg.vocab,
         max_seq_len=cfg.max_seq_len,
     )
-    from kernels.transformer import get_rules
-
     rules = get_rules(rules_name)
 
     def deg(rule) -> int:
@@ -272,8 +267,6 @@ def audit_train(cfg, rules_name: str, mesh: dict[str, int], batch: int, seq: int
     fsdp = deg(rules.embed)
     replicas = deg(rules.batch)
     lay = Layout(tp=tp, fsdp=fsdp, dp=max(1, replicas // fsdp), sequence_parallel=rules.sequence is not None)
-    if lay.chips != sum(1 for _ in range(1)) * lay.chips:
-        pass
     est = memory_per_chip(
         TrainConfig(
             model=model,
@@ -293,4 +286,4 @@ def audit_train(cfg, rules_name: str, mesh: dict[str, int], batch: int, seq: int
         "compiled_temp_bytes": float(getattr(mem, "temp_size_in_bytes", 0)),
         "estimator_activation_bytes": est.activations,
     }
-    return ModelAudit(rules_name, dict(mesh), batch, seq, remat, tuple(entries), tuple(unexpected), flops, 0.0, memory)
+    return ModelAudit(rules_name, dict(mesh), batch, seq, remat, tuple(entries), tuple(unexpected), flops, memory)
