@@ -216,6 +216,11 @@ def _same(a: float, b: float) -> bool:
     return abs(a - b) <= max(0.5, 1e-9 * max(abs(a), abs(b)))
 
 
+def _lowered(label: str, key: tuple, nbytes: float, used: list, how: str) -> AuditEntry:
+    """A match through another lowering that moves the same V (XLA's choice, not a layout error)."""
+    return AuditEntry(label, key[0], key[1], nbytes, nbytes, True, tuple(c.name for c in used), how)
+
+
 def compare(
     predicted: list[Predicted], compiled: list[CompiledCollective], mesh: dict[str, int]
 ) -> tuple[list[AuditEntry], list[dict[str, Any]]]:
@@ -239,6 +244,7 @@ def compare(
         kind, axes = key
         pred_bytes = sum(p.bytes for p in preds)
         pdtype = preds[0].dtype
+        label = " + ".join(p.op for p in preds)
         got = groups.get(key, [])
         note = ""
         if not got and kind == "all-reduce":  # XLA may split an AllReduce into ReduceScatter + AllGather
@@ -246,18 +252,7 @@ def compare(
             rs_b, ag_b = sum(c.bytes * c.times for c in rs), sum(c.bytes * c.times for c in ag)
             if rs and ag and _same(rs_b, pred_bytes) and _same(ag_b, pred_bytes):
                 used |= {("reduce-scatter", axes), ("all-gather", axes)}
-                entries.append(
-                    AuditEntry(
-                        " + ".join(p.op for p in preds),
-                        kind,
-                        axes,
-                        pred_bytes,
-                        pred_bytes,
-                        True,
-                        tuple(c.name for c in rs + ag),
-                        "XLA split it into ReduceScatter + AllGather",
-                    )
-                )
+                entries.append(_lowered(label, key, pred_bytes, rs + ag, "XLA split it into ReduceScatter + AllGather"))
                 continue
         if not got and kind == "reduce-scatter":  # XLA:CPU may lower it as AllReduce + local slice
             ar = groups.get(("all-reduce", axes), [])
@@ -266,27 +261,21 @@ def compare(
                 if also:
                     want.pop(("all-reduce", axes))
                     entries.append(
-                        AuditEntry(
+                        _lowered(
                             "AllReduces predicted over these axes",
-                            "all-reduce",
-                            axes,
+                            ("all-reduce", axes),
                             also,
-                            also,
-                            True,
-                            (),
+                            [],
                             "combined with the ReduceScatter below",
                         )
                     )
                 used.add(("all-reduce", axes))
                 entries.append(
-                    AuditEntry(
-                        " + ".join(p.op for p in preds),
-                        kind,
-                        axes,
+                    _lowered(
+                        label,
+                        key,
                         pred_bytes,
-                        pred_bytes,
-                        True,
-                        tuple(c.name for c in ar),
+                        ar,
                         "lowered as AllReduce + local slice: same V, twice the traffic of a ReduceScatter",
                     )
                 )
@@ -310,7 +299,7 @@ def compare(
             note = "not in the compiled program"
         entries.append(
             AuditEntry(
-                " + ".join(p.op for p in preds),
+                label,
                 kind,
                 axes,
                 pred_bytes,

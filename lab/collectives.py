@@ -312,17 +312,16 @@ def collective_time(
             formula="ReduceScatter + AllGather",
         )
 
+    def structure(k: str):
+        if chip.topology == "torus" and scope == "node":
+            return _torus(k, float(nbytes), sizes, wraps, chip)
+        return _switched(k, float(nbytes), math.prod(sizes), chip, scope, members_per_node)
+
     if kind == "all-reduce":  # calibrated: the AllGather's structure twice, scaled by the measured factor
-        ag = (
-            _torus("all-gather", float(nbytes), sizes, wraps, chip)
-            if chip.topology == "torus" and scope == "node"
-            else _switched("all-gather", float(nbytes), math.prod(sizes), chip, scope, members_per_node)
-        )
+        ag = structure("all-gather")
         parts = dataclasses.replace(ag, hops=2 * ag.hops, bandwidth_s=2 * ag.bandwidth_s, formula="2 x AllGather")
-    elif chip.topology == "torus" and scope == "node":
-        parts = _torus(kind, float(nbytes), sizes, wraps, chip)
     else:
-        parts = _switched(kind, float(nbytes), math.prod(sizes), chip, scope, members_per_node)
+        parts = structure(kind)
     if factor:
         parts = dataclasses.replace(parts, bandwidth_s=parts.bandwidth_s * float(factor))
     hop_total = parts.hops * parts.hop_latency_s
