@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from lab.errors import UserError
-from lab.run import run_experiment
+from lab.run import WARMUP, run_experiment
 
 KINDS = {
     "matmul",
@@ -48,6 +48,14 @@ F = 512
 warmup = 1
 repeats = 2
 """
+
+
+def test_warm_up_defaults_to_several_calls_when_the_experiment_names_none(jax_devices, tmp_path):
+    # One warm-up call leaves XLA:CPU's first traced steps several times slower in a fresh process.
+    body = TP_MLP.replace("warmup = 1\n", "").replace("D = 128", "D = 32").replace("F = 512", "F = 64")
+    result = run_experiment(_experiment(tmp_path, body), str(tmp_path / "runs"), quiet=True, hardware="cpu")
+    summary = json.loads((result.run_dir / "report.json").read_text())["summary"]
+    assert summary["warmup"] == WARMUP >= 5 and summary["repeats"] == 2
 
 
 def test_run_writes_the_report_the_issue_names(jax_devices, tmp_path):
