@@ -21,9 +21,11 @@ call, a few repeats interleaved round-robin when two programs are compared, medi
   on. The latency regime is measured inside one program (a loop of K collectives, so dispatch
   cancels): AllGather over each single axis and over all axes gives ``launch + (G - 1) * hop`` on the
   switch model, hence ``launch_latency_s`` and ``hop_latency_s``. The bandwidth line ``t = launch + b V``
-  is fitted per kind (least squares, so the large messages dominate); AllGather's slope fixes
-  ``link_bandwidth`` and every kind gets ``collective_factor[kind] = b / model slope``, so that
-  :func:`lab.collectives.collective_time` reproduces the large-message measurements.
+  is fitted per kind and per group: over all axes and over each single mesh axis, at the same sizes
+  (least squares, so the large messages dominate). AllGather's slope over all axes fixes
+  ``link_bandwidth``; every kind gets ``collective_factor[kind] = b / model slope`` over all axes and
+  ``collective_factor_by_group[kind][G]`` per axis, so that :func:`lab.collectives.collective_time`
+  reproduces the large-message measurements of each group.
 * **hbm_bytes**: host RAM divided by the number of emulated devices.
 
 The numbers are those of emulated devices: use them to compare predictions with measurements on this
@@ -355,39 +357,36 @@ def _latency(mesh, kind: str, axes: tuple[str, ...], steps: tuple[int, int], rep
     return _median([(b - a) / (k2 - k1) for a, b in zip(t1, t2, strict=True)])
 
 
-def _traced_seconds(built, repeats: int) -> float:
-    """The collective's own time as the profiler sees it (median over steps, slowest device, waits excluded).
+def _collective_points(mesh, kind: str, axes: tuple[str, ...] | None, sizes: Sequence[int], repeats: int) -> list:
+    """``[V, seconds]`` per message size of the registry's collective microkernel over ``axes`` (None: every
+    axis), each timed as ``shardlab run`` times an op: its own time in a ``jax.profiler`` trace, median over
+    steps, slowest device, rendezvous waits excluded.
 
-    Calibrating from the same per-op measurement that ``shardlab run`` reports keeps predictions and
-    measurements on one footing: under the profiler XLA:CPU's collectives run measurably slower than
-    when timed from outside, and the per-op time leaves out the program's launch.
+    Calibrating from the per-op measurement that runs report keeps predictions and measurements on one
+    footing (under the profiler XLA:CPU's collectives run slower than timed from outside, and the per-op
+    time leaves out the program's launch). Each size gets its own trace: timing all sizes of a kind in one
+    trace measured them faster than runs of the same programs see them (in three validation passes 7-11 of
+    25 runs stayed in [0.67, 1.5], against 16-20 with a trace per size; docs/validation/cpu-emulated.md).
     """
     import tempfile
 
-    from lab import trace
-    from lab.hlo import collectives, parse_module
-
-    names = {c.name for c in collectives(parse_module(built.fn.lower(*built.args).compile().as_text()))}
-    with tempfile.TemporaryDirectory(prefix="shardlab-calibrate-") as logdir:
-        files = trace.record(built.fn, built.args, logdir, warmup=1, repeats=max(2, min(repeats, 5)))
-        stats = trace.parse(files, names).per_op()
-    return sum(st.median_self_s for st in stats.values())
-
-
-def _collective_points(mesh, kind: str, sizes: Sequence[int], dispatch, repeats: int, budget: float) -> list:
-    """``[V, seconds, seconds, 0]`` per size over every mesh axis, timed through the profiler's per-op view."""
     import numpy as np
 
     from kernels.registry import get_kernel
+    from lab import trace
+    from lab.hlo import collectives, parse_module
 
-    g = math.prod(mesh.shape.values())
+    g = math.prod(mesh.shape[a] for a in axes) if axes else math.prod(mesh.shape.values())
     kernel = get_kernel(f"collective_{KERNEL_KIND[kind]}")
     rows = []
     for nbytes in sizes:
         n = _elements(kind, nbytes, g)
-        built = kernel.build(mesh, {"N": n}, np.float32, None)
-        net = _traced_seconds(built, repeats)
-        rows.append([_model_bytes(kind, n, g), net, net, 0.0])
+        built = kernel.build(mesh, {"N": n}, np.float32, axes)
+        names = {c.name for c in collectives(parse_module(built.fn.lower(*built.args).compile().as_text()))}
+        with tempfile.TemporaryDirectory(prefix="shardlab-calibrate-") as logdir:
+            files = trace.record(built.fn, built.args, logdir, warmup=1, repeats=max(2, min(repeats, 5)))
+            stats = trace.parse(files, names).per_op()
+        rows.append([_model_bytes(kind, n, g), sum(st.median_self_s for st in stats.values())])
         del built
     return rows
 
@@ -550,7 +549,7 @@ def calibrate(
     points: dict[str, list] = {}
     lines: dict[str, tuple[float, float, float]] = {}
     for kind in MODEL_KINDS:
-        points[kind] = _collective_points(jmesh, kind, coll_sizes, dispatch, repeats, budget)
+        points[kind] = _collective_points(jmesh, kind, None, coll_sizes, repeats)
         vs, ts = [p[0] for p in points[kind]], [p[1] for p in points[kind]]
         lines[kind] = _line(vs, ts, intercept=launch)
         top = points[kind][-1]
@@ -585,34 +584,32 @@ def calibrate(
             )
         )
 
-    # 5b. Other group sizes: on one host a smaller group is not proportionally cheaper (every device still
-    # copies through the same memory), so each kind gets a factor per group size, from its largest message.
+    # 5b. Each single mesh axis: on one host a smaller group is not proportionally cheaper (every device still
+    # copies through the same memory), so each kind gets its own line per axis over the same message sizes.
     by_group: dict[str, dict[str, float]] = {kind: {str(g): factors[kind]} for kind in MODEL_KINDS}
-    from kernels.registry import get_kernel as _get_kernel
-
+    group_points: dict[str, dict[str, list]] = {kind: {str(g): points[kind]} for kind in MODEL_KINDS}
     for axis, size in mesh.items():
         if size < 2 or size == g:
             continue
+        slopes = _model_slopes(base, (size,))  # seconds per byte of V on a 1 B/s link, for this group
         for kind in MODEL_KINDS:
-            n = _elements(kind, coll_sizes[-1], size)
-            built = _get_kernel(f"collective_{KERNEL_KIND[kind]}").build(jmesh, {"N": n}, "float32", (axis,))
-            net = _traced_seconds(built, repeats)
-            del built
-            v = 4.0 * n * size if kind in ("all-gather", "all-to-all") else 4.0 * n
-            model_bw = slopes_per_w[kind] / link_bw  # seconds per byte of V over all axes: rescale to this group
-            probe = dataclasses.replace(
-                base,
-                link_bandwidth=link_bw,
-                hop_latency_s=0.0,
-                launch_latency_s=0.0,
-                calibration={"collective_factor": dict.fromkeys(MODEL_KINDS, 1.0)},
-            )
-            model_s = collective_time(kind, v, (size,), probe).bandwidth_s
-            del model_bw
-            if model_s > 0 and net > launch:
-                by_group[kind][str(size)] = (net - launch) / model_s
+            rows = _collective_points(jmesh, kind, (axis,), coll_sizes, repeats)
+            _, b, r2 = _line([p[0] for p in rows], [p[1] for p in rows], intercept=launch)
+            group_points[kind][str(size)] = rows
+            if b > 0 and slopes[kind] > 0:
+                by_group[kind][str(size)] = b * link_bw / slopes[kind]
+                fits.append(
+                    Fit(
+                        f"collective_factor.{kind}@{axis}",
+                        by_group[kind][str(size)],
+                        r2,
+                        len(rows),
+                        f"over {axis} (G={size}): V/t {1 / b / 1e9:.2f} GB/s measured vs "
+                        f"{link_bw / slopes[kind] / 1e9:.2f} modelled",
+                    )
+                )
         say(
-            f"collectives over one axis of {size}: factors "
+            f"collectives over {axis} (G={size}): factors "
             + ", ".join(f"{k} {by_group[k].get(str(size), float('nan')):.2f}" for k in MODEL_KINDS)
         )
 
@@ -691,6 +688,7 @@ def calibrate(
         "host": {"cpu": cpu, "logical_cpus": os.cpu_count(), "jax": jax.__version__, "devices": n_dev},
         "collective_factor": factors,
         "collective_factor_by_group": by_group,
+        "collectives_by_group": group_points,
         "fits": [dataclasses.asdict(f) for f in fits],
         "matmul": {k: [list(r) for r in rows] for k, rows in matmul.items()},
         "memory": {"inplace": copies["inplace"], "fresh_output": copies["fresh"]},
@@ -699,7 +697,7 @@ def calibrate(
             kind: {"axes": list(axes_all), "axis_sizes": list(axis_sizes), "points": points[kind]}
             for kind in MODEL_KINDS
         },
-        "points_columns": ["V bytes", "net seconds", "kernel seconds", "dispatch seconds"],
+        "points_columns": ["V bytes", "seconds (slowest device, traced)"],
         "checks": checks,
     }
     fields = dict(

@@ -73,6 +73,36 @@ def test_fitted_chip_reproduces_its_large_message_measurements(cal):
         assert predicted.time_s == pytest.approx(measured, rel=0.10), kind
 
 
+def test_every_single_axis_gets_its_own_line_per_kind(cal):
+    # The issue asks for a latency-plus-bandwidth fit per collective kind and mesh axis over message sizes.
+    chip = cal.chip
+    by_group = chip.calibration["collectives_by_group"]
+    for kind in KINDS:
+        assert set(by_group[kind]) == {"2", "4", "8"}, kind
+        for axis, size in cal.mesh.items():
+            points = by_group[kind][str(size)]
+            assert len(points) >= 3 and [p[0] for p in points] == sorted(p[0] for p in points), (kind, axis)
+            fit = cal.fit(f"collective_factor.{kind}@{axis}")
+            assert fit.points == len(points) and fit.r2 is not None and fit.value > 0
+            assert chip.calibration["collective_factor_by_group"][kind][str(size)] == fit.value
+            # the chip prices the group's largest message on that line: launch + factor x modelled bandwidth
+            nbytes, measured = points[-1]
+            predicted = collective_time(kind, nbytes, (size,), chip)
+            line = (
+                chip.launch_latency_s
+                + fit.value * collective_time(kind, nbytes, (size,), _unit_factor(chip)).bandwidth_s
+            )
+            assert predicted.bandwidth_s + chip.launch_latency_s == pytest.approx(line, rel=1e-9), (kind, axis)
+            assert predicted.time_s == pytest.approx(measured, rel=0.25), (kind, axis)
+
+
+def _unit_factor(chip: Chip) -> Chip:
+    """The same chip with every calibrated factor 1 (the model's own bandwidth term)."""
+    import dataclasses
+
+    return dataclasses.replace(chip, calibration={"collective_factor": dict.fromkeys(KINDS, 1.0)})
+
+
 def test_allgather_prices_at_the_fitted_link_bandwidth(cal):
     chip, g = cal.chip, 8
     cost = collective_time("all-gather", 8e6, (2, 4), chip)
