@@ -85,6 +85,13 @@ def cmd_calibrate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     ensure_devices(n)
     import jax
 
+    backend = jax.default_backend()
+    if backend != "cpu":  # the fits below assume threads of one host; an accelerator needs its own
+        kind = jax.devices()[0].device_kind
+        raise UserError(
+            f"calibrate measures the emulated CPU host, not {backend} devices ({kind!r}); on {backend}, "
+            "`shardlab run` prices with the catalog chip of that device kind, or name one with --hardware"
+        )
     if jax.device_count() < n:
         raise UserError(f"--mesh {args.mesh} needs {n} devices but {jax.device_count()} are available")
     from lab.calibrate import calibrate, write_spec

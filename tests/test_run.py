@@ -169,6 +169,20 @@ def test_cli_run_bad_input_is_one_line():
     assert len([line for line in r.stderr.splitlines() if "error" in line]) == 1 and "Traceback" not in r.stderr
 
 
+def test_calibrate_on_an_accelerator_backend_says_what_to_do_instead(jax_devices, monkeypatch):
+    # No accelerator here: make JAX report one, and check that calibrate refuses before measuring anything.
+    import argparse
+
+    import jax
+
+    from lab.cli_run import cmd_calibrate
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    args = argparse.Namespace(mesh="X=2,Y=4", quick=True, quiet=True, json=False, out=None)
+    with pytest.raises(UserError, match=r"emulated CPU host, not gpu devices .*--hardware"):
+        cmd_calibrate(args)
+
+
 def _get_json(url: str):
     import gzip
 
