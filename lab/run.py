@@ -32,8 +32,9 @@ from lab.table import dumps
 
 LARGE_BYTES = 1_000_000  # the "ops of at least 1 MB" the acceptance criteria talk about
 # Untraced calls before the profiled ones when an experiment does not say. In a fresh process XLA:CPU's first
-# several calls of a program run slower (measured: an 8-device AllReduce of 1 MB took 1.5-2.8 ms in the first
-# traced steps after one warm-up call and 0.33-0.49 ms after ten), so one warm-up call is not enough.
+# several calls of a program run slower (measured on 2 cores: a 1 MB AllReduce, slowest device, took 1.8-2.8 ms
+# in the first traced steps after one warm-up call and 0.53-0.61 ms after ten or thirty; see
+# docs/validation/cpu-emulated.md), so one warm-up call is not enough.
 WARMUP = 10
 DEVICE_KIND_TO_CHIP = {
     "h200": "h200",
