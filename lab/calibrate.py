@@ -366,7 +366,8 @@ def _collective_points(mesh, kind: str, axes: tuple[str, ...] | None, sizes: Seq
     footing (under the profiler XLA:CPU's collectives run slower than timed from outside, and the per-op
     time leaves out the program's launch). Each size gets its own trace: timing all sizes of a kind in one
     trace measured them faster than runs of the same programs see them (in three validation passes 7-11 of
-    25 runs stayed in [0.67, 1.5], against 16-20 with a trace per size; docs/validation/cpu-emulated.md).
+    25 runs stayed in [0.67, 1.5], against 12-20 in the passes with a trace per size;
+    docs/validation/cpu-emulated.md).
     """
     import tempfile
 
