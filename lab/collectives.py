@@ -36,6 +36,7 @@ AllReduce is ReduceScatter followed by AllGather, in every case (no in-network r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -275,14 +276,18 @@ def collective_time(
     if chip.topology != "torus":
         wraps = tuple(False for _ in sizes)
 
+    # The fields every answer shares; each branch below adds how it prices the collective.
+    cost = functools.partial(
+        CollectiveCost,
+        kind=kind,
+        hardware=chip.name,
+        bytes=float(nbytes),
+        axis_sizes=sizes,
+        wraparound=wraps,
+        scope=scope,
+    )
     if math.prod(sizes) == 1:  # nothing to communicate
-        return CollectiveCost(
-            kind=kind,
-            hardware=chip.name,
-            bytes=float(nbytes),
-            axis_sizes=sizes,
-            wraparound=wraps,
-            scope=scope,
+        return cost(
             link="none",
             hops=0,
             bandwidth_s=0.0,
@@ -296,13 +301,7 @@ def collective_time(
         kw = {"wraparound": wraps, "scope": scope, "members_per_node": members_per_node}
         rs = collective_time("reduce-scatter", nbytes, sizes, chip, **kw)
         ag = collective_time("all-gather", nbytes, sizes, chip, **kw)
-        return CollectiveCost(
-            kind=kind,
-            hardware=chip.name,
-            bytes=float(nbytes),
-            axis_sizes=sizes,
-            wraparound=wraps,
-            scope=scope,
+        return cost(
             link=rs.link,
             hops=rs.hops + ag.hops,
             bandwidth_s=rs.bandwidth_s + ag.bandwidth_s,
@@ -325,13 +324,7 @@ def collective_time(
     if factor:
         parts = dataclasses.replace(parts, bandwidth_s=parts.bandwidth_s * float(factor))
     hop_total = parts.hops * parts.hop_latency_s
-    return CollectiveCost(
-        kind=kind,
-        hardware=chip.name,
-        bytes=float(nbytes),
-        axis_sizes=sizes,
-        wraparound=wraps,
-        scope=scope,
+    return cost(
         link=parts.link,
         hops=parts.hops,
         bandwidth_s=parts.bandwidth_s,
