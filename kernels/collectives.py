@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from lab.errors import UserError
+from lab.core.errors import UserError
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "permute")
 

@@ -14,8 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
-from lab.errors import UserError
-from lab.notation import ShardedArray
+from lab.core.errors import UserError
+from lab.core.notation import ShardedArray
 
 
 def make_mesh(axes: Mapping[str, int], *, explicit: bool = False) -> jax.sharding.Mesh:

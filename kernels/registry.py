@@ -1,6 +1,6 @@
 """One registry of the lab's kernels: build any of them on a mesh, with inputs and a reference answer.
 
-``get_kernel(name).build(mesh, sizes)`` checks the sizes against the mesh (a :class:`lab.errors.UserError`
+``get_kernel(name).build(mesh, sizes)`` checks the sizes against the mesh (a :class:`lab.core.errors.UserError`
 naming the dim, its size and the divisor, before anything compiles), makes deterministic inputs, places them
 with their shardings and returns a :class:`Built`: ``built.fn(*built.args)`` runs the kernel and
 ``built.reference(*built.host_args)`` is the single-device answer.
@@ -25,8 +25,8 @@ from kernels import blocks
 from kernels import collective_matmul as cm
 from kernels import collectives as coll
 from kernels import sharded_matmul as sm
-from lab.errors import UserError
-from lab.notation import parse_matmul
+from lab.core.errors import UserError
+from lab.core.notation import parse_matmul
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Every array is first *declared* as an :class:`ArrayInfo` (shape, dtype, logical 
 :class:`ShardingRules` maps logical axes to the mesh axes :data:`DATA` and :data:`MODEL`, and a parallelism
 strategy is nothing but another rules instance (:data:`RULES`). Shardings, per-device bytes, the divisibility
 checks and the allocation itself all derive from the declarations, so a bad layout is refused with a
-:class:`lab.errors.UserError` before anything is traced or compiled.
+:class:`lab.core.errors.UserError` before anything is traced or compiled.
 
 The model, in the book's letters (B batch, T sequence, D d_model, N heads, K kv-heads, G = N/K, H head_dim,
 F d_ff, V vocab, L layers, S max_seq_len)::
@@ -41,7 +41,7 @@ tp_sp      data                   -                  model                      
 fsdp_tp    data                   data               model                            -
 =========  =====================  =================  ===============================  ==========
 
-What XLA's CPU backend compiles this to (read with :mod:`lab.hlo`; see ``tests/test_transformer.py``): the
+What XLA's CPU backend compiles this to (read with :mod:`lab.compile.hlo`; see ``tests/test_transformer.py``): the
 collectives above, except that every reduce-then-shard (the ``tp_sp`` ReduceScatter, the FSDP gradient
 reduction) stays an ``all-reduce`` followed by a ``dynamic-slice``, gradients of several weights are reduced
 in one tuple all-reduce, and bfloat16 collectives run in float32 (converted before and after).
@@ -56,7 +56,7 @@ scores are local, so the partitioner inserts no communication there and a manual
 Precision: parameters and AdamW state are float32 (master weights); ``compute_dtype`` (``bfloat16`` for
 mixed precision) is what matmuls run in, parameters being cast at use; norms, softmax, logits and the loss are
 float32. Activation recomputation (``remat``) uses the training estimator's vocabulary
-(:data:`lab.training.REMAT`): ``none``; ``selective`` keeps matmul outputs without batch dims (the
+(:data:`lab.predict.training.REMAT`): ``none``; ``selective`` keeps matmul outputs without batch dims (the
 projections) and recomputes the rest, the attention softmax included (Korthikanti et al. 2022);
 ``full`` keeps only each layer's input.
 """
@@ -78,15 +78,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels.mesh import make_mesh
-from lab.errors import UserError
-from lab.models import ModelConfig
+from lab.core.errors import UserError
+from lab.core.models import ModelConfig
 
 # Mesh axes, named once (major to minor).
 DATA = "data"
 MODEL = "model"
 MESH_AXES = (DATA, MODEL)
 
-REMAT = ("none", "selective", "full")  # the same words as lab.training.REMAT
+REMAT = ("none", "selective", "full")  # the same words as lab.predict.training.REMAT
 COMPUTE_DTYPES = {"float32": "float32", "fp32": "float32", "f32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 Axes = str | tuple[str, ...] | None
@@ -149,7 +149,7 @@ class TransformerConfig:
 
     @property
     def params(self) -> int:
-        """Parameter count (equals :attr:`lab.models.ModelConfig.params` for the same dims)."""
+        """Parameter count (equals :attr:`lab.core.models.ModelConfig.params` for the same dims)."""
         return sum(math.prod(a.shape) for a in jax.tree.leaves(param_info(self), is_leaf=_is_info))
 
     @classmethod

@@ -1,5 +1,5 @@
 """``python -m lab`` is the same as the ``shardlab`` console script."""
 
-from lab.cli import main
+from lab.cli.main import main
 
 raise SystemExit(main())

@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from lab.errors import UserError
-from lab.experiment import load_experiment
+from lab.core.errors import UserError
+from lab.run.experiment import load_experiment
 
 MESHES = [{"X": 8, "Y": 1}, {"X": 2, "Y": 4}, {"X": 4, "Y": 2}, {"X": 2, "Y": 2, "Z": 2}]
 MATMUL_SIZES = {"I": 7 * 8, "J": 11 * 8, "K": 13 * 8}
@@ -35,7 +35,7 @@ def _cases():
 
 @pytest.mark.parametrize(("name", "mesh", "sizes", "axes"), list(_cases()))
 def test_every_kernel_matches_its_prediction(jax_devices, name, mesh, sizes, axes):
-    from lab.audit import audit_kernel
+    from lab.compile.audit import audit_kernel
 
     r = audit_kernel(name, mesh, sizes, "fp32", axes)
     assert r.all_match, r.table()
@@ -46,7 +46,7 @@ def test_every_kernel_matches_its_prediction(jax_devices, name, mesh, sizes, axe
 
 
 def test_collective_matmul_uses_permutes_where_blocking_gathers(jax_devices):
-    from lab.audit import audit_kernel
+    from lab.compile.audit import audit_kernel
 
     ring = audit_kernel("collective_matmul_allgather", {"X": 2, "Y": 4}, MATMUL_SIZES)
     blocking = audit_kernel("matmul_allgather_blocking", {"X": 2, "Y": 4}, MATMUL_SIZES)
@@ -67,7 +67,7 @@ def test_a_forced_reshard_is_reported_with_its_source_line(jax_devices):
 
     from kernels.mesh import make_mesh
     from kernels.registry import get_kernel
-    from lab.audit import audit_compiled, predict
+    from lab.compile.audit import audit_compiled, predict
 
     mesh = {"X": 2, "Y": 4}
     jmesh = make_mesh(mesh)
@@ -84,7 +84,7 @@ def test_a_forced_reshard_is_reported_with_its_source_line(jax_devices):
 
 
 def test_bf16_collectives_on_cpu_are_named_not_hidden(jax_devices):
-    from lab.audit import audit_kernel
+    from lab.compile.audit import audit_kernel
 
     r = audit_kernel("collective_all_reduce", {"X": 2, "Y": 4}, COLLECTIVE_SIZES, "bf16", ("X",))
     (e,) = r.entries
@@ -98,7 +98,7 @@ def test_bf16_collectives_on_cpu_are_named_not_hidden(jax_devices):
     "path", sorted(p for p in os.listdir(os.path.join(REPO, "experiments")) if p.endswith(".toml"))
 )
 def test_shipped_experiments_load_and_match(jax_devices, path):
-    from lab.audit import audit_kernel
+    from lab.compile.audit import audit_kernel
 
     exp = load_experiment(os.path.join(REPO, "experiments", path))
     if exp.kernel in ("train_step", "decode"):  # the Transformer's experiments: tests/test_model_audit.py

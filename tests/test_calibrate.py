@@ -5,10 +5,10 @@ import math
 
 import pytest
 
-from lab.calibrate import Calibration, Fit, _line, calibrate, write_spec
-from lab.collectives import KINDS, collective_time
-from lab.errors import UserError
-from lab.hardware import Catalog, Chip, get_chip, load_hardware_file
+from lab.core.errors import UserError
+from lab.core.hardware import Catalog, Chip, get_chip, load_hardware_file
+from lab.measure.calibrate import Calibration, Fit, _line, calibrate, write_spec
+from lab.predict.collectives import KINDS, collective_time
 
 MEASURED = (
     "peak_flops.fp32",

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from lab.cli import main, parse_bytes
+from lab.cli.main import main, parse_bytes
 
 
 def run_json(capsys, *argv):

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from lab.cli import main
+from lab.cli.main import main
 
 
 def run_json(capsys, command, *extra):

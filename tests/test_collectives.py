@@ -1,8 +1,8 @@
 import pytest
 
-from lab.collectives import KINDS, canonical_kind, collective_time
-from lab.errors import UserError
-from lab.hardware import get_chip
+from lab.core.errors import UserError
+from lab.core.hardware import get_chip
+from lab.predict.collectives import KINDS, canonical_kind, collective_time
 
 V5E, V5P, H100 = get_chip("v5e"), get_chip("v5p"), get_chip("h100")
 BF16_2048x8192 = 2048 * 8192 * 2

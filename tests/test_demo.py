@@ -1,6 +1,6 @@
 import pytest
 
-from lab.demo import CASES, run_demo
+from lab.run.demo import CASES, run_demo
 
 
 def test_demo_report_on_the_emulated_mesh(jax_devices):

@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from lab.errors import UserError
-from lab.hardware import CATALOG, Catalog, Chip, default_catalog, get_chip, load_hardware_file
+from lab.core.errors import UserError
+from lab.core.hardware import CATALOG, Catalog, Chip, default_catalog, get_chip, load_hardware_file
 
 CANONICAL = [
     "tpu-v3",

@@ -1,4 +1,4 @@
-"""lab.hlo: the JAX-free parser of optimized HLO text.
+"""lab.compile.hlo: the JAX-free parser of optimized HLO text.
 
 The synthetic modules below follow XLA's printed format (``HloModule`` header, ``%name (params) -> type {``
 computations, ``ENTRY``, layouts, ``metadata={...}``, ``backend_config={...}``). Every expected number is
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.hlo import (
+from lab.compile.hlo import (
     Shape,
     axes_of_groups,
     axes_of_pairs,

@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from lab.cli import main
-from lab.errors import UserError
-from lab.hardware import get_chip
-from lab.inference import InferConfig, estimate_inference
-from lab.models import get_model
+from lab.cli.main import main
+from lab.core.errors import UserError
+from lab.core.hardware import get_chip
+from lab.core.models import get_model
+from lab.predict.inference import InferConfig, estimate_inference
 
 V5E, H100 = get_chip("v5e"), get_chip("h100")
 L70 = get_model("llama3-70b")

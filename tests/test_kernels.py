@@ -13,7 +13,7 @@ import re
 import numpy as np
 import pytest
 
-from lab.errors import UserError
+from lab.core.errors import UserError
 
 MESHES = {
     "X8": {"X": 8, "Y": 1},  # a mesh without Y, given Y of size 1
@@ -117,7 +117,7 @@ def assert_sharding(out, spec, local_shape: tuple[int, ...]) -> None:
 
 def test_registry_lists_every_kernel_once(jax_devices):
     from kernels.registry import KERNELS
-    from lab.notation import parse_matmul
+    from lab.core.notation import parse_matmul
 
     collectives = [f"collective_{k}" for k in COLLECTIVE_KINDS]
     assert sorted(KERNELS) == sorted([*MATMUL_NAMES, *collectives, "tp_mlp"])
@@ -154,7 +154,7 @@ def test_inputs_are_deterministic(jax_devices):
 @pytest.mark.parametrize("mesh_id", list(MESHES))
 def test_matmul_kernel_matches_reference(run, mesh_id, name):
     from kernels.registry import get_kernel
-    from lab.notation import parse_matmul
+    from lab.core.notation import parse_matmul
 
     built, out, _ = run(name, mesh_id)
     ref = built.reference(*built.host_args)
@@ -198,8 +198,8 @@ def test_collective_kernel_matches_reference(run, mesh_id, axes, kind):
 def test_shard_map_hlo_has_the_planned_collectives(run, mesh_id, name):
     """The manual kernels emit exactly the collectives :func:`plan_sharded_matmul` names, over groups of its size."""
     from kernels.registry import get_kernel
-    from lab.hardware import get_chip
-    from lab.sharded_matmul import plan_sharded_matmul
+    from lab.core.hardware import get_chip
+    from lab.predict.sharded_matmul import plan_sharded_matmul
 
     mesh = MESHES[mesh_id]
     # The collectives a plan names do not depend on the chip or dtype (v5e has no fp32 peak, so price bf16).

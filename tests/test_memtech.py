@@ -1,4 +1,4 @@
-"""Memory-technology study (lab.memtech): generations of HBM and a bandwidth-only series."""
+"""Memory-technology study (lab.studies.memtech): generations of HBM and a bandwidth-only series."""
 
 import itertools
 import json
@@ -6,9 +6,10 @@ import math
 
 import pytest
 
-from lab.errors import UserError
-from lab.hardware import get_chip
-from lab.memtech import (
+from lab.core.errors import UserError
+from lab.core.hardware import get_chip
+from lab.core.table import dumps
+from lab.studies.memtech import (
     BANDWIDTH,
     GENERATIONS,
     MEMORY_BOUNDS,
@@ -17,7 +18,6 @@ from lab.memtech import (
     default_stacks,
     memory_tech,
 )
-from lab.table import dumps
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

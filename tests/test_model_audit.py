@@ -12,7 +12,7 @@ RULES = ["dp", "fsdp", "tp", "tp_sp", "fsdp_tp"]
 @pytest.mark.parametrize("rules", RULES)
 def test_train_step_collectives_match_the_estimator(jax_devices, rules, mesh):
     from kernels.transformer import TINY
-    from lab.model_audit import audit_train
+    from lab.compile.model_audit import audit_train
 
     r = audit_train(TINY, rules, mesh, batch=8, seq=32, remat="none")
     assert r.all_match, r.table()
@@ -33,7 +33,7 @@ def test_train_step_collectives_match_the_estimator(jax_devices, rules, mesh):
 
 def test_remat_policies_order_memory_in_the_estimator_and_the_compiler(jax_devices):
     from kernels.transformer import TINY
-    from lab.model_audit import audit_train
+    from lab.compile.model_audit import audit_train
 
     runs = {
         remat: audit_train(TINY, "tp", MESHES[0], batch=8, seq=32, remat=remat)

@@ -1,7 +1,7 @@
 import pytest
 
-from lab.errors import UserError
-from lab.models import CATALOG, get_model, load_model_file, resolve_model
+from lab.core.errors import UserError
+from lab.core.models import CATALOG, get_model, load_model_file, resolve_model
 
 
 def narayanan_f1(layers, h, v=51200, s=2048):

@@ -3,8 +3,8 @@ import math
 import numpy as np
 import pytest
 
-from lab.errors import UserError
-from lab.notation import Dim, ShardedArray, parse_array, parse_matmul, parse_mesh, parse_positive_int, parse_sizes
+from lab.core.errors import UserError
+from lab.core.notation import Dim, ShardedArray, parse_array, parse_matmul, parse_mesh, parse_positive_int, parse_sizes
 
 
 @pytest.mark.parametrize(

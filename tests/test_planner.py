@@ -6,12 +6,12 @@ import math
 
 import pytest
 
-from lab.errors import UserError
-from lab.hardware import get_chip
-from lab.models import get_model
-from lab.planner import PlanResult, plan, search_space_size
-from lab.table import dumps
-from lab.training import Layout, TrainConfig, check_config, estimate, min_chips
+from lab.core.errors import UserError
+from lab.core.hardware import get_chip
+from lab.core.models import get_model
+from lab.core.table import dumps
+from lab.predict.planner import PlanResult, plan, search_space_size
+from lab.predict.training import Layout, TrainConfig, check_config, estimate, min_chips
 
 MI = 1024 * 1024
 ALL = 10**9  # a `top` larger than any search space: every feasible configuration comes back
@@ -232,7 +232,7 @@ def test_repeated_options_are_searched_once(h100):
 
 def test_benchmark_runs_and_prints_json(capsys):
     """A smoke test of scripts/bench_planner's module (one run per case; no timing is asserted)."""
-    from lab import planner_bench
+    from lab.predict import planner_bench
 
     assert planner_bench.main(["--json", "--repeat", "1"]) == 0
     data = json.loads(capsys.readouterr().out)

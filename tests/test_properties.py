@@ -4,9 +4,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from lab.collectives import KINDS, collective_time
-from lab.hardware import CATALOG
-from lab.roofline import matmul
+from lab.core.hardware import CATALOG
+from lab.predict.collectives import KINDS, collective_time
+from lab.predict.roofline import matmul
 
 TORUS = [c for c in CATALOG if c.topology == "torus"]
 ANY_CHIP = st.sampled_from(CATALOG)

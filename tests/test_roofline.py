@@ -2,9 +2,9 @@ import math
 
 import pytest
 
-from lab.errors import UserError
-from lab.hardware import get_chip
-from lab.roofline import default_compute_dtype, matmul, roofline
+from lab.core.errors import UserError
+from lab.core.hardware import get_chip
+from lab.predict.roofline import default_compute_dtype, matmul, roofline
 
 V5E = get_chip("v5e")
 BIG = 1 << 20  # D and F much larger than B, the book's regime for "B > 240"

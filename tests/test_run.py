@@ -11,8 +11,8 @@ import urllib.request
 
 import pytest
 
-from lab.errors import UserError
-from lab.run import WARMUP, run_experiment
+from lab.core.errors import UserError
+from lab.run.pipeline import WARMUP, run_experiment
 
 KINDS = {
     "matmul",
@@ -175,7 +175,7 @@ def test_calibrate_on_an_accelerator_backend_says_what_to_do_instead(jax_devices
 
     import jax
 
-    from lab.cli_run import cmd_calibrate
+    from lab.cli.run import cmd_calibrate
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     args = argparse.Namespace(mesh="X=2,Y=4", quick=True, quiet=True, json=False, out=None)

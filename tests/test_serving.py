@@ -1,4 +1,4 @@
-"""Serving sweep, smallest topologies and prefill/decode disaggregation (lab.serving)."""
+"""Serving sweep, smallest topologies and prefill/decode disaggregation (lab.studies.serving)."""
 
 import itertools
 import json
@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from lab.errors import UserError
-from lab.serving import Sweep, SweepPoint, disaggregate, pareto_front, sweep, topology
-from lab.table import dumps
+from lab.core.errors import UserError
+from lab.core.table import dumps
+from lab.studies.serving import Sweep, SweepPoint, disaggregate, pareto_front, sweep, topology
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -1,9 +1,9 @@
 import pytest
 
-from lab.collectives import collective_time
-from lab.errors import UserError
-from lab.hardware import get_chip
-from lab.sharded_matmul import plan_sharded_matmul
+from lab.core.errors import UserError
+from lab.core.hardware import get_chip
+from lab.predict.collectives import collective_time
+from lab.predict.sharded_matmul import plan_sharded_matmul
 
 V5E = get_chip("v5e")
 MESH = {"X": 2, "Y": 4}

@@ -5,12 +5,20 @@ import math
 
 import pytest
 
-from lab.errors import UserError
-from lab.hardware import get_chip
-from lab.models import get_model
-from lab.study import Attribution, GenerationRow, GenerationsStudy, _config, _days, generations, study_layout
-from lab.table import dumps
-from lab.training import estimate
+from lab.core.errors import UserError
+from lab.core.hardware import get_chip
+from lab.core.models import get_model
+from lab.core.table import dumps
+from lab.predict.training import estimate
+from lab.studies.generations import (
+    Attribution,
+    GenerationRow,
+    GenerationsStudy,
+    _config,
+    _days,
+    generations,
+    study_layout,
+)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

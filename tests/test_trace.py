@@ -16,9 +16,9 @@ from collections import Counter
 
 import pytest
 
-from lab.errors import UserError
-from lab.hlo import collectives, parse_module
-from lab.trace import OpEvent, Trace, TraceFiles, parse, record
+from lab.compile.hlo import collectives, parse_module
+from lab.core.errors import UserError
+from lab.measure.trace import OpEvent, Trace, TraceFiles, parse, record
 
 REPEATS = 3
 EPS_US = 1e-6

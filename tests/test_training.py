@@ -3,11 +3,11 @@ import statistics
 
 import pytest
 
-from lab.errors import UserError
-from lab.hardware import get_chip, scale_chip
-from lab.models import get_model
-from lab.training import Layout, TrainConfig, check_config, estimate, limits, memory_per_chip
-from lab.validate import run_validation
+from lab.core.errors import UserError
+from lab.core.hardware import get_chip, scale_chip
+from lab.core.models import get_model
+from lab.predict.training import Layout, TrainConfig, check_config, estimate, limits, memory_per_chip
+from lab.studies.validate import run_validation
 
 H100, A100, V5P = get_chip("h100"), get_chip("a100-80gb"), get_chip("v5p")
 GiB = 2**30

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lab.errors import UserError
+from lab.core.errors import UserError
 
 B, T = 8, 20  # batch divides data x model = 8; T = 5 x 4 divides the model axis (sequence parallelism)
 PROMPT, STEPS = 8, 6
@@ -104,7 +104,7 @@ def _assert_tree_close(got, want, rtol, atol):
 
 
 def test_tiny_param_count_matches_model_accounting(tr):
-    from lab.models import ModelConfig
+    from lab.core.models import ModelConfig
 
     c = tr.TINY
     m = ModelConfig("tiny", c.layers, c.d_model, c.d_ff, c.heads, c.kv_heads, c.head_dim, c.vocab)
@@ -112,7 +112,7 @@ def test_tiny_param_count_matches_model_accounting(tr):
 
 
 def test_from_model(tr):
-    from lab.models import get_model
+    from lab.core.models import get_model
 
     cfg = tr.TransformerConfig.from_model(get_model("llama3-8b"), layers=2)
     assert (cfg.d_model, cfg.d_ff, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.layers) == (4096, 14336, 32, 8, 128, 2)
@@ -337,8 +337,8 @@ def test_kv_cache_sharding(tr):
 
 
 def test_fsdp_tp_collectives_follow_the_layout(tr):
-    """What the layout implies, read back from the compiled train step with lab.hlo (robust facts only)."""
-    from lab import hlo
+    """What the layout implies, read back from the compiled train step with lab.compile.hlo (robust facts only)."""
+    from lab.compile import hlo
 
     mesh = MESHES["d2m4"]
     cfg = tr.TINY

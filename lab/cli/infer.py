@@ -1,0 +1,302 @@
+"""Command line of the inference estimator (registered by :mod:`lab.cli.main`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from lab.cli.train import _model, model_parent
+from lab.core.errors import UserError
+from lab.core.table import render
+from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
+from lab.predict.inference import WEIGHT_DTYPES, InferConfig, estimate_inference
+
+GiB = 2**30
+
+
+def _storage_dtype(text: str) -> str:
+    from lab.core.units import canonical_dtype
+
+    try:
+        dt = canonical_dtype(text)
+    except UserError:
+        dt = None
+    if dt not in WEIGHT_DTYPES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a storage dtype; valid: {', '.join(WEIGHT_DTYPES)}")
+    return dt
+
+
+def _warn_context(model, context: int) -> None:
+    if context > model.max_seq_len:
+        print(
+            f"shardlab: warning: --context {context} exceeds {model.name}'s trained context of "
+            f"{model.max_seq_len}; estimating anyway",
+            file=sys.stderr,
+        )
+
+
+def infer_config(args: argparse.Namespace, chip) -> InferConfig:
+    model = _model(args)
+    n = args.chips
+    for name in ("tp", "dp", "ep"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise UserError(f"--{name} must be a positive integer, got {v}")
+    tp, dp, ep = args.tp, args.dp, args.ep or 1
+    if tp is None and dp is None:
+        tp = n // ep  # generation shards the model, not the batch (inference.md)
+    elif tp is None:
+        tp = n // (dp * ep) if n % (dp * ep) == 0 else 0
+    if dp is None:
+        dp = n // (tp * ep) if tp and n % (tp * ep) == 0 else 0
+    if not tp or not dp or tp * dp * ep != n:
+        raise UserError(
+            f"tp x dp x ep must equal --chips {n}; got tp={args.tp}, dp={args.dp}, ep={ep} "
+            f"(leave one out to fill the rest)"
+        )
+    _warn_context(model, args.context)
+    return InferConfig(
+        model=model,
+        chip=chip,
+        batch=args.batch,
+        context=args.context,
+        tp=tp,
+        dp=dp,
+        ep=ep,
+        weights=args.weights,
+        kv=args.kv,
+        compute=args.compute,
+        prefill_len=args.prefill_len,
+        generate=args.generate,
+        mfu=args.mfu,
+        achievable=args.achievable,
+    )
+
+
+def cmd_infer_estimate(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
+    cfg = infer_config(args, chip)
+    e = estimate_inference(cfg)
+    m = cfg.model
+    rows = [
+        [
+            "model / hardware",
+            f"{m.name} on {cfg.chips} x {chip.name} (tp={cfg.tp} dp={cfg.dp} ep={cfg.ep}), "
+            f"{'ideal roofline' if not cfg.achievable else 'achievable efficiency'}",
+        ],
+        [
+            "batch / context",
+            f"{cfg.batch} sequences x {cfg.context} tokens; weights {cfg.weights}, KV {cfg.kv}, compute {cfg.compute}",
+        ],
+        ["weights", f"{fmt_bytes(e.param_bytes)} ({fmt_bytes(e.param_bytes_per_chip)} per chip)"],
+        ["KV cache", f"{fmt_bytes(e.kv_bytes)} ({fmt_bytes(e.kv_bytes_per_chip)} per chip)"],
+        [
+            "fits",
+            ("yes" if e.fits else "NO") + f": {e.total_bytes_per_chip / GiB:.1f} of "
+            f"{chip.hbm_bytes / GiB:.1f} GiB per chip; max batch {e.max_batch}, min chips {e.min_chips}",
+        ],
+        ["decode step", f"{fmt_seconds(e.decode_step_s)} ({e.bound}-bound)"],
+        ["  KV reads", fmt_seconds(e.kv_s)],
+        ["  weight reads / FLOPs", f"{fmt_seconds(e.weights_s)} / {fmt_seconds(e.compute_s)}"],
+        ["  collectives", fmt_seconds(e.comm_s) + ("  (latency-bound)" if e.latency_bound_collectives else "")],
+        ["throughput", f"{fmt_count(e.tokens_per_s)} tokens/s ({e.tokens_per_s_per_chip:,.0f} per chip)"],
+        ["TP limit (memory-bound)", f"{e.tp_max_degree:.0f}-way at this batch (F / (B W_hbm / W_ici))"],
+    ]
+    if e.prefill_s is not None:
+        rows.append(
+            [
+                "prefill / TTFT",
+                f"{fmt_seconds(e.prefill_s)} for {cfg.prefill_len} tokens x {cfg.batch}"
+                + (f" at MFU {cfg.mfu:g}" if cfg.mfu else ""),
+            ]
+        )
+    if e.generate_s is not None:
+        rows.append(["generate", f"{fmt_seconds(e.generate_s)} for {cfg.generate} tokens"])
+    if e.cost_per_million_tokens_usd is not None:
+        rows.append(["cost", f"${e.cost_per_million_tokens_usd:.3f} per million tokens"])
+    return e.to_dict(), render(["quantity", "value"], rows)
+
+
+def _png(path: str | None, default: str, draw) -> str:
+    from pathlib import Path
+
+    png = Path(path or default)
+    try:
+        png.parent.mkdir(parents=True, exist_ok=True)
+        draw(png)
+    except OSError as exc:
+        raise UserError(f"cannot write the chart to {str(png)!r}: {exc.strerror}; pass --png PATH") from None
+    return str(png)
+
+
+def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
+    from lab.core.notation import parse_positive_int
+
+    if text is None:
+        return None
+    return tuple(parse_positive_int(x, flag) for x in text.split(",") if x.strip())
+
+
+def cmd_infer_sweep(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from lab.studies.serving import sweep
+
+    model = _model(args)
+    _warn_context(model, args.context)
+    result = sweep(
+        model,
+        args.hardware,
+        context=args.context,
+        weights=args.weights,
+        kv=args.kv,
+        chips=_ints(args.chips, "--chips"),
+        batches=_ints(args.batches, "--batches"),
+        achievable=args.achievable,
+        hardware_file=args.hardware_file,
+        scale=args.scale,
+    )
+    png = _png(args.png, f"runs/infer/sweep_{model.name}_{result.hardware}.png", result.plot)
+    return result.to_dict() | {"png": png}, result.table() + f"\n\nchart: {png}"
+
+
+def cmd_infer_topology(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from lab.studies.serving import topology, topology_table
+
+    model = _model(args)
+    _warn_context(model, args.context)
+    rows = topology(model, args.hardware, context=args.context, hardware_file=args.hardware_file, scale=args.scale)
+    data = {"model": model.name, "hardware": args.hardware, "context": args.context, "rows": [r.__dict__ for r in rows]}
+    return data, topology_table(rows, model.name, args.hardware, args.context)
+
+
+def cmd_infer_disaggregate(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
+    """Prefill and decode servers of the same topology: how many prefill servers per decode server."""
+    from lab.studies.serving import disaggregate
+
+    cfg = infer_config(args, chip)
+    if cfg.prefill_len is None or cfg.generate is None:
+        raise UserError("infer disaggregate needs --prefill-len P and --generate G (median prompt and output lengths)")
+    single = InferConfig(**{**cfg.__dict__, "batch": cfg.dp, "context": cfg.prefill_len})
+    prefill_s = estimate_inference(single).prefill_s / cfg.dp
+    decode = estimate_inference(cfg)
+    ratio = disaggregate(prefill_s, decode.decode_step_s, cfg.batch, cfg.generate)
+    data = {
+        "prefill_s": prefill_s,
+        "decode_step_s": decode.decode_step_s,
+        "batch": cfg.batch,
+        "prefill_len": cfg.prefill_len,
+        "generate": cfg.generate,
+        "prefill_servers_per_decode_server": ratio,
+        "chips_per_server": cfg.chips,
+    }
+    rows = [
+        ["prefill of one sequence", fmt_seconds(prefill_s) + (f" at MFU {cfg.mfu:g}" if cfg.mfu else "")],
+        ["decode step", f"{fmt_seconds(decode.decode_step_s)} at batch {cfg.batch}, context {cfg.context}"],
+        ["prefill : decode servers", f"{ratio:.2f} : 1 (servers of {cfg.chips} x {chip.name} each)"],
+    ]
+    return data, render(["quantity", "value"], rows)
+
+
+def cmd_study_memtech(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from lab.studies.memtech import memory_tech
+
+    study = memory_tech(
+        args.model,
+        args.hardware,
+        stacks=args.stacks,
+        context=args.context,
+        batch=args.batch,
+        tp=args.tp,
+        weights=args.weights,
+        kv=args.kv,
+        hardware_file=args.hardware_file,
+        scale=args.scale,
+    )
+    png = _png(args.png, f"runs/study/memory_tech_{study.model}_{study.hardware}.png", study.plot)
+    return study.to_dict() | {"png": png}, study.table() + f"\n\nchart: {png}"
+
+
+def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, with_chip) -> dict[str, Any]:
+    """Add ``infer estimate`` (and return the ``infer`` subparsers for the other inference commands)."""
+    from lab.cli.main import _dtype, _Parser, _positive_int
+
+    ip = sub.add_parser("infer", help="serving estimates: decode, prefill, KV cache, topology")
+    isub = ip.add_subparsers(dest="infer_command", required=True, parser_class=_Parser, metavar="COMMAND")
+    ie = isub.add_parser(
+        "estimate",
+        parents=[common, hw, model_parent(positional=False)],
+        help="decode step, prefill, memory and cost of one serving configuration",
+    )
+    ie.add_argument("--chips", type=_positive_int("--chips"), required=True)
+    ie.add_argument("--batch", type=_positive_int("--batch"), required=True, help="concurrent sequences")
+    ie.add_argument("--context", type=_positive_int("--context"), required=True, help="tokens in each KV cache")
+    ie.add_argument("--prefill-len", type=_positive_int("--prefill-len"))
+    ie.add_argument("--generate", type=_positive_int("--generate"), help="tokens to generate (mean context priced)")
+    ie.add_argument("--weights", type=_storage_dtype, default="bf16", help="bf16, fp8, int8 or int4")
+    ie.add_argument("--kv", type=_storage_dtype, default="bf16", help="bf16, fp8, int8 or int4")
+    ie.add_argument(
+        "--compute",
+        type=_dtype,
+        choices=("bf16", "fp8", "int8"),
+        default="bf16",
+        help="matmul dtype (quantised weights still compute in bf16 unless this says otherwise)",
+    )
+    ie.add_argument("--tp", type=int)
+    ie.add_argument("--dp", type=int)
+    ie.add_argument("--ep", type=int)
+    ie.add_argument("--mfu", type=float, help="prefill at this MFU (2 N tokens FLOPs) instead of the roofline")
+    ie.add_argument("--achievable", action="store_true", help="apply the efficiency model instead of ideal peaks")
+    ie.set_defaults(func=with_chip(cmd_infer_estimate))
+
+    def serving_args(p) -> None:
+        p.add_argument("--context", type=_positive_int("--context"), default=8192, help="tokens per KV cache")
+        p.add_argument("--weights", type=_storage_dtype, default="bf16")
+        p.add_argument("--kv", type=_storage_dtype, default="bf16")
+
+    sw = isub.add_parser(
+        "sweep",
+        parents=[common, model_parent(positional=False)],
+        help="latency vs throughput over batch sizes and topologies: Pareto table and PNG",
+    )
+    sw.add_argument("--hardware", required=True, metavar="NAME")
+    sw.add_argument("--scale", metavar="FIELD=X,...")
+    serving_args(sw)
+    sw.add_argument("--chips", metavar="N,N,...", help="topologies (tensor-parallel degrees) to try")
+    sw.add_argument("--batches", metavar="B,B,...", help="batch sizes to try (default powers of two and the max)")
+    sw.add_argument("--achievable", action="store_true")
+    sw.add_argument("--png", metavar="PATH")
+    sw.set_defaults(func=cmd_infer_sweep)
+
+    tp_ = isub.add_parser(
+        "topology",
+        parents=[common, model_parent(positional=False)],
+        help="the smallest slice for each weight precision",
+    )
+    tp_.add_argument("--hardware", required=True, metavar="NAME")
+    tp_.add_argument("--scale", metavar="FIELD=X,...")
+    tp_.add_argument("--context", type=_positive_int("--context"), default=8192)
+    tp_.set_defaults(func=cmd_infer_topology)
+
+    dg = isub.add_parser(
+        "disaggregate",
+        parents=[common, hw, model_parent(positional=False)],
+        help="prefill servers per decode server that keep both saturated",
+    )
+    for action in ie._actions:
+        if action.dest in (
+            "chips",
+            "batch",
+            "context",
+            "prefill_len",
+            "generate",
+            "weights",
+            "kv",
+            "compute",
+            "tp",
+            "dp",
+            "ep",
+            "mfu",
+            "achievable",
+        ):
+            dg._add_action(action)
+    dg.set_defaults(func=with_chip(cmd_infer_disaggregate))
+    return {"infer": isub}

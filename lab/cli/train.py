@@ -1,0 +1,421 @@
+"""Command line for the model catalog and the training estimator (registered by :mod:`lab.cli.main`)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+from lab.core.errors import UserError
+from lab.core.models import CATALOG, ModelConfig, resolve_model
+from lab.core.table import render
+from lab.core.units import canonical_dtype, fmt_bytes, fmt_count, fmt_seconds
+from lab.predict.training import OPTIMIZERS, REMAT, SCHEDULES, Layout, TrainConfig, estimate, limits
+
+MODEL_FLAGS = (
+    "layers",
+    "d_model",
+    "d_ff",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "vocab",
+    "tied_embeddings",
+    "experts",
+    "experts_per_token",
+    "gated_mlp",
+)
+GiB = 2**30
+
+
+def model_parent(positional: bool) -> argparse.ArgumentParser:
+    """--model NAME (or a positional NAME) plus the custom-model flags."""
+    p = argparse.ArgumentParser(add_help=False)
+    if positional:
+        p.add_argument("model", nargs="?", metavar="NAME", help="catalog model or a .toml file (see `model list`)")
+    else:
+        p.add_argument("--model", metavar="NAME", help="catalog model or a .toml file; flags below override it")
+    g = p.add_argument_group("custom model")
+    for flag in ("layers", "d-model", "d-ff", "heads", "kv-heads", "head-dim", "vocab", "experts", "experts-per-token"):
+        g.add_argument(f"--{flag}", type=int, metavar="N")
+    g.add_argument("--tied-embeddings", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument(
+        "--gated-mlp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="SwiGLU MLP with 3 matrices (default for custom models) or a 2-matrix GeLU MLP",
+    )
+    return p
+
+
+def _model(args: argparse.Namespace) -> ModelConfig:
+    overrides = {k: getattr(args, k) for k in MODEL_FLAGS}
+    for k, v in overrides.items():
+        if isinstance(v, int) and not isinstance(v, bool) and v <= 0:
+            raise UserError(f"--{k.replace('_', '-')} must be a positive integer, got {v}")
+    return resolve_model(args.model, overrides)
+
+
+def cmd_model_list(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    rows = [
+        [
+            m.name,
+            fmt_count(m.params),
+            fmt_count(m.active_params),
+            m.layers,
+            m.d_model,
+            m.d_ff,
+            m.heads,
+            m.kv_heads,
+            m.vocab,
+            m.source,
+        ]
+        for m in CATALOG
+    ]
+    text = render(["name", "params", "active", "L", "D", "F", "N", "K", "V", "source"], rows)
+    return {"models": [m.to_dict() for m in CATALOG]}, text
+
+
+def cmd_model_show(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    m = _model(args)
+    kv = canonical_dtype(args.kv_dtype)
+    d = m.to_dict(seq_len=args.seq_len, kv_dtype=kv)
+    rows = [
+        ["params", f"{fmt_count(m.params)} ({m.params:,})"],
+        [
+            "active params",
+            f"{fmt_count(m.active_params)}" + (f" ({m.experts_per_token} of {m.experts} experts)" if m.is_moe else ""),
+        ],
+        ["layers / d_model / d_ff", f"{m.layers} / {m.d_model} / {m.d_ff}" + (" (gated)" if m.gated_mlp else "")],
+        ["heads / kv_heads / head_dim", f"{m.heads} / {m.kv_heads} / {m.head_dim}"],
+        ["vocab", f"{m.vocab}" + (" (tied)" if m.tied_embeddings else "")],
+        [f"KV cache per token ({kv})", fmt_bytes(m.kv_bytes_per_token(kv))],
+        [
+            "training FLOPs per token",
+            f"{fmt_count(d['flops_per_token'])} ({d['flops_convention']}"
+            + (f", seq {args.seq_len})" if args.seq_len else ")"),
+        ],
+        ["source", m.source],
+    ]
+    return d, render(["quantity", "value"], rows, title=m.name)
+
+
+def _layout(args: argparse.Namespace) -> Layout:
+    chips = args.chips
+    given = {k: getattr(args, k) for k in ("dp", "fsdp", "tp", "pp", "cp")}
+    for k, v in given.items():
+        if v is not None and v < 1:
+            raise UserError(f"--{k} must be a positive integer, got {v}")
+    if all(v is None for v in given.values()):
+        given["fsdp"] = chips  # default: weights, gradients and optimizer sharded over every chip
+    known = math.prod(v for v in given.values() if v is not None)
+    if given["dp"] is None and given["fsdp"] is None:
+        if chips % known:
+            raise UserError(
+                f"--chips {chips} is not a multiple of tp x pp x cp = {known}; "
+                f"try --chips {max(known, chips // known * known)}"
+            )
+        given["dp"] = chips // known  # the remaining devices, MaxText's -1
+    degrees = {k: (v or 1) for k, v in given.items()}
+    if math.prod(degrees.values()) != chips:
+        parts = " x ".join(f"{k}={v}" for k, v in degrees.items() if v > 1) or "1"
+        raise UserError(
+            f"{parts} = {math.prod(degrees.values())} chips but --chips is {chips}; "
+            f"make the degrees multiply to {chips} (leave --dp out to fill the rest)"
+        )
+    return Layout(
+        **degrees,
+        ep=args.ep,
+        zero=args.zero,
+        sequence_parallel=args.sequence_parallel,
+        pp_schedule=args.pp_schedule,
+        interleave=args.interleave,
+    )
+
+
+def train_config(args: argparse.Namespace, chip) -> TrainConfig:
+    model = _model(args)
+    if args.chips < 1:
+        raise UserError(f"--chips must be a positive integer, got {args.chips}")
+    layout = _layout(args)
+    seq = args.seq_len or model.max_seq_len
+    replicas = layout.dp * layout.fsdp
+    if args.global_batch is not None and args.batch_tokens is not None:
+        raise UserError("give either --global-batch (sequences) or --batch-tokens, not both")
+    if args.global_batch is not None:
+        batch = args.global_batch
+    elif args.batch_tokens is not None:
+        if args.batch_tokens % seq:
+            raise UserError(
+                f"--batch-tokens {args.batch_tokens} is not a multiple of --seq-len {seq}; "
+                f"try {max(seq, args.batch_tokens // seq * seq)}"
+            )
+        batch = args.batch_tokens // seq
+    else:  # about 4M tokens, rounded to whole microbatches on every replica
+        unit = replicas * args.microbatch
+        batch = max(1, round(4 * 1024 * 1024 / seq / unit)) * unit
+    return TrainConfig(
+        model=model,
+        chip=chip,
+        layout=layout,
+        seq_len=seq,
+        global_batch=batch,
+        microbatch=args.microbatch,
+        remat=args.remat,
+        checkpoints_per_layer=args.checkpoints_per_layer,
+        dtype=args.dtype,
+        optimizer=args.optimizer,
+        flash_attention=args.flash_attention,
+    )
+
+
+def cmd_train_estimate(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
+    cfg = train_config(args, chip)
+    est = estimate(cfg)
+    m = cfg.model
+    d = est.to_dict()
+    if args.tokens is not None and args.tokens <= 0:
+        raise UserError(f"--tokens must be positive, got {args.tokens}")
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        raise UserError(f"--mfu must be in (0, 1], got {args.mfu}")
+    total_flops = days = cost = None
+    if args.tokens is not None:
+        if args.seq_len is None:
+            total_flops = 6.0 * m.active_params * args.tokens  # the book's convention
+        else:
+            total_flops = m.flops_per_token(args.seq_len) * args.tokens
+        if args.mfu is not None:
+            days = total_flops / (cfg.layout.chips * chip.flops(cfg.dtype) * args.mfu) / 86400
+        else:
+            days = args.tokens / est.tokens_per_s / 86400
+        if chip.price_per_hour:
+            cost = days * 24 * cfg.layout.chips * chip.price_per_hour
+    d.update(total_flops=total_flops, days=days, cost_usd=cost, tokens=args.tokens, mfu_given=args.mfu)
+    b = est.breakdown
+    mem = est.memory
+    rows = [
+        ["model / hardware", f"{m.name} ({fmt_count(m.params)} params) on {cfg.layout.chips} x {chip.name}"],
+        [
+            "layout",
+            f"{cfg.layout.describe()}, remat {cfg.remat}, microbatch {cfg.microbatch} x {cfg.microbatches} per step",
+        ],
+        ["batch", f"{cfg.global_batch} x {cfg.seq_len} = {fmt_count(cfg.batch_tokens)} tokens"],
+        ["step time", fmt_seconds(est.step_time_s)],
+        ["  compute", fmt_seconds(b["compute_s"])],
+        [
+            "  exposed comm",
+            fmt_seconds(b["exposed_comm_s"])
+            + "  ("
+            + ", ".join(f"{k[5:-2]} {fmt_seconds(v)}" for k, v in b.items() if k.startswith("comm_") and v > 0)
+            + ")",
+        ],
+        ["  pipeline bubble", fmt_seconds(b["bubble_s"])],
+        ["  optimizer", fmt_seconds(b["optimizer_s"])],
+        ["tokens/s", f"{fmt_count(est.tokens_per_s)} ({fmt_count(est.tokens_per_s / cfg.layout.chips)} per chip)"],
+        ["MFU / HFU", f"{100 * est.mfu:.1f}% / {100 * est.hfu:.1f}%"],
+        [
+            "memory per chip",
+            f"{mem.total / GiB:.1f} GiB of {mem.hbm_bytes / GiB:.1f} GiB: params "
+            f"{mem.params / GiB:.1f}, grads {mem.grads / GiB:.1f}, optimizer {mem.optimizer / GiB:.1f},"
+            f" activations {mem.activations / GiB:.1f}",
+        ],
+        ["fits", "yes" if mem.fits else f"NO: {est.overflow()} is the largest part"],
+        ["min chips (ZeRO-3)", str(est.min_chips) if est.min_chips else "none: activations alone overflow"],
+        ["bottleneck", est.bottleneck],
+    ]
+    if total_flops is not None:
+        rows += [
+            ["total FLOPs", f"{total_flops:.3g}" + (" (6N)" if args.seq_len is None else "")],
+            ["training time", f"{days:.1f} days" + (f" at MFU {args.mfu:g}" if args.mfu else " (predicted)")],
+        ]
+        if cost is not None:
+            rows.append(["cost", f"${cost:,.0f} at ${chip.price_per_hour:.2f}/chip-hour"])
+    return d, render(["quantity", "value"], rows)
+
+
+def cmd_train_limits(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
+    d_ff = args.d_ff
+    if args.model is not None:
+        d_ff = d_ff or resolve_model(args.model).d_ff
+    lim = limits(
+        chip,
+        d_ff,
+        axes=args.axes,
+        tp_axes=args.tp_axes,
+        chips=args.chips,
+        batch_tokens=args.batch_tokens,
+        dtype=args.dtype,
+    )
+    rows = [
+        ["alpha = C / W", f"{lim.alpha:.0f} FLOPs per byte"],
+        ["DP/FSDP compute-bound above", f"{lim.dp_min_tokens_per_chip:,.0f} tokens per chip ({lim.axes} axis/axes)"],
+        ["  across nodes / slices", f"{lim.dp_min_tokens_per_chip_cross_node:,.0f} tokens per chip"],
+    ]
+    if lim.dcn_min_tokens_per_slice:
+        rows.append(["pure DP over DCN above", f"{lim.dcn_min_tokens_per_slice:,.0f} tokens per slice"])
+    if lim.tp_max_degree is not None:
+        rows += [
+            ["TP compute-bound up to", f"{lim.tp_max_degree:.1f}-way (F = {d_ff})"],
+            ["FSDP+TP compute-bound above", f"{lim.fsdp_tp_min_tokens_per_chip:,.0f} tokens per chip"],
+        ]
+    if lim.fsdp_opt_degree is not None:
+        rows.append(["best FSDP degree", f"{lim.fsdp_opt_degree:.1f} (sqrt(B/F * M_X/M_Y * N))"])
+    return lim.to_dict(), render(["threshold", "value"], rows, title=f"{chip.name}: the book's thresholds")
+
+
+def cmd_plan(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
+    from lab.predict.planner import plan
+
+    model = _model(args)
+    seq = args.seq_len or model.max_seq_len
+    result = plan(
+        model, chip, args.chips, args.batch_tokens, seq, top=args.top, dtype=args.dtype, optimizer=args.optimizer
+    )
+    return result.to_dict(), result.table()
+
+
+def cmd_study_generations(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from pathlib import Path
+
+    from lab.studies.generations import generations
+
+    if not args.tokens > 0:
+        raise UserError(f"--tokens must be positive, got {args.tokens}")
+    study = generations(
+        args.model, chips=args.chips, tokens=args.tokens, seq_len=args.seq_len, global_batch=args.global_batch
+    )
+    png = Path(args.png or f"runs/study/generations_{study.model}.png")
+    try:
+        png.parent.mkdir(parents=True, exist_ok=True)
+        study.plot(png)
+    except OSError as exc:
+        raise UserError(f"cannot write the chart to {str(png)!r}: {exc.strerror}; pass --png PATH") from None
+    d = study.to_dict() | {"png": str(png)}
+    return d, study.table() + f"\n\nchart: {png}"
+
+
+def _study_memtech(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from lab.cli.infer import cmd_study_memtech
+
+    return cmd_study_memtech(args)
+
+
+def cmd_validate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from lab.studies.validate import run_validation
+
+    v = run_validation()
+    return v.to_dict(), v.table()
+
+
+def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, with_chip) -> None:
+    """Add ``model``, ``train`` and ``validate`` to the ``shardlab`` parser."""
+    from lab.cli.main import _dtype, _Parser, _positive_int
+
+    mp = sub.add_parser("model", help="the model catalog and Transformer accounting")
+    msub = mp.add_subparsers(dest="model_command", required=True, parser_class=_Parser, metavar="list|show")
+    ml = msub.add_parser("list", parents=[common], help="every catalog model")
+    ml.set_defaults(func=cmd_model_list)
+    ms = msub.add_parser(
+        "show",
+        parents=[common, model_parent(positional=True)],
+        help="params, FLOPs per token, KV bytes of a catalog or custom model",
+    )
+    ms.add_argument("--kv-dtype", type=_dtype, default="bf16")
+    ms.add_argument("--seq-len", type=_positive_int("--seq-len"), help="FLOPs per token at this context")
+    ms.set_defaults(func=cmd_model_show)
+
+    tp = sub.add_parser("train", help="training estimates")
+    tsub = tp.add_subparsers(dest="train_command", required=True, parser_class=_Parser, metavar="estimate|limits")
+    te = tsub.add_parser(
+        "estimate",
+        parents=[common, hw, model_parent(positional=False)],
+        help="step time, memory, MFU, days and cost of a training job",
+    )
+    te.add_argument("--chips", type=_positive_int("--chips"), required=True)
+    te.add_argument("--tokens", type=float, help="training tokens, for total FLOPs, days and cost")
+    te.add_argument("--mfu", type=float, help="take days at this MFU instead of the predicted step time")
+    bg = te.add_mutually_exclusive_group()
+    bg.add_argument("--global-batch", type=_positive_int("--global-batch"), metavar="SEQS")
+    bg.add_argument("--batch-tokens", type=_positive_int("--batch-tokens"), metavar="B")
+    te.add_argument("--seq-len", type=_positive_int("--seq-len"), help="default: the model's context")
+    te.add_argument("--microbatch", type=_positive_int("--microbatch"), default=1)
+    for k in ("dp", "fsdp", "tp", "pp", "cp"):
+        te.add_argument(f"--{k}", type=int)
+    te.add_argument("--ep", type=_positive_int("--ep"), default=1)
+    te.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
+    te.add_argument("--sequence-parallel", action="store_true")
+    te.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b")
+    te.add_argument("--interleave", type=_positive_int("--interleave"), default=1)
+    te.add_argument("--remat", choices=REMAT, default="selective")
+    te.add_argument(
+        "--checkpoints-per-layer",
+        type=float,
+        metavar="K",
+        help="the book's k saved [B, D] tensors per layer (sets activation memory)",
+    )
+    te.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
+    te.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam")
+    te.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=True)
+    te.set_defaults(func=with_chip(cmd_train_estimate))
+
+    tl = tsub.add_parser("limits", parents=[common, hw], help="the book's DP, TP and FSDP thresholds")
+    tl.add_argument("--model", metavar="NAME", help="take --d-ff from this model")
+    tl.add_argument("--d-ff", type=_positive_int("--d-ff"))
+    tl.add_argument("--axes", type=_positive_int("--axes"), default=1, help="ICI axes the DP/FSDP group spans (M_X)")
+    tl.add_argument("--tp-axes", type=_positive_int("--tp-axes"), default=1, help="ICI axes of the TP group (M_Y)")
+    tl.add_argument("--chips", type=_positive_int("--chips"))
+    tl.add_argument("--batch-tokens", type=_positive_int("--batch-tokens"))
+    tl.add_argument("--dtype", type=_dtype, default="bf16")
+    tl.set_defaults(func=with_chip(cmd_train_limits))
+
+    pl = sub.add_parser(
+        "plan",
+        parents=[common, hw, model_parent(positional=False)],
+        help="search every layout, remat policy and microbatch; rank by predicted step time",
+    )
+    pl.add_argument("--chips", type=_positive_int("--chips"), required=True)
+    pl.add_argument("--batch-tokens", type=_positive_int("--batch-tokens"), required=True)
+    pl.add_argument("--seq-len", type=_positive_int("--seq-len"), help="default: the model's context")
+    pl.add_argument("--top", type=_positive_int("--top"), default=10)
+    pl.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
+    pl.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam")
+    pl.set_defaults(func=with_chip(cmd_plan))
+
+    st = sub.add_parser("study", help="studies across hardware generations and technologies")
+    ssub = st.add_subparsers(
+        dest="study_command", required=True, parser_class=_Parser, metavar="generations|memory-tech"
+    )
+    sg = ssub.add_parser(
+        "generations",
+        parents=[common],
+        help="one model's training time on A100, H100, H200 and B200 systems of one size",
+    )
+    sg.add_argument("--model", default="gpt3-175b", metavar="NAME")
+    sg.add_argument("--chips", type=_positive_int("--chips"), default=1024)
+    sg.add_argument("--tokens", type=float, default=300e9)
+    sg.add_argument("--seq-len", type=_positive_int("--seq-len"), default=2048)
+    sg.add_argument("--global-batch", type=_positive_int("--global-batch"), default=1536)
+    sg.add_argument("--png", metavar="PATH", help="bar chart (default: runs/study/generations_<model>.png)")
+    sg.set_defaults(func=cmd_study_generations)
+    sm = ssub.add_parser(
+        "memory-tech",
+        parents=[common],
+        help="decode latency and throughput against HBM generations and on-chip bandwidth",
+    )
+    sm.add_argument("--model", default="llama3-70b", metavar="NAME")
+    sm.add_argument("--hardware", default="h100", metavar="NAME")
+    sm.add_argument("--scale", metavar="FIELD=X,...")
+    sm.add_argument("--stacks", type=_positive_int("--stacks"), help="HBM stacks (default: the chip's own)")
+    sm.add_argument("--context", type=_positive_int("--context"), default=8192)
+    sm.add_argument("--batch", type=_positive_int("--batch"), help="fixed batch (default: the largest that fits)")
+    sm.add_argument("--tp", type=_positive_int("--tp"), default=8)
+    sm.add_argument("--weights", choices=("bf16", "fp8", "int8", "int4"), default="bf16")
+    sm.add_argument("--kv", choices=("bf16", "fp8", "int8", "int4"), default="bf16")
+    sm.add_argument("--png", metavar="PATH")
+    sm.set_defaults(func=_study_memtech)
+
+    v = sub.add_parser("validate", parents=[common], help="replay the published calibration runs")
+    v.set_defaults(func=cmd_validate)
+
+
+__all__ = ["register"]

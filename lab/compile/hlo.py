@@ -1,0 +1,474 @@
+"""Parse optimized HLO text into collectives and matmuls (no JAX needed).
+
+The input is ``jax.jit(f).lower(*args).compile().as_text()``. What comes out:
+
+* **Collectives**: kind (``all-gather``, ``reduce-scatter``, ``all-reduce``, ``all-to-all``,
+  ``collective-permute``; the async ``*-start`` forms count once), element type, the per-device
+  byte count V in the collective model's convention (:mod:`lab.predict.collectives`: AllGather output,
+  ReduceScatter and AllReduce operand, AllToAll operand times the group size, permute operand), the
+  replica groups (explicit ``{{0,1},{2,3}}`` or iota ``[2,4]<=[8]`` / ``[4,2]<=[2,4]T(1,0)``) or
+  permute pairs, how many times it runs (inside a ``while`` with a known trip count), and where it
+  came from (``op_name`` and the source line, resolved through the module's stack-frame tables).
+* **Matmuls**: every ``dot`` in any computation (fusions included) and cuBLAS GEMM custom calls, with
+  FLOPs ``2 x prod(output) x prod(contracting dims)``, multiplied by enclosing loop trip counts.
+
+Mapping replica groups to mesh axis names needs the mesh shape: :func:`axes_of_groups` tries every
+subset of mesh axes and returns the one whose groups (over device positions in mesh order) match.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+HLO_DTYPES = {
+    "f32": ("fp32", 4),
+    "bf16": ("bf16", 2),
+    "f16": ("fp16", 2),
+    "f64": ("fp64", 8),
+    "s8": ("int8", 1),
+    "u8": ("uint8", 1),
+    "s32": ("int32", 4),
+    "u32": ("uint32", 4),
+    "s64": ("int64", 8),
+    "pred": ("bool", 1),
+    "f8e4m3fn": ("fp8", 1),
+    "f8e5m2": ("fp8", 1),
+    "s4": ("int4", 0.5),
+    "u4": ("uint4", 0.5),
+    "s16": ("int16", 2),
+}
+COLLECTIVES = {
+    "all-gather": "all-gather",
+    "all-gather-start": "all-gather",
+    "reduce-scatter": "reduce-scatter",
+    "reduce-scatter-start": "reduce-scatter",
+    "all-reduce": "all-reduce",
+    "all-reduce-start": "all-reduce",
+    "all-to-all": "all-to-all",
+    "all-to-all-start": "all-to-all",
+    "collective-permute": "collective-permute",
+    "collective-permute-start": "collective-permute",
+}
+
+_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](?:\{[^}]*\})?")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
+_COMP = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(?:\([^)]*\))?.*\{\s*$")
+
+
+@dataclass(frozen=True)
+class Shape:
+    dtype: str  # HLO element type, e.g. "bf16"
+    dims: tuple[int, ...]
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.dims)
+
+    @property
+    def bytes(self) -> float:
+        return self.elements * HLO_DTYPES.get(self.dtype, (self.dtype, 4))[1]
+
+
+def parse_shapes(text: str) -> list[Shape]:
+    """Every array shape in ``text`` (a tuple shape gives several)."""
+    out = []
+    for dt, dims in _SHAPE.findall(text):
+        if dt in HLO_DTYPES:
+            out.append(Shape(dt, tuple(int(d) for d in dims.split(",") if d)))
+    return out
+
+
+@dataclass(frozen=True)
+class Instruction:
+    name: str
+    opcode: str
+    result: tuple[Shape, ...]
+    operands_text: str
+    attrs: str
+    computation: str
+
+    def attr(self, key: str) -> str | None:
+        m = re.search(rf"\b{re.escape(key)}=", self.attrs)
+        if not m:
+            return None
+        i = m.end()
+        if self.attrs.startswith("mesh[", i):
+            j = self.attrs.index("]", i) + 1
+            k = self.attrs.index("}", j) + 1
+            return self.attrs[i:k]
+        if i < len(self.attrs) and self.attrs[i] in '{["':
+            return _balanced(self.attrs, i)
+        j = i
+        while j < len(self.attrs) and self.attrs[j] not in ", ":
+            j += 1
+        return self.attrs[i:j]
+
+
+def _balanced(s: str, i: int) -> str:
+    """The bracketed or quoted value starting at ``s[i]`` (through its matching close)."""
+    opener = s[i]
+    if opener == '"':
+        j = s.index('"', i + 1)
+        return s[i : j + 1]
+    close = {"{": "}", "[": "]"}[opener]
+    depth = 0
+    for j in range(i, len(s)):
+        if s[j] in "{[":
+            depth += 1
+        elif s[j] in "}]":
+            depth -= 1
+            if depth == 0:
+                # iota replica groups continue past the bracket: [2,4]<=[8]T(1,0)
+                k = j + 1
+                if close == "]" and s.startswith("<=", k):
+                    m = re.match(r"<=\[[0-9,]*\](?:T\([0-9,]*\))?", s[k:])
+                    if m:
+                        k += m.end()
+                return s[i:k]
+    return s[i:]
+
+
+def _split_operands(rest: str) -> tuple[str, str]:
+    """``rest`` is what follows ``opcode(``: split the operand list from the attributes."""
+    depth = 1
+    for j, ch in enumerate(rest):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                return rest[:j], rest[j + 1 :].lstrip(", ")
+    return rest, ""
+
+
+@dataclass
+class Module:
+    computations: dict[str, list[Instruction]]
+    entry: str
+    frames: dict[int, tuple[str, int, str]]  # stack_frame_id -> (file, line, function)
+
+    def calls(self, instr: Instruction) -> list[tuple[str, float]]:
+        """Computations an instruction runs, with how many times."""
+        out: list[tuple[str, float]] = []
+        if instr.opcode == "while":
+            trips = _trip_count(instr)
+            body = instr.attr("body")
+            if body:
+                out.append((body.lstrip("%"), trips))
+            return out
+        for key in ("calls", "to_apply"):
+            v = instr.attr(key)
+            if v and instr.opcode not in (
+                "all-reduce",
+                "reduce-scatter",
+                "all-reduce-start",
+                "reduce",
+                "scatter",
+                "sort",
+                "reduce-window",
+                "select-and-scatter",
+                "map",
+            ):
+                out += [(c.strip().lstrip("%"), 1.0) for c in v.strip("{}").split(",") if c.strip()]
+        if instr.opcode == "conditional":
+            v = instr.attr("branch_computations")
+            if v:
+                out += [(c.strip().lstrip("%"), 1.0) for c in v.strip("{}").split(",")]
+        return out
+
+    def walk(self) -> list[tuple[Instruction, float]]:
+        """Every instruction reachable from the entry computation, with its execution count."""
+        out: list[tuple[Instruction, float]] = []
+        stack = [(self.entry, 1.0)]
+        seen_depth = 0
+        while stack:
+            comp, times = stack.pop()
+            seen_depth += 1
+            if seen_depth > 100000:
+                break
+            for instr in self.computations.get(comp, []):
+                out.append((instr, times))
+                for callee, n in self.calls(instr):
+                    stack.append((callee, times * n))
+        return out
+
+    def table(self, computation: str) -> dict[str, Instruction]:
+        """Instructions of one computation by name (cached)."""
+        cache = self.__dict__.setdefault("_tables", {})
+        if computation not in cache:
+            cache[computation] = {i.name: i for i in self.computations.get(computation, [])}
+        return cache[computation]
+
+    def source(self, instr: Instruction) -> str:
+        """``file:line (function)`` of an instruction, from its metadata."""
+        meta = instr.attr("metadata") or ""
+        m = re.search(r'source_file="([^"]+)"\s+source_line=(\d+)', meta)
+        if m:
+            return f"{m.group(1)}:{m.group(2)}"
+        m = re.search(r"stack_frame_id=(\d+)", meta)
+        if m and int(m.group(1)) in self.frames:
+            f, line, fn = self.frames[int(m.group(1))]
+            return f"{f}:{line} ({fn})"
+        return ""
+
+    def op_name(self, instr: Instruction) -> str:
+        meta = instr.attr("metadata") or ""
+        m = re.search(r'op_name="([^"]+)"', meta)
+        return m.group(1) if m else ""
+
+
+def _trip_count(instr: Instruction) -> float:
+    cfg = instr.attr("backend_config")
+    if cfg:
+        try:
+            data = json.loads(cfg)
+            return float(data["known_trip_count"]["n"])
+        except (ValueError, KeyError, TypeError):
+            pass
+    return 1.0
+
+
+def _frames(text: str) -> dict[int, tuple[str, int, str]]:
+    files = {int(a): b for a, b in re.findall(r'^(\d+) "([^"]*)"\s*$', _section(text, "FileNames"), re.M)}
+    funcs = {int(a): b for a, b in re.findall(r'^(\d+) "([^"]*)"\s*$', _section(text, "FunctionNames"), re.M)}
+    locs = {}
+    for m in re.finditer(
+        r"^(\d+) \{file_name_id=(\d+) function_name_id=(\d+) line=(\d+)", _section(text, "FileLocations"), re.M
+    ):
+        locs[int(m.group(1))] = (files.get(int(m.group(2)), "?"), int(m.group(4)), funcs.get(int(m.group(3)), "?"))
+    frames = {}
+    for m in re.finditer(r"^(\d+) \{file_location_id=(\d+)", _section(text, "StackFrames"), re.M):
+        if int(m.group(2)) in locs:
+            frames[int(m.group(1))] = locs[int(m.group(2))]
+    return frames
+
+
+def _section(text: str, title: str) -> str:
+    m = re.search(rf"^{title}\n(.*?)(?:\n\n|\Z)", text, re.M | re.S)
+    return m.group(1) if m else ""
+
+
+def parse_module(text: str) -> Module:
+    """Split HLO text into computations of instructions."""
+    comps: dict[str, list[Instruction]] = {}
+    entry = ""
+    current: str | None = None
+    for line in text.splitlines():
+        if current is None:
+            m = _COMP.match(line)
+            if m and "=" not in line.split("(")[0]:
+                current = m.group(2)
+                comps[current] = []
+                if m.group(1):
+                    entry = current
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, result_text, opcode, rest = m.groups()
+        operands, attrs = _split_operands(rest)
+        comps[current].append(
+            Instruction(
+                name=name,
+                opcode=opcode,
+                result=tuple(parse_shapes(result_text)),
+                operands_text=operands,
+                attrs=attrs,
+                computation=current,
+            )
+        )
+    if not entry and comps:
+        entry = next(reversed(comps))
+    return Module(computations=comps, entry=entry, frames=_frames(text))
+
+
+# ----- replica groups ------------------------------------------------------------------------
+
+
+def parse_replica_groups(value: str | None) -> list[list[int]] | None:
+    """``{{0,1},{2,3}}`` or iota ``[G,S]<=[d0,d1,...]T(perm)`` -> list of groups."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.startswith("mesh["):  # mesh['a'=1,'b'=2,'c'=4] {'b'}: devices row-major over that mesh
+        m = re.match(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}", value)
+        if not m:
+            return None
+        axes = re.findall(r"'([^']+)'\s*=\s*(\d+)", m.group(1))
+        names = [a for a, _ in axes]
+        shape = [int(n) for _, n in axes]
+        over = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(2)) if a in names]
+        ids = np.arange(math.prod(shape)).reshape(shape)
+        rest = [i for i in range(len(shape)) if i not in over]
+        size = math.prod(shape[i] for i in over) if over else 1
+        return np.transpose(ids, rest + over).reshape(-1, size).tolist()
+    if value.startswith("["):
+        m = re.match(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", value)
+        if not m:
+            return None
+        shape = [int(x) for x in m.group(1).split(",")]
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape(shape).tolist() if len(shape) == 2 else [ids.reshape(-1).tolist()]
+    groups = re.findall(r"\{([0-9,\s]*)\}", value[1:-1] if value.startswith("{{") else value)
+    return [[int(x) for x in g.split(",") if x.strip()] for g in groups if g.strip()]
+
+
+def mesh_groups(mesh_shape: Sequence[int], axes: Sequence[int]) -> set[frozenset[int]]:
+    """Groups of device positions (row-major over the mesh) that vary only along ``axes``."""
+    n = math.prod(mesh_shape)
+    pos = np.arange(n).reshape(mesh_shape)
+    rest = [i for i in range(len(mesh_shape)) if i not in axes]
+    moved = np.transpose(pos, rest + list(axes)).reshape(-1, math.prod(mesh_shape[i] for i in axes) if axes else 1)
+    return {frozenset(int(x) for x in row) for row in moved}
+
+
+def axes_of_groups(groups: list[list[int]] | None, mesh: dict[str, int]) -> tuple[str, ...] | None:
+    """The mesh axis names whose groups equal ``groups``; None when no subset matches."""
+    names = list(mesh)
+    shape = [mesh[a] for a in names]
+    n = math.prod(shape)
+    if not groups or (len(groups) == 1 and not groups[0]):
+        groups = [list(range(n))]
+    want = {frozenset(g) for g in groups}
+    for k in range(0, len(names) + 1):
+        for combo in itertools.combinations(range(len(names)), k):
+            if mesh_groups(shape, list(combo)) == want:
+                return tuple(names[i] for i in combo)
+    return None
+
+
+def axes_of_pairs(pairs: list[tuple[int, int]], mesh: dict[str, int]) -> tuple[str, ...] | None:
+    """Mesh axes along which a permute's source/target positions differ."""
+    names = list(mesh)
+    shape = [mesh[a] for a in names]
+    differ: set[int] = set()
+    for src, dst in pairs:
+        a, b = np.unravel_index(src, shape), np.unravel_index(dst, shape)
+        differ |= {i for i in range(len(shape)) if a[i] != b[i]}
+    return tuple(names[i] for i in sorted(differ)) if pairs else None
+
+
+# ----- summaries -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CompiledCollective:
+    name: str
+    kind: str  # all-gather, reduce-scatter, all-reduce, all-to-all, permute
+    dtype: str
+    bytes: float  # V, the collective model's convention
+    elements: int
+    group_size: int
+    groups: tuple[tuple[int, ...], ...] = field(default=())
+    pairs: tuple[tuple[int, int], ...] = field(default=())
+    times: float = 1.0
+    op_name: str = ""
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class CompiledDot:
+    name: str
+    flops: float
+    shape: str
+    times: float = 1.0
+
+
+def operand_shapes(module: Module, instr: Instruction) -> list[Shape]:
+    """Operand shapes: printed inline in some HLO dialects, else looked up by name in the computation."""
+    inline = parse_shapes(instr.operands_text)
+    if inline:
+        return inline
+    table = module.table(instr.computation)
+    out: list[Shape] = []
+    for name in re.findall(r"%?([\w.\-]+)", instr.operands_text):
+        if name in table:
+            out.extend(table[name].result)
+    return out
+
+
+def collectives(module: Module) -> list[CompiledCollective]:
+    """Every collective the program runs, in the collective model's byte convention."""
+    out = []
+    for instr, times in module.walk():
+        kind = COLLECTIVES.get(instr.opcode)
+        if kind is None:
+            continue
+        ops = operand_shapes(module, instr)
+        results = list(instr.result)
+        if instr.opcode.endswith("-start") and len(results) > len(ops):
+            results = results[len(ops) :]  # (operands..., outputs...) tuples of async starts
+        groups = parse_replica_groups(instr.attr("replica_groups"))
+        pairs: list[tuple[int, int]] = []
+        if kind == "collective-permute":
+            pairs = [
+                (int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", instr.attr("source_target_pairs") or "")
+            ]
+        group = len(groups[0]) if groups and groups[0] else 0
+        op_bytes = sum(s.bytes for s in ops)
+        op_elems = sum(s.elements for s in ops)
+        res_bytes = sum(s.bytes for s in results)
+        res_elems = sum(s.elements for s in results)
+        if kind == "all-gather":
+            v, e = res_bytes, res_elems
+        elif kind == "all-to-all":
+            v, e = op_bytes * max(group, 1), op_elems * max(group, 1)
+        else:
+            v, e = op_bytes, op_elems
+        dtype = (ops or results)[0].dtype if (ops or results) else "?"
+        out.append(
+            CompiledCollective(
+                name=instr.name,
+                kind="permute" if kind == "collective-permute" else kind,
+                dtype=dtype,
+                bytes=v,
+                elements=e,
+                group_size=group,
+                groups=tuple(tuple(g) for g in (groups or [])),
+                pairs=tuple(pairs),
+                times=times,
+                op_name=module.op_name(instr),
+                source=module.source(instr),
+            )
+        )
+    return out
+
+
+def dots(module: Module) -> list[CompiledDot]:
+    """Every matmul (``dot``, cuBLAS GEMM custom call) with its FLOPs."""
+    out = []
+    for instr, times in module.walk():
+        if instr.opcode == "dot":
+            ops = operand_shapes(module, instr)
+            out_shape = instr.result[0] if instr.result else None
+            lhs_c = instr.attr("lhs_contracting_dims") or "{}"
+            cdims = [int(x) for x in lhs_c.strip("{}").split(",") if x.strip()]
+            if ops and out_shape:
+                k = math.prod(ops[0].dims[i] for i in cdims) if cdims else 1
+                out.append(CompiledDot(instr.name, 2.0 * out_shape.elements * k, str(out_shape.dims), times))
+        elif (instr.opcode == "custom-call" and "gemm" in (instr.attr("custom_call_target") or "").lower()) or (
+            instr.opcode == "custom-call" and "matmul" in (instr.attr("custom_call_target") or "").lower()
+        ):
+            ops = operand_shapes(module, instr)
+            cfg = instr.attr("backend_config") or ""
+            m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', cfg)
+            if not ops or not m:
+                continue
+            cdims = [int(x.strip('" ')) for x in m.group(1).split(",") if x.strip()]
+            k = math.prod(ops[0].dims[i] for i in cdims)
+            res = instr.result[0]
+            out.append(CompiledDot(instr.name, 2.0 * res.elements * k, str(res.dims), times))
+    return out

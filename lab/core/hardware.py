@@ -1,0 +1,748 @@
+"""Hardware catalog: one typed, sourced record per accelerator.
+
+Every number in the catalog is dense (never a structured-sparsity figure) and carries its source in
+``Chip.sources``, keyed by field name (``peak_flops.bf16`` for a dtype entry). Units are SI: FLOP/s,
+bytes, bytes/s, seconds, US dollars per chip-hour.
+
+Bandwidth conventions, because they decide every collective estimate:
+
+* ``link_bandwidth`` is **one-way**. On a TPU torus it is one ICI link in one direction (the book's
+  "one-way" column); the book's ``W_ici`` is the bidirectional figure, ``2 * link_bandwidth``.
+  On a GPU it is the NVLink egress of one GPU into its switch domain (450e9 B/s on H100, i.e. the
+  "900 GB/s bidirectional" of the datasheet halved).
+* ``scaleout_bandwidth`` is the share of the scale-out network one chip can drive, one way: DCN per
+  TPU chip, or the InfiniBand/RoCE NIC bandwidth per GPU (node egress = ``node_size * scaleout_bandwidth``).
+
+Users add or override chips with a TOML or JSON file (``--hardware-file``); calibration writes the
+same format. See :func:`load_hardware_file`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from lab.core.errors import UserError
+from lab.core.units import canonical_dtype
+
+KINDS = ("tpu", "gpu", "cpu")
+TOPOLOGIES = ("torus", "switch")
+WRAPAROUND_RULES = ("full-axis", "cube", "always", "never")
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One accelerator as the analytic model sees it.
+
+    Attributes:
+        name: canonical lower-case name (``tpu-v5e``, ``h100``).
+        kind: ``tpu``, ``gpu`` or ``cpu``.
+        peak_flops: dense peak FLOP/s (OP/s for integers) per dtype; a dtype the chip has no
+            matmul unit for is absent.
+        hbm_bytes: device memory capacity.
+        hbm_bandwidth: device memory bandwidth, bytes/s.
+        topology: ``torus`` (TPU ICI: direct chip-to-chip links) or ``switch`` (NVLink/NVSwitch
+            domain, or threads of one host for the CPU).
+        link_bandwidth: one-way bytes/s; per ICI link (torus) or per-chip switch egress (switch).
+        hop_latency_s: fixed cost of one step of a ring collective on the scale-up fabric.
+        scaleout_bandwidth: one-way bytes/s per chip on DCN or InfiniBand.
+        scaleout_latency_s: fixed cost of one step across the scale-out network.
+        launch_latency_s: fixed cost per collective independent of its steps (NCCL's base latency).
+        torus_dims: torus dimensionality (2 or 3); ``None`` on switched fabrics.
+        pod_shape: largest ICI domain (torus) as a tuple of axis sizes.
+        wraparound_rule: when a torus slice has wraparound links: ``full-axis`` (an axis wraps only
+            when it spans the whole pod axis, ``wraparound_size`` chips: v5e/v6e), ``cube`` (every
+            axis wraps when all axes are multiples of ``wraparound_size``: v4/v5p optical cubes),
+            ``always`` or ``never``.
+        wraparound_size: the size in that rule.
+        node_size: chips in one switch domain (GPUs per NVLink node); ``None`` on a torus.
+        price_per_hour: on-demand US dollars per chip-hour where a public price exists.
+        aliases: other accepted names.
+        sources: where each number comes from, keyed by field name (``peak_flops.<dtype>`` too).
+        calibrated: True when the numbers were fitted on this host by ``shardlab calibrate``.
+        notes: free text shown by ``hardware show``.
+        calibration: what calibration measured beyond the fields (fit quality per term, per-collective
+            correction factors under ``collective_factor``); empty for catalog chips.
+    """
+
+    name: str
+    kind: str
+    peak_flops: Mapping[str, float]
+    hbm_bytes: float
+    hbm_bandwidth: float
+    topology: str
+    link_bandwidth: float
+    hop_latency_s: float
+    scaleout_bandwidth: float
+    scaleout_latency_s: float
+    launch_latency_s: float = 0.0
+    torus_dims: int | None = None
+    pod_shape: tuple[int, ...] | None = None
+    wraparound_rule: str = "never"
+    wraparound_size: int | None = None
+    node_size: int | None = None
+    price_per_hour: float | None = None
+    aliases: tuple[str, ...] = ()
+    sources: Mapping[str, str] = field(default_factory=dict)
+    calibrated: bool = False
+    notes: str = ""
+    calibration: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Freeze the mappings so a catalog entry cannot be mutated by a caller.
+        object.__setattr__(
+            self,
+            "peak_flops",
+            MappingProxyType({canonical_dtype(k): float(v) for k, v in dict(self.peak_flops).items()}),
+        )
+        object.__setattr__(self, "sources", MappingProxyType(dict(self.sources)))
+        object.__setattr__(self, "calibration", MappingProxyType(dict(self.calibration)))
+        object.__setattr__(self, "aliases", tuple(a.lower() for a in self.aliases))
+        if self.pod_shape is not None:
+            object.__setattr__(self, "pod_shape", tuple(int(x) for x in self.pod_shape))
+        where = f"hardware {self.name!r}"
+        if self.kind not in KINDS:
+            raise UserError(f"{where}: kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        if self.topology not in TOPOLOGIES:
+            raise UserError(f"{where}: topology {self.topology!r} is not one of {', '.join(TOPOLOGIES)}")
+        if self.wraparound_rule not in WRAPAROUND_RULES:
+            raise UserError(
+                f"{where}: wraparound_rule {self.wraparound_rule!r} is not one of {', '.join(WRAPAROUND_RULES)}"
+            )
+        if self.wraparound_rule in ("full-axis", "cube") and not self.wraparound_size:
+            raise UserError(f"{where}: wraparound_rule {self.wraparound_rule!r} needs a wraparound_size")
+        if self.topology == "switch" and not self.node_size:
+            raise UserError(f"{where}: a switch topology needs node_size (chips per switch domain)")
+        if not self.peak_flops:
+            raise UserError(f"{where}: peak_flops is empty; give at least one dtype, e.g. bf16 = 9.89e14")
+        for fname in ("hbm_bytes", "hbm_bandwidth", "link_bandwidth", "scaleout_bandwidth"):
+            if not getattr(self, fname) > 0:
+                raise UserError(f"{where}: {fname} must be > 0, got {getattr(self, fname)!r}")
+        for dt, v in self.peak_flops.items():
+            if not v > 0:
+                raise UserError(f"{where}: peak_flops.{dt} must be > 0, got {v!r}")
+        for fname in ("hop_latency_s", "scaleout_latency_s", "launch_latency_s"):
+            if getattr(self, fname) < 0:
+                raise UserError(f"{where}: {fname} must be >= 0, got {getattr(self, fname)!r}")
+
+    # ----- derived quantities -------------------------------------------------------------
+
+    def flops(self, dtype: str) -> float:
+        """Dense peak FLOP/s for ``dtype``; a clear error when the chip has no such unit."""
+        dt = canonical_dtype(dtype)
+        if dt not in self.peak_flops:
+            raise UserError(
+                f"{self.name} has no {dt} peak in the catalog; valid dtypes for it: {', '.join(self.peak_flops)}"
+            )
+        return self.peak_flops[dt]
+
+    def critical_intensity(self, dtype: str = "bf16") -> float:
+        """FLOPs per HBM byte above which a kernel is compute-bound: ``peak / hbm_bandwidth``."""
+        return self.flops(dtype) / self.hbm_bandwidth
+
+    @property
+    def ici_bidirectional(self) -> float:
+        """Both directions of one link: the book's ``W_ici`` (torus) or 2x NVLink egress (switch)."""
+        return 2 * self.link_bandwidth
+
+    @property
+    def latency_bound_bytes(self) -> float:
+        """Per-shard message size under which one ring step is latency- rather than bandwidth-bound.
+
+        The book's form (sharding.md): a hop is latency-bound when ``shard_bytes / W_link < T_hop``,
+        about 45 kB on v5e.
+        """
+        return self.link_bandwidth * self.hop_latency_s
+
+    def wraparound(self, slice_shape: Iterable[int]) -> tuple[bool, ...]:
+        """Which axes of a physical slice of this chip have wraparound links."""
+        shape = tuple(int(x) for x in slice_shape)
+        if self.wraparound_rule == "always":
+            return tuple(True for _ in shape)
+        if self.wraparound_rule == "never":
+            return tuple(False for _ in shape)
+        n = int(self.wraparound_size or 0)
+        if self.wraparound_rule == "full-axis":
+            return tuple(s == n for s in shape)
+        full_cubes = all(s % n == 0 for s in shape)  # 'cube'
+        return tuple(full_cubes for _ in shape)
+
+    def fields(self) -> dict[str, Any]:
+        """Every field as plain Python values (the hardware-file format)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["peak_flops"] = dict(self.peak_flops)
+        d["sources"] = dict(self.sources)
+        d["calibration"] = dict(self.calibration)
+        d["aliases"] = list(self.aliases)
+        d["pod_shape"] = list(self.pod_shape) if self.pod_shape else None
+        return d
+
+    def slice_shape(self, chips: int) -> tuple[int, ...]:
+        """The physical torus slice a group of ``chips`` occupies: as square as the torus allows,
+        each axis a power of two no longer than the pod's (e.g. 16 v5e chips -> 4x4, 8 -> 2x4).
+        Off a torus, or when ``chips`` is not a power of two, one axis of ``chips``."""
+        if self.topology != "torus" or chips < 1 or chips & (chips - 1):
+            return (chips,)
+        dims = [1] * (self.torus_dims or 1)
+        limits = sorted(self.pod_shape or (chips,))
+        n = chips
+        while n > 1:
+            order = sorted(range(len(dims)), key=lambda i: dims[i])
+            for i in order:
+                if dims[i] * 2 <= (limits[i] if i < len(limits) else chips):
+                    dims[i] *= 2
+                    break
+            else:
+                return (chips,)
+            n //= 2
+        return tuple(sorted((d for d in dims if d > 1), reverse=False)) or (1,)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict: every field, plus derived figures under ``derived``."""
+        d = self.fields()
+        d["derived"] = {
+            "critical_intensity": {dt: self.critical_intensity(dt) for dt in self.peak_flops},
+            "ici_bidirectional": self.ici_bidirectional,
+            "latency_bound_bytes": self.latency_bound_bytes,
+        }
+        return d
+
+
+# ----- sources -----------------------------------------------------------------------------
+# The scaling book is jax-ml/scaling-book ("How to Scale Your Model"), read at commit c7a26c6
+# (2026-05-09); chapter files named per source.
+BOOK_TPU = "scaling-book tpus.md, 'TPU specs' table"
+BOOK_ICI = "scaling-book tpus.md, ICI table (one-way per link)"
+BOOK_LAT = "scaling-book sharding.md: ICI per-hop latency about 1 us"
+BOOK_DCN = "scaling-book tpus.md: DCN egress per TPU"
+BOOK_TOPO = "scaling-book tpus.md: topology and wraparound"
+BOOK_GPU = "scaling-book gpus.md, GPU spec tables"
+BOOK_NVLINK = "scaling-book gpus.md, NVLink table: GPU-to-GPU bandwidth in node (one way)"
+BOOK_NODE = "scaling-book gpus.md: 8 GPUs per NVLink node"
+BOOK_PRICE = "scaling-book applied-inference.md, cost table (Feb 2025 on-demand)"
+GCP_PRICE = "Google Cloud TPU pricing page, on-demand per chip-hour (2025)"
+NCCL_HOP = "NCCL src/graph/tuning.cc hwLat, Ring/LL128: 2.5 us per step on NVLink and on the network"
+NCCL_LAUNCH = (
+    "0 by default, as in the scaling book's gpus.md model; NCCL's own tuner adds a base of 3.6 us "
+    "(tuning.cc baseLat, Ring/LL128), which calibration fits where it matters"
+)
+DCN_LAT = "assumption: about 10 us per step across DCN (no public per-hop figure); calibrate or override"
+
+
+def _tpu(
+    name,
+    *,
+    bf16,
+    int8,
+    hbm_bytes,
+    hbm_bw,
+    ici,
+    torus_dims,
+    pod,
+    wrap_rule,
+    wrap_size,
+    dcn,
+    price,
+    aliases,
+    extra_sources,
+    fp8=None,
+    notes="",
+):
+    peak = {"bf16": bf16, "int8": int8}
+    sources = {
+        "peak_flops.bf16": BOOK_TPU,
+        "peak_flops.int8": BOOK_TPU,
+        "hbm_bytes": BOOK_TPU,
+        "hbm_bandwidth": BOOK_TPU,
+        "link_bandwidth": BOOK_ICI,
+        "hop_latency_s": BOOK_LAT,
+        "scaleout_bandwidth": BOOK_DCN,
+        "scaleout_latency_s": DCN_LAT,
+        "launch_latency_s": "scaling-book sharding.md models ICI collectives with per-hop latency only",
+        "torus_dims": BOOK_TOPO,
+        "pod_shape": BOOK_TPU,
+        "wraparound_rule": BOOK_TOPO,
+        "wraparound_size": BOOK_TOPO,
+    }
+    if fp8 is not None:
+        peak["fp8"] = fp8
+    if price is not None:
+        sources["price_per_hour"] = GCP_PRICE
+    sources.update(extra_sources)
+    return Chip(
+        name=name,
+        kind="tpu",
+        peak_flops=peak,
+        hbm_bytes=hbm_bytes,
+        hbm_bandwidth=hbm_bw,
+        topology="torus",
+        link_bandwidth=ici,
+        hop_latency_s=1e-6,
+        scaleout_bandwidth=dcn,
+        scaleout_latency_s=1e-5,
+        launch_latency_s=0.0,
+        torus_dims=torus_dims,
+        pod_shape=pod,
+        wraparound_rule=wrap_rule,
+        wraparound_size=wrap_size,
+        price_per_hour=price,
+        aliases=aliases,
+        sources=sources,
+        notes=notes,
+    )
+
+
+def _gpu(name, *, peak, hbm_bytes, hbm_bw, nvlink, scaleout, price, aliases, extra_sources, notes=""):
+    sources = {
+        **{f"peak_flops.{dt}": BOOK_GPU + " (dense figures)" for dt in peak},
+        "hbm_bytes": BOOK_GPU,
+        "hbm_bandwidth": BOOK_GPU,
+        "link_bandwidth": BOOK_NVLINK,
+        "hop_latency_s": NCCL_HOP,
+        "scaleout_latency_s": NCCL_HOP,
+        "launch_latency_s": NCCL_LAUNCH,
+        "node_size": BOOK_NODE,
+        "scaleout_bandwidth": "scaling-book gpus.md: one 400 Gb/s ConnectX-7 NIC per GPU (400 GB/s node egress)",
+    }
+    if price is not None:
+        sources["price_per_hour"] = BOOK_PRICE
+    sources.update(extra_sources)
+    return Chip(
+        name=name,
+        kind="gpu",
+        peak_flops=peak,
+        hbm_bytes=hbm_bytes,
+        hbm_bandwidth=hbm_bw,
+        topology="switch",
+        link_bandwidth=nvlink,
+        hop_latency_s=2.5e-6,
+        scaleout_bandwidth=scaleout,
+        scaleout_latency_s=2.5e-6,
+        launch_latency_s=0.0,
+        node_size=8,
+        price_per_hour=price,
+        aliases=aliases,
+        sources=sources,
+        notes=notes,
+    )
+
+
+_A100_SRC = "NVIDIA A100 datasheet (dense Tensor Core figures), summarised in the scaling-book gpus.md"
+_A100_FP32 = "NVIDIA A100 datasheet: FP32 (non-Tensor-Core) 19.5 TFLOP/s"
+_A100_NIC = "DGX A100: 8x 200 Gb/s HDR InfiniBand per node, i.e. 25 GB/s per GPU (Korthikanti et al. 2022, Selene)"
+_H_FP32 = "NVIDIA H100 SXM datasheet: FP32 67 TFLOP/s (scaling-book gpus.md: CUDA cores about 66 TFLOP/s)"
+
+CATALOG: tuple[Chip, ...] = (
+    _tpu(
+        "tpu-v3",
+        bf16=1.4e14,
+        int8=1.4e14,
+        hbm_bytes=32e9,
+        hbm_bw=9.0e11,
+        ici=1.0e11,
+        torus_dims=2,
+        pod=(32, 32),
+        wrap_rule="full-axis",
+        wrap_size=32,
+        dcn=6.25e9,
+        price=None,
+        aliases=("v3", "tpuv3"),
+        extra_sources={
+            "scaleout_bandwidth": "assumption: the book's v5p DCN figure per chip (no v3 figure published)",
+            "wraparound_size": "assumption: like v5e/v6e, only an axis spanning the 32-chip pod axis wraps",
+        },
+        notes="v3 has two TensorCores per chip that JAX shows as two devices; figures are per chip.",
+    ),
+    _tpu(
+        "tpu-v4",
+        bf16=2.75e14,
+        int8=2.75e14,
+        hbm_bytes=32 * 2**30,
+        hbm_bw=1.2e12,
+        ici=4.5e10,
+        torus_dims=3,
+        pod=(16, 16, 16),
+        wrap_rule="cube",
+        wrap_size=4,
+        dcn=6.25e9,
+        price=3.22,
+        aliases=("v4", "v4p", "tpuv4"),
+        extra_sources={
+            "hbm_bytes": "Google Cloud TPU v4 docs: 32 GiB HBM2 per chip",
+            "scaleout_bandwidth": "assumption: the book's v5p DCN figure per chip (no v4 figure published)",
+        },
+    ),
+    _tpu(
+        "tpu-v5e",
+        bf16=1.97e14,
+        int8=3.94e14,
+        hbm_bytes=16e9,
+        hbm_bw=8.2e11,
+        ici=4.5e10,
+        torus_dims=2,
+        pod=(16, 16),
+        wrap_rule="full-axis",
+        wrap_size=16,
+        dcn=3.125e9,
+        price=1.20,
+        aliases=("v5e", "v5litepod", "tpuv5e", "v5lite"),
+        extra_sources={"price_per_hour": BOOK_PRICE},
+    ),
+    _tpu(
+        "tpu-v5p",
+        bf16=4.59e14,
+        int8=9.18e14,
+        hbm_bytes=96e9,
+        hbm_bw=2.8e12,
+        ici=9.0e10,
+        torus_dims=3,
+        pod=(16, 20, 28),
+        wrap_rule="cube",
+        wrap_size=4,
+        dcn=6.25e9,
+        price=4.20,
+        aliases=("v5p", "tpuv5p"),
+        extra_sources={"price_per_hour": BOOK_PRICE},
+        notes="Cloud docs list 95 GB and 2,765 GB/s; the book's 96 GB and 2.8e12 B/s are used.",
+    ),
+    _tpu(
+        "tpu-v6e",
+        bf16=9.2e14,
+        int8=1.84e15,
+        hbm_bytes=32e9,
+        hbm_bw=1.6e12,
+        ici=9.0e10,
+        torus_dims=2,
+        pod=(16, 16),
+        wrap_rule="full-axis",
+        wrap_size=16,
+        dcn=12.5e9,
+        price=2.70,
+        aliases=("v6e", "trillium", "tpuv6e"),
+        extra_sources={},
+    ),
+    _gpu(
+        "a100-40gb",
+        peak={"bf16": 3.12e14, "fp16": 3.12e14, "int8": 6.24e14, "fp32": 1.95e13},
+        hbm_bytes=40e9,
+        hbm_bw=1.555e12,
+        nvlink=3.0e11,
+        scaleout=2.5e10,
+        price=None,
+        aliases=("a100-40", "a100-sxm4-40gb"),
+        extra_sources={
+            "peak_flops.bf16": _A100_SRC,
+            "peak_flops.fp16": _A100_SRC,
+            "peak_flops.int8": _A100_SRC,
+            "peak_flops.fp32": _A100_FP32,
+            "scaleout_bandwidth": _A100_NIC,
+            "hbm_bytes": "NVIDIA A100 datasheet: 40 GB HBM2",
+            "hbm_bandwidth": "NVIDIA A100 datasheet: 1,555 GB/s (40 GB SXM4)",
+        },
+    ),
+    _gpu(
+        "a100-80gb",
+        peak={"bf16": 3.12e14, "fp16": 3.12e14, "int8": 6.24e14, "fp32": 1.95e13},
+        hbm_bytes=80e9,
+        hbm_bw=2.039e12,
+        nvlink=3.0e11,
+        scaleout=2.5e10,
+        price=None,
+        aliases=("a100", "a100-80", "a100-sxm4-80gb"),
+        extra_sources={
+            "peak_flops.bf16": _A100_SRC,
+            "peak_flops.fp16": _A100_SRC,
+            "peak_flops.int8": _A100_SRC,
+            "peak_flops.fp32": _A100_FP32,
+            "scaleout_bandwidth": _A100_NIC,
+            "hbm_bandwidth": "NVIDIA A100 datasheet: 2,039 GB/s (80 GB SXM4)",
+        },
+    ),
+    _gpu(
+        "h100",
+        peak={"bf16": 9.89e14, "fp16": 9.89e14, "fp8": 1.979e15, "int8": 1.979e15, "fp32": 6.7e13},
+        hbm_bytes=80e9,
+        hbm_bw=3.35e12,
+        nvlink=4.5e11,
+        scaleout=5.0e10,
+        price=10.8,
+        aliases=("h100-sxm", "h100-sxm5", "h100-80gb"),
+        extra_sources={
+            "peak_flops.fp32": _H_FP32,
+            "hbm_bandwidth": "NVIDIA H100 SXM datasheet: 3.35 TB/s (the book's table rounds to 3.4e12)",
+            "peak_flops.bf16": "scaling-book gpus.md: 1.979e15 listed is 2x for sparsity; 9.89e14 dense",
+        },
+    ),
+    _gpu(
+        "h200",
+        peak={"bf16": 9.89e14, "fp16": 9.89e14, "fp8": 1.979e15, "int8": 1.979e15, "fp32": 6.7e13},
+        hbm_bytes=141e9,
+        hbm_bw=4.8e12,
+        nvlink=4.5e11,
+        scaleout=5.0e10,
+        price=10.0,
+        aliases=("h200-sxm", "h200-141gb"),
+        extra_sources={
+            "peak_flops.fp32": _H_FP32 + "; the H200 uses the same GH100 die",
+            "price_per_hour": "scaling-book gpus.md: H200 about $10/h",
+        },
+    ),
+    _gpu(
+        "b200",
+        peak={"bf16": 2.25e15, "fp16": 2.25e15, "fp8": 4.5e15, "int8": 4.5e15, "fp4": 9.0e15, "fp32": 7.5e13},
+        hbm_bytes=180e9,
+        hbm_bw=8.0e12,
+        nvlink=9.0e11,
+        scaleout=5.0e10,
+        price=None,
+        aliases=("b200-sxm", "hgx-b200"),
+        extra_sources={
+            "peak_flops.fp32": "NVIDIA HGX B200 specifications: FP32 75 TFLOPS per GPU",
+            "hbm_bytes": "NVIDIA DGX B200 datasheet: 1,440 GB per 8 GPUs (192 GB announced per chip)",
+            "peak_flops.bf16": "HGX B200 (1000 W) dense figures; scaling-book gpus.md table",
+            "scaleout_bandwidth": "NVIDIA DGX B200 datasheet: 8x 400 Gb/s ConnectX-7 per node",
+        },
+        notes="HGX/DGX B200 at 1000 W; GB200 parts run faster (2.5e15 bf16). NVIDIA lists 7.7 TB/s HBM for HGX "
+        "B200; the book's 8 TB/s is used.",
+    ),
+    Chip(
+        name="cpu",
+        kind="cpu",
+        peak_flops={"fp32": 5.0e10, "bf16": 1.0e10},
+        hbm_bytes=16e9,
+        hbm_bandwidth=1.0e10,
+        topology="switch",
+        link_bandwidth=5.0e9,
+        hop_latency_s=2e-5,
+        scaleout_bandwidth=1.0e9,
+        scaleout_latency_s=1e-4,
+        launch_latency_s=1e-5,
+        node_size=1024,
+        aliases=("host", "cpu-emulated"),
+        sources={
+            k: "placeholder until `shardlab calibrate` writes specs/cpu.json, or pass --hardware-file"
+            for k in (
+                "peak_flops.fp32",
+                "peak_flops.bf16",
+                "hbm_bytes",
+                "hbm_bandwidth",
+                "link_bandwidth",
+                "hop_latency_s",
+                "scaleout_bandwidth",
+                "scaleout_latency_s",
+                "launch_latency_s",
+                "node_size",
+            )
+        },
+        notes="Emulated devices are threads of one host: 'links' are memory copies. Uncalibrated numbers are "
+        "placeholders; timings against them are labelled emulated.",
+    ),
+)
+
+# Where calibration writes, and where the catalog looks for a host's measured spec.
+SPECS_DIR_ENV = "SHARDLAB_SPECS_DIR"
+
+
+def specs_dir() -> Path:
+    """Folder of calibrated specs: ``$SHARDLAB_SPECS_DIR`` or ``./specs``."""
+    return Path(os.environ.get(SPECS_DIR_ENV, "specs"))
+
+
+def _normalise(name: str) -> str:
+    return str(name).strip().lower().replace("_", "-").replace(" ", "-")
+
+
+class Catalog:
+    """Chips by name and alias, with user files layered on top of the built-in table."""
+
+    def __init__(self, chips: Iterable[Chip] = CATALOG):
+        self._chips: dict[str, Chip] = {}
+        for chip in chips:
+            self.add(chip)
+
+    def add(self, chip: Chip) -> None:
+        """Add or replace a chip (a later file overrides an earlier entry of the same name)."""
+        self._chips[chip.name] = chip
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._chips)
+
+    def chips(self) -> list[Chip]:
+        return list(self._chips.values())
+
+    def resolve(self, name: str) -> str:
+        key = _normalise(name)
+        if key in self._chips:
+            return key
+        for chip in self._chips.values():
+            if key in chip.aliases:
+                return chip.name
+        squashed = key.replace("-", "")
+        for chip in self._chips.values():
+            if squashed == chip.name.replace("-", "") or squashed in (a.replace("-", "") for a in chip.aliases):
+                return chip.name
+        raise UserError(f"unknown hardware {name!r}; valid: {', '.join(self._chips)}")
+
+    def get(self, name: str) -> Chip:
+        return self._chips[self.resolve(name)]
+
+
+def _coerce_chip(entry: Mapping[str, Any], base: Chip | None, where: str) -> Chip:
+    known = {f.name for f in dataclasses.fields(Chip)}
+    data = dict(entry)
+    data.pop("base", None)
+    data.pop("derived", None)  # files written by to_dict() carry derived figures; they are recomputed
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise UserError(f"{where}: unknown field {unknown[0]!r}; valid fields: {', '.join(sorted(known))}")
+    if base is not None:
+        merged = base.fields()
+        merged["peak_flops"] = {**base.peak_flops, **dict(data.pop("peak_flops", {}))}
+        merged["sources"] = {**base.sources, **dict(data.pop("sources", {}))}
+        merged["aliases"] = ()  # aliases belong to the catalog entry, not to a derived chip
+        merged.update(data)
+        data = merged
+    if "name" not in data:
+        raise UserError(f"{where}: every chip needs a 'name' (and either 'base' or all fields)")
+    missing = [
+        f.name
+        for f in dataclasses.fields(Chip)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in data
+    ]
+    if missing:
+        raise UserError(
+            f"{where}: chip {data['name']!r} is missing {', '.join(missing)}; "
+            f"give them or set base = '<catalog chip>' to inherit"
+        )
+    data["name"] = _normalise(data["name"])
+    for key in ("pod_shape", "aliases"):
+        if isinstance(data.get(key), list):
+            data[key] = tuple(data[key])
+    try:
+        return Chip(**data)
+    except TypeError as exc:  # wrong value types in the file
+        raise UserError(f"{where}: {exc}") from None
+
+
+def load_hardware_file(path: str | os.PathLike, catalog: Catalog | None = None) -> list[Chip]:
+    """Read chips from TOML or JSON and add them to ``catalog`` (a fresh default one if None).
+
+    The file holds one chip as top-level fields, or several under ``chip`` (TOML ``[[chip]]``) or
+    ``chips``. A chip may name ``base = "h100"`` and override only some fields, e.g.::
+
+        name = "h100-pcie"
+        base = "h100"
+        hbm_bandwidth = 2.0e12
+        [sources]
+        hbm_bandwidth = "NVIDIA H100 PCIe datasheet"
+    """
+    catalog = catalog if catalog is not None else Catalog()
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"hardware file {str(p)!r} does not exist; pass a .toml or .json file")
+    text = p.read_text()
+    try:
+        doc = json.loads(text) if p.suffix.lower() == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise UserError(
+            f"hardware file {str(p)!r} is not valid {p.suffix.lstrip('.').upper() or 'TOML'}: {exc}"
+        ) from None
+    if not isinstance(doc, dict):
+        raise UserError(f"hardware file {str(p)!r}: expected a table of chip fields at the top level")
+    entries = doc.get("chip", doc.get("chips"))
+    if entries is None:
+        entries = [doc]
+    elif isinstance(entries, dict):
+        entries = [entries]
+    out = []
+    for i, entry in enumerate(entries):
+        where = f"{p}: chip #{i + 1}"
+        base = None
+        if "base" in entry:
+            base = catalog.get(entry["base"])
+        chip = _coerce_chip(entry, base, where)
+        catalog.add(chip)
+        out.append(chip)
+    return out
+
+
+def default_catalog(hardware_file: str | os.PathLike | None = None) -> Catalog:
+    """The built-in catalog, with this host's calibration and a user file layered on top."""
+    catalog = Catalog()
+    calibrated = specs_dir() / "cpu.json"
+    if calibrated.is_file():
+        load_hardware_file(calibrated, catalog)
+    if hardware_file:
+        load_hardware_file(hardware_file, catalog)
+    return catalog
+
+
+def get_chip(name: str, hardware_file: str | os.PathLike | None = None) -> Chip:
+    """Look a chip up by canonical name or alias, case-insensitively."""
+    return default_catalog(hardware_file).get(name)
+
+
+# Short names accepted by --scale, mapped to fields (``flops`` scales every dtype's peak).
+SCALE_ALIASES = {
+    "flops": "peak_flops",
+    "peak": "peak_flops",
+    "hbm": "hbm_bytes",
+    "hbm_capacity": "hbm_bytes",
+    "ici_bandwidth": "link_bandwidth",
+    "nvlink_bandwidth": "link_bandwidth",
+    "dcn_bandwidth": "scaleout_bandwidth",
+    "network_bandwidth": "scaleout_bandwidth",
+    "latency": "hop_latency_s",
+}
+
+
+def parse_scale(text: str) -> dict[str, float]:
+    """``"hbm_bandwidth=2,flops=1.5"`` -> ``{"hbm_bandwidth": 2.0, "peak_flops": 1.5}``."""
+    out: dict[str, float] = {}
+    scalable = {f.name for f in dataclasses.fields(Chip) if f.type in ("float", "float | None")} | {"peak_flops"}
+    for part in str(text).split(","):
+        if not part.strip():
+            continue
+        if "=" not in part:
+            raise UserError(f"--scale: {part.strip()!r} is not FIELD=FACTOR; example: hbm_bandwidth=2,flops=1.5")
+        key, val = (x.strip() for x in part.split("=", 1))
+        field_name = SCALE_ALIASES.get(key.lower().replace("-", "_"), key.lower().replace("-", "_"))
+        if field_name not in scalable:
+            raise UserError(
+                f"--scale: unknown field {key!r}; valid: flops, {', '.join(sorted(scalable - {'peak_flops'}))}"
+                f", ici_bandwidth"
+            )
+        try:
+            factor = float(val)
+        except ValueError:
+            raise UserError(f"--scale: factor {val!r} for {key} is not a number") from None
+        if not factor > 0:
+            raise UserError(f"--scale: factor for {key} must be > 0, got {val}")
+        out[field_name] = out.get(field_name, 1.0) * factor
+    return out
+
+
+def scale_chip(chip: Chip, factors: dict[str, float] | str) -> Chip:
+    """A what-if copy of ``chip`` with fields multiplied by ``factors`` (see :func:`parse_scale`)."""
+    factors = parse_scale(factors) if isinstance(factors, str) else factors
+    if not factors:
+        return chip
+    data = chip.fields()
+    for name, f in factors.items():
+        if name == "peak_flops":
+            data["peak_flops"] = {k: v * f for k, v in chip.peak_flops.items()}
+        else:
+            data[name] = getattr(chip, name) * f
+    label = ",".join(f"{k}x{v:g}" for k, v in factors.items())
+    data["name"] = f"{chip.name}[{label}]"
+    data["aliases"] = ()
+    data["notes"] = (chip.notes + " " if chip.notes else "") + f"What-if: {label}."
+    return Chip(**data)

@@ -1,0 +1,412 @@
+"""Transformer accounting: a model catalog, parameter counts, FLOPs per token and KV-cache bytes.
+
+Conventions (named in every result, since sources differ):
+
+* ``6N``: training FLOPs = 6 x parameters x tokens, the scaling book's convention (transformers.md).
+* Model FLOPs per token: every matmul counted from its shape (forward 2 x weights, backward 2x that),
+  the logits included, plus attention scores ``12 * S * N * H`` per layer per token (QK^T and AV, forward
+  and backward; transformers.md), halved for a causal mask unless ``causal=False``. With GPT-style
+  dims this is Korthikanti et al.'s ``72 B L s h^2 (1 + s/6h + V/12hL)`` (non-causal) and the
+  Megatron-Bridge GQA/SwiGLU formula (causal).
+* Hardware FLOPs add what recomputation runs again: ``selective`` adds the attention-score term once
+  more (Korthikanti 2022, Eq. 8: ``1 + s/3h``); ``full`` adds the whole forward pass of every layer, not
+  the logits (Narayanan 2021, Eq. 3: ``96 B s l h^2 (1 + s/6h + V/16lh)``).
+
+KV-cache bytes per token: ``2 * L * K * H * bytes`` (inference.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lab.core.errors import UserError
+from lab.core.units import canonical_dtype, dtype_bytes
+
+HF = "Hugging Face config.json of the released checkpoint"
+KORTHIKANTI = "Korthikanti et al. 2022 (arXiv 2205.05198), Table 3"
+NARAYANAN = "Narayanan et al. 2021 (arXiv 2104.04473), Table 1"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only Transformer, enough to count parameters, FLOPs, activations and KV bytes.
+
+    Attributes:
+        name: catalog name.
+        layers, d_model, d_ff: L, D, F (F is the hidden size of one expert's MLP for MoE models).
+        heads, kv_heads, head_dim: N, K, H (grouped-query attention when K < N).
+        vocab: V.
+        tied_embeddings: input and output embeddings share one matrix.
+        gated_mlp: SwiGLU-style MLP with three matrices (LLaMA); False for a two-matrix GeLU MLP (GPT).
+        experts, experts_per_token: E and k for mixture-of-experts MLPs (1 and 1 when dense).
+        learned_positions: a learned position embedding of ``max_seq_len x D`` (GPT); False for RoPE.
+        biases: linear layers carry biases (GPT/Megatron); LLaMA has none.
+        norm: ``layernorm`` (weight and bias) or ``rmsnorm`` (weight only).
+        dropout: attention and residual dropout (adds 1-byte masks to activation memory).
+        max_seq_len: context the model was trained for.
+        source: where the dims come from.
+    """
+
+    name: str
+    layers: int
+    d_model: int
+    d_ff: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool = False
+    gated_mlp: bool = True
+    experts: int = 1
+    experts_per_token: int = 1
+    learned_positions: bool = False
+    biases: bool = False
+    norm: str = "rmsnorm"
+    dropout: bool = False
+    max_seq_len: int = 8192
+    source: str = "user"
+
+    def __post_init__(self) -> None:
+        where = f"model {self.name!r}"
+        for f in (
+            "layers",
+            "d_model",
+            "d_ff",
+            "heads",
+            "kv_heads",
+            "head_dim",
+            "vocab",
+            "experts",
+            "experts_per_token",
+            "max_seq_len",
+        ):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise UserError(f"{where}: {f.replace('_', '-')} must be a positive integer, got {v!r}")
+        if self.heads % self.kv_heads:
+            raise UserError(
+                f"{where}: heads={self.heads} is not a multiple of kv-heads={self.kv_heads}; "
+                f"use a divisor of {self.heads}"
+            )
+        if self.experts_per_token > self.experts:
+            raise UserError(f"{where}: experts-per-token={self.experts_per_token} exceeds experts={self.experts}")
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise UserError(f"{where}: norm {self.norm!r} is not one of layernorm, rmsnorm")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 1
+
+    @property
+    def q_dim(self) -> int:
+        """N x H, the width of the query projection."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.gated_mlp else 2
+
+    # ----- parameters -----------------------------------------------------------------------
+
+    @property
+    def attention_params_per_layer(self) -> int:
+        """Q and O: D x NH each; K and V: D x KH each (transformers.md: 2D(N+K)H)."""
+        p = 2 * self.d_model * self.q_dim + 2 * self.d_model * self.kv_dim
+        if self.biases:
+            p += self.q_dim + 2 * self.kv_dim + self.d_model
+        return p
+
+    @property
+    def expert_params(self) -> int:
+        """One expert's MLP."""
+        p = self.mlp_matrices * self.d_model * self.d_ff
+        if self.biases:
+            p += (self.mlp_matrices - 1) * self.d_ff + self.d_model
+        return p
+
+    @property
+    def norm_params_per_layer(self) -> int:
+        return 2 * self.d_model * (2 if self.norm == "layernorm" else 1)
+
+    @property
+    def router_params_per_layer(self) -> int:
+        return self.d_model * self.experts if self.is_moe else 0
+
+    @property
+    def layer_params(self) -> int:
+        return (
+            self.attention_params_per_layer
+            + self.experts * self.expert_params
+            + self.norm_params_per_layer
+            + self.router_params_per_layer
+        )
+
+    @property
+    def embedding_params(self) -> int:
+        """Input and output embeddings (one matrix when tied), learned positions, the final norm."""
+        p = self.vocab * self.d_model * (1 if self.tied_embeddings else 2)
+        if self.learned_positions:
+            p += self.max_seq_len * self.d_model
+        return p + self.d_model * (2 if self.norm == "layernorm" else 1)
+
+    @property
+    def params(self) -> int:
+        """Total parameter count."""
+        return self.layers * self.layer_params + self.embedding_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token touches: k of the E experts."""
+        inactive = (self.experts - self.experts_per_token) * self.expert_params
+        return self.params - self.layers * inactive
+
+    @property
+    def expert_params_total(self) -> int:
+        """Parameters that live in experts (sharded by expert parallelism); 0 for dense models."""
+        return self.layers * self.experts * self.expert_params if self.is_moe else 0
+
+    # ----- FLOPs ----------------------------------------------------------------------------
+
+    def matmul_flops_per_token(self, include_logits: bool = True) -> float:
+        """Forward matmul FLOPs per token: 2 x (weights one token multiplies by)."""
+        per_layer = 2 * (2 * self.d_model * self.q_dim + 2 * self.d_model * self.kv_dim)
+        per_layer += 2 * self.experts_per_token * self.mlp_matrices * self.d_model * self.d_ff
+        per_layer += 2 * self.router_params_per_layer
+        f = self.layers * per_layer
+        if include_logits:
+            f += 2 * self.d_model * self.vocab
+        return float(f)
+
+    def attention_flops_per_token(self, seq_len: int, causal: bool = True) -> float:
+        """Forward attention-score FLOPs per token: QK^T and AV over ``seq_len`` keys (4 S N H per layer)."""
+        f = self.layers * 4.0 * seq_len * self.q_dim
+        return f / 2 if causal else f
+
+    def flops_per_token(self, seq_len: int | None = None, *, causal: bool = True, recompute: str = "none") -> float:
+        """Training FLOPs per token (forward + backward = 3x forward).
+
+        Without ``seq_len`` this is the book's ``6N`` (N = active parameters). With it: matmuls from
+        their shapes plus attention (causal halving unless ``causal=False``). ``recompute`` adds what
+        activation recomputation runs again (hardware FLOPs): ``selective`` or ``full``.
+        """
+        if seq_len is None:
+            if recompute != "none":
+                raise UserError("hardware FLOPs with recomputation need --seq-len")
+            return 6.0 * self.active_params
+        mm = self.matmul_flops_per_token(include_logits=False)
+        att = self.attention_flops_per_token(seq_len, causal)
+        logits = 2.0 * self.d_model * self.vocab
+        f = 3 * (mm + att + logits)
+        if recompute == "selective":
+            f += 3 * att  # Korthikanti Eq. 8 counts the attention-score term once more
+        elif recompute == "full":
+            f += mm + att  # the forward pass of every layer again; logits are not recomputed
+        elif recompute != "none":
+            raise UserError(f"unknown recompute {recompute!r}; valid: none, selective, full")
+        return f
+
+    def kv_bytes_per_token(self, dtype: str = "bf16") -> float:
+        """K and V for every layer: 2 L K H x bytes."""
+        return 2.0 * self.layers * self.kv_dim * dtype_bytes(dtype)
+
+    def to_dict(self, seq_len: int | None = None, kv_dtype: str = "bf16") -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.update(
+            params=self.params,
+            active_params=self.active_params,
+            kv_bytes_per_token=self.kv_bytes_per_token(kv_dtype),
+            kv_dtype=canonical_dtype(kv_dtype),
+            flops_per_token=self.flops_per_token(seq_len),
+            seq_len=seq_len,
+            flops_convention="6N (book)"
+            if seq_len is None
+            else "matmuls from shapes + causal attention, forward+backward",
+        )
+        return d
+
+
+def _megatron(name: str, heads: int, hidden: int, layers: int, source: str) -> ModelConfig:
+    """GPT-style models of the Megatron papers: 4h GeLU MLP, biases, LayerNorm, learned positions,
+    tied embeddings, V = 51200, s = 2048, dropout."""
+    return ModelConfig(
+        name=name,
+        layers=layers,
+        d_model=hidden,
+        d_ff=4 * hidden,
+        heads=heads,
+        kv_heads=heads,
+        head_dim=hidden // heads,
+        vocab=51200,
+        tied_embeddings=True,
+        gated_mlp=False,
+        learned_positions=True,
+        biases=True,
+        norm="layernorm",
+        dropout=True,
+        max_seq_len=2048,
+        source=source,
+    )
+
+
+def _llama(name: str, layers: int, d: int, f: int, n: int, k: int, v: int, ctx: int) -> ModelConfig:
+    return ModelConfig(
+        name=name,
+        layers=layers,
+        d_model=d,
+        d_ff=f,
+        heads=n,
+        kv_heads=k,
+        head_dim=d // n,
+        vocab=v,
+        max_seq_len=ctx,
+        source=HF,
+    )
+
+
+CATALOG: tuple[ModelConfig, ...] = (
+    _llama("llama3-8b", 32, 4096, 14336, 32, 8, 128256, 8192),
+    _llama("llama3-70b", 80, 8192, 28672, 64, 8, 128256, 8192),
+    _llama("llama3-405b", 126, 16384, 53248, 128, 8, 128256, 8192),
+    _llama("llama2-7b", 32, 4096, 11008, 32, 32, 32000, 4096),
+    _llama("llama2-13b", 40, 5120, 13824, 40, 40, 32000, 4096),
+    _llama("llama2-70b", 80, 8192, 28672, 64, 8, 32000, 4096),
+    ModelConfig(
+        name="gpt3-175b",
+        layers=96,
+        d_model=12288,
+        d_ff=49152,
+        heads=96,
+        kv_heads=96,
+        head_dim=128,
+        vocab=50257,
+        tied_embeddings=True,
+        gated_mlp=False,
+        learned_positions=True,
+        biases=True,
+        norm="layernorm",
+        dropout=True,
+        max_seq_len=2048,
+        source="Brown et al. 2020 (GPT-3), Table 2.1",
+    ),
+    _megatron("megatron-22b", 64, 6144, 48, KORTHIKANTI),
+    _megatron("megatron-175b", 96, 12288, 96, KORTHIKANTI),
+    _megatron("megatron-530b", 128, 20480, 105, KORTHIKANTI),
+    _megatron("megatron-1t", 160, 25600, 128, KORTHIKANTI),
+    _megatron("megatron-1.7b", 24, 2304, 24, NARAYANAN),
+    _megatron("megatron-3.6b", 32, 3072, 30, NARAYANAN),
+    _megatron("megatron-7.5b", 32, 4096, 36, NARAYANAN),
+    _megatron("megatron-18.4b", 48, 6144, 40, NARAYANAN),
+    _megatron("megatron-39.1b", 64, 8192, 48, NARAYANAN),
+    _megatron("megatron-76.1b", 80, 10240, 60, NARAYANAN),
+    _megatron("megatron-145.6b", 96, 12288, 80, NARAYANAN),
+    _megatron("megatron-310.1b", 128, 16384, 96, NARAYANAN),
+    ModelConfig(
+        name="mixtral-8x7b",
+        layers=32,
+        d_model=4096,
+        d_ff=14336,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        vocab=32000,
+        experts=8,
+        experts_per_token=2,
+        max_seq_len=32768,
+        source=HF,
+    ),
+)
+
+_ALIASES = {
+    "llama-3-8b": "llama3-8b",
+    "llama3.1-8b": "llama3-8b",
+    "llama-3-70b": "llama3-70b",
+    "llama3.1-70b": "llama3-70b",
+    "llama-3.1-405b": "llama3-405b",
+    "llama3.1-405b": "llama3-405b",
+    "llama-2-7b": "llama2-7b",
+    "llama-2-13b": "llama2-13b",
+    "llama-2-70b": "llama2-70b",
+    "gpt3": "gpt3-175b",
+    "gpt-3": "gpt3-175b",
+    "mixtral": "mixtral-8x7b",
+    "megatron-530b-mtnlg": "megatron-530b",
+    "mt-nlg-530b": "megatron-530b",
+}
+
+
+def get_model(name: str) -> ModelConfig:
+    """A catalog model by name (case-insensitive; ``llama-3-70b`` and similar spellings work)."""
+    key = str(name).strip().lower().replace("_", "-")
+    key = _ALIASES.get(key, key)
+    for m in CATALOG:
+        if m.name == key:
+            return m
+    raise UserError(
+        f"unknown model {name!r}; valid: {', '.join(m.name for m in CATALOG)} "
+        f"(or a .toml file, or --layers/--d-model/... flags)"
+    )
+
+
+def load_model_file(path: str | os.PathLike) -> ModelConfig:
+    """A model from TOML: the ModelConfig fields, optionally ``base = "<catalog model>"`` to inherit."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"model file {str(p)!r} does not exist")
+    try:
+        doc = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"model file {str(p)!r} is not valid TOML: {exc}") from None
+    return model_from_fields(doc, where=str(p))
+
+
+def model_from_fields(fields: dict[str, Any], where: str = "model") -> ModelConfig:
+    """Build a model from field values; ``base`` names a catalog model to start from."""
+    data = {k.replace("-", "_"): v for k, v in fields.items() if v is not None}
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    base = data.pop("base", None)
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise UserError(f"{where}: unknown field {unknown[0]!r}; valid: {', '.join(sorted(known))}")
+    if base is not None:
+        data = dataclasses.asdict(get_model(base)) | {"source": where} | data
+    data.setdefault("name", "custom")
+    if "head_dim" not in data and "d_model" in data and "heads" in data:
+        data["head_dim"] = data["d_model"] // data["heads"]
+    data.setdefault("kv_heads", data.get("heads"))
+    missing = [
+        f.name for f in dataclasses.fields(ModelConfig) if f.default is dataclasses.MISSING and f.name not in data
+    ]
+    if missing:
+        raise UserError(
+            f"{where}: missing {', '.join('--' + m.replace('_', '-') for m in missing)} "
+            f"(or start from a catalog model with --model NAME)"
+        )
+    return ModelConfig(**data)
+
+
+def resolve_model(spec: str | None, overrides: dict[str, Any] | None = None) -> ModelConfig:
+    """A catalog name, a ``.toml`` path, or flags alone; flags override the named model's fields."""
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if spec is None:
+        if not overrides:
+            raise UserError(
+                "name a model (--model llama3-8b) or give its dims (--layers --d-model --d-ff --heads --vocab)"
+            )
+        return model_from_fields(overrides, where="flags")
+    is_file = spec.endswith(".toml") or os.path.sep in spec
+    model = load_model_file(spec) if is_file else get_model(spec)
+    if overrides:
+        model = ModelConfig(**(dataclasses.asdict(model) | {"name": f"{model.name}+flags"} | overrides))
+    return model
+
+
+__all__ = ["CATALOG", "ModelConfig", "get_model", "load_model_file", "resolve_model"]

@@ -1,0 +1,93 @@
+"""Dtypes and human-readable units.
+
+Code and JSON stay in SI (bytes, seconds, FLOP/s, bytes/s); these helpers are for tables only.
+"""
+
+from __future__ import annotations
+
+from lab.core.errors import UserError
+
+# Bytes per element. int4 packs two values per byte.
+DTYPE_BYTES: dict[str, float] = {
+    "fp32": 4.0,
+    "bf16": 2.0,
+    "fp16": 2.0,
+    "fp8": 1.0,
+    "int8": 1.0,
+    "int4": 0.5,
+    "fp4": 0.5,
+}
+
+_DTYPE_ALIASES = {
+    "float32": "fp32",
+    "f32": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "f16": "fp16",
+    "half": "fp16",
+    "float8": "fp8",
+    "f8": "fp8",
+    "float8_e4m3fn": "fp8",
+    "float8_e5m2": "fp8",
+    "fp8_e4m3": "fp8",
+    "fp8_e5m2": "fp8",
+    "s8": "int8",
+    "i8": "int8",
+    "s4": "int4",
+    "float4": "fp4",
+    "float4_e2m1fn": "fp4",
+    "nvfp4": "fp4",
+    "i4": "int4",
+}
+
+
+def canonical_dtype(name: str) -> str:
+    """Map a dtype spelling (``bfloat16``, ``f32``, ``float8_e4m3fn``...) to the lab's short name."""
+    key = str(name).strip().lower()
+    key = _DTYPE_ALIASES.get(key, key)
+    if key not in DTYPE_BYTES:
+        raise UserError(f"unknown dtype {name!r}; valid: {', '.join(DTYPE_BYTES)}")
+    return key
+
+
+def dtype_bytes(name: str) -> float:
+    """Bytes per element of a dtype given in any accepted spelling."""
+    return DTYPE_BYTES[canonical_dtype(name)]
+
+
+def _scaled(value: float, steps: list[tuple[float, str]], unit: str, digits: int = 3) -> str:
+    for factor, prefix in steps:
+        if abs(value) >= factor:
+            return f"{value / factor:.{digits}g} {prefix}{unit}"
+    factor, prefix = steps[-1]
+    return f"{value / factor:.{digits}g} {prefix}{unit}"
+
+
+_SI = [(1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1.0, "")]
+
+
+def fmt_seconds(s: float) -> str:
+    """``0.000373`` -> ``'373 us'``."""
+    if s == 0:
+        return "0 s"
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    if s >= 1e-6:
+        return f"{s * 1e6:.3g} us"
+    return f"{s * 1e9:.3g} ns"
+
+
+def fmt_bytes(n: float) -> str:
+    """Decimal units (GB = 1e9 bytes), as datasheets quote them."""
+    return _scaled(n, _SI[1:], "B")
+
+
+def fmt_rate(x: float, unit: str) -> str:
+    """``9.89e14, 'FLOP/s'`` -> ``'989 TFLOP/s'``."""
+    return _scaled(x, _SI, unit)
+
+
+def fmt_count(x: float) -> str:
+    return _scaled(x, _SI, "").strip()

@@ -1,1 +1,0 @@
-"""Data that ships with shardlab (published measurements, with sources)."""

@@ -1,0 +1,1 @@
+"""Measured truth: microbenchmarks and calibration, profiler traces and their parser."""

@@ -1,0 +1,1 @@
+"""Predicted truth, JAX-free: roofline, collectives, efficiency, matmuls, training, inference, planner."""

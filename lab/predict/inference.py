@@ -1,0 +1,370 @@
+"""Inference estimator: prefill and decode latency, KV cache, minimum topology, throughput.
+
+Serving after the scaling book's inference chapters (inference.md, applied-inference.md):
+
+* **Layout.** ``chips = dp x tp x ep``: ``dp`` independent replicas (the batch is split over them),
+  each of ``tp x ep`` chips. Inside a replica attention and dense layers are Megatron tensor-parallel
+  over ``tp`` (and data-parallel over ``ep``, which only MoE layers shard); experts are spread over
+  ``ep`` and split by ``tp``. The KV cache is sharded by KV heads over ``tp`` (replicated when
+  ``tp`` exceeds the KV heads) and by sequence over ``ep`` and ``dp``.
+* **Decode step** (one new token for every sequence), per chip, the book's form:
+  ``T = KV bytes / W_hbm + max(weight bytes / W_hbm, matmul FLOPs / C) + collectives``. Attention
+  reads the whole cache and is always bandwidth-bound; the weights are read once per step and the
+  matmuls become compute-bound past the critical batch. Each layer adds two tensor-parallel
+  AllReduces of ``[batch, D]`` (attention output and MLP output), priced by the collective model
+  with its latency floor: at small batch they are latency-bound, which is what makes TP=2 slower
+  than bandwidth alone predicts. MoE layers add two AllToAlls over ``ep`` and read only the experts
+  the batch routes to.
+* **Quantisation** changes bytes, not FLOPs: int8/int4/fp8 weights or KV are read at their width
+  and computed in bf16, unless ``compute`` is set to the narrow dtype (int8 or fp8 units).
+* **Prefill** of ``P`` tokens per sequence: ``2 N_active P B`` matmul FLOPs plus causal attention;
+  at ``--mfu`` when given, otherwise the roofline max of FLOPs and weight bytes plus the same
+  AllReduces over ``[B P, D]``.
+* **Ideal by default.** Like the book, the default prices peak FLOP/s and bandwidth;
+  ``achievable=True`` applies the efficiency model of :mod:`lab.predict.efficiency` instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from lab.core.errors import UserError
+from lab.core.hardware import Chip
+from lab.core.models import ModelConfig
+from lab.core.units import canonical_dtype, dtype_bytes
+from lab.predict import efficiency as eff
+
+WEIGHT_DTYPES = ("bf16", "fp8", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class InferConfig:
+    """One serving configuration."""
+
+    model: ModelConfig
+    chip: Chip
+    batch: int  # concurrent sequences, over all replicas
+    context: int  # tokens in each sequence's KV cache
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+    weights: str = "bf16"
+    kv: str = "bf16"
+    compute: str = "bf16"
+    prefill_len: int | None = None
+    generate: int | None = None
+    mfu: float | None = None
+    achievable: bool = False
+
+    @property
+    def chips(self) -> int:
+        return self.dp * self.tp * self.ep
+
+    @property
+    def replica_batch(self) -> float:
+        return self.batch / self.dp
+
+
+def check_infer(cfg: InferConfig) -> None:
+    m = cfg.model
+    for name in ("batch", "context", "tp", "dp", "ep"):
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise UserError(f"--{name} must be a positive integer, got {v!r}")
+    for name in ("prefill_len", "generate"):
+        v = getattr(cfg, name)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+    for name in ("weights", "kv"):
+        dt = canonical_dtype(getattr(cfg, name))
+        if dt not in WEIGHT_DTYPES:
+            raise UserError(f"--{name} {dt} is not one of {', '.join(WEIGHT_DTYPES)}")
+    cfg.chip.flops(cfg.compute)
+    if cfg.mfu is not None and not 0 < cfg.mfu <= 1:
+        raise UserError(f"--mfu must be in (0, 1], got {cfg.mfu}")
+    if m.heads % cfg.tp:
+        opts = [d for d in range(1, m.heads + 1) if m.heads % d == 0]
+        raise UserError(
+            f"--tp {cfg.tp} does not divide {m.heads} attention heads; try --tp "
+            f"{min(opts, key=lambda d: (abs(d - cfg.tp), d))}"
+        )
+    if cfg.ep > 1 and (not m.is_moe or m.experts % cfg.ep):
+        raise UserError(
+            f"--ep {cfg.ep} needs a mixture-of-experts model whose experts it divides ({m.name} has {m.experts})"
+        )
+    if cfg.batch % cfg.dp:
+        raise UserError(
+            f"--batch {cfg.batch} does not divide over --dp {cfg.dp}; try {max(cfg.dp, cfg.batch // cfg.dp * cfg.dp)}"
+        )
+
+
+@dataclass(frozen=True)
+class InferEstimate:
+    """Result of :func:`estimate_inference`; bytes per chip unless named otherwise."""
+
+    config: InferConfig
+    param_bytes: float  # the whole model at the weight dtype
+    kv_bytes: float  # the whole batch at --context
+    param_bytes_per_chip: float
+    kv_bytes_per_chip: float
+    decode_step_s: float
+    compute_s: float
+    memory_s: float
+    kv_s: float
+    weights_s: float
+    comm_s: float
+    latency_bound_collectives: bool
+    prefill_s: float | None
+    generate_s: float | None
+    max_batch: int
+    min_chips: int
+    tp_max_degree: float | None
+
+    @property
+    def total_bytes(self) -> float:
+        return self.param_bytes + self.kv_bytes
+
+    @property
+    def total_bytes_per_chip(self) -> float:
+        return self.param_bytes_per_chip + self.kv_bytes_per_chip
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes_per_chip <= self.config.chip.hbm_bytes
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.config.batch / self.decode_step_s
+
+    @property
+    def tokens_per_s_per_chip(self) -> float:
+        return self.tokens_per_s / self.config.chips
+
+    @property
+    def bound(self) -> str:
+        terms = {
+            "KV reads": self.kv_s,
+            "weight reads": self.weights_s,
+            "compute": self.compute_s,
+            "collectives": self.comm_s,
+        }
+        if self.weights_s >= self.compute_s:
+            terms.pop("compute")
+        else:
+            terms.pop("weight reads")
+        return max(terms, key=terms.get)
+
+    @property
+    def cost_per_million_tokens_usd(self) -> float | None:
+        price = self.config.chip.price_per_hour
+        if not price:
+            return None
+        return self.config.chips * price / 3600 / self.tokens_per_s * 1e6
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "model": c.model.name,
+            "hardware": c.chip.name,
+            "chips": c.chips,
+            "tp": c.tp,
+            "dp": c.dp,
+            "ep": c.ep,
+            "batch": c.batch,
+            "context": c.context,
+            "weights": c.weights,
+            "kv": c.kv,
+            "compute": c.compute,
+            "ideal": not c.achievable,
+            "param_bytes": self.param_bytes,
+            "kv_bytes": self.kv_bytes,
+            "total_bytes": self.total_bytes,
+            "param_bytes_per_chip": self.param_bytes_per_chip,
+            "kv_bytes_per_chip": self.kv_bytes_per_chip,
+            "total_bytes_per_chip": self.total_bytes_per_chip,
+            "hbm_bytes": c.chip.hbm_bytes,
+            "fits": self.fits,
+            "min_chips": self.min_chips,
+            "max_batch": self.max_batch,
+            "decode_step_s": self.decode_step_s,
+            "compute_s": self.compute_s,
+            "memory_s": self.memory_s,
+            "kv_s": self.kv_s,
+            "weights_s": self.weights_s,
+            "comm_s": self.comm_s,
+            "bound": self.bound,
+            "latency_bound_collectives": self.latency_bound_collectives,
+            "tp_max_degree": self.tp_max_degree,
+            "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s_per_chip": self.tokens_per_s_per_chip,
+            "prefill_len": c.prefill_len,
+            "prefill_s": self.prefill_s,
+            "time_to_first_token_s": self.prefill_s,
+            "generate": c.generate,
+            "generate_s": self.generate_s,
+            "cost_per_million_tokens_usd": self.cost_per_million_tokens_usd,
+        }
+
+
+def _split_params(m: ModelConfig) -> tuple[float, float]:
+    """(dense parameters, expert parameters)."""
+    return m.params - m.expert_params_total, float(m.expert_params_total)
+
+
+def param_bytes_per_chip(m: ModelConfig, tp: int, ep: int, weights: str) -> float:
+    dense, experts = _split_params(m)
+    return (dense / tp + experts / (tp * ep)) * dtype_bytes(weights)
+
+
+def kv_shards(m: ModelConfig, tp: int, batch: float) -> float:
+    """Ways a replica's KV cache is split over its tp chips: by KV heads, then by sequence.
+
+    The book's ``KV[2, B_Z, S, K_Y, H]``: past the KV head count the batch is sharded too (costing two
+    AllToAlls per attention layer); with fewer sequences than that, the cache is partly replicated.
+    """
+    return min(tp, m.kv_heads * max(batch, 1.0))
+
+
+def kv_bytes_per_sequence(m: ModelConfig, context: int, kv: str) -> float:
+    return m.kv_bytes_per_token(kv) * context
+
+
+def _mem_time(chip: Chip, nbytes: float, achievable: bool) -> float:
+    return eff.memory_time(chip, nbytes) if achievable else nbytes / chip.hbm_bandwidth
+
+
+def _flop_time(chip: Chip, flops: float, dtype: str, achievable: bool) -> float:
+    frac = eff.PEAK_FRACTION[chip.kind] if achievable else 1.0
+    return flops / (frac * chip.flops(dtype))
+
+
+def _comm(chip: Chip, kind: str, nbytes: float, group: int, achievable: bool) -> tuple[float, bool]:
+    if group <= 1 or nbytes <= 0:
+        return 0.0, False
+    scope = "node" if chip.topology == "torus" or group <= (chip.node_size or group) else "cross-node"
+    c = eff.collective_on(chip, kind, nbytes, group, scope=scope)
+    return c.time_s / (eff.COLLECTIVE_FRACTION[chip.kind] if achievable else 1.0), c.latency_bound
+
+
+def decode_step(cfg: InferConfig, context: int | None = None) -> dict[str, float | bool]:
+    """Terms of one decode step per chip at ``context`` tokens of cache (default: the config's)."""
+    m, chip = cfg.model, cfg.chip
+    ctx = cfg.context if context is None else context
+    b = cfg.replica_batch  # sequences per replica, one new token each
+    dense, experts = _split_params(m)
+    wb = dtype_bytes(cfg.weights)
+    # MoE: each local expert is read if any of the replica's tokens routes to it.
+    touched = 1.0
+    if m.is_moe:
+        touched = 1.0 - (1.0 - m.experts_per_token / m.experts) ** b
+    weight_bytes = (dense / cfg.tp + experts / (cfg.tp * cfg.ep) * touched) * wb
+    kv_bytes = kv_bytes_per_sequence(m, ctx, cfg.kv) * b / (kv_shards(m, cfg.tp, b / cfg.ep) * cfg.ep)
+    # Matmul FLOPs per chip: 2 x active weights x tokens, attention scores 4 S N H per layer per token.
+    mm = m.matmul_flops_per_token() * b / (cfg.tp * cfg.ep)
+    att = m.attention_flops_per_token(ctx, causal=False) * b / (cfg.tp * cfg.ep)
+    compute_s = _flop_time(chip, mm + att, cfg.compute, cfg.achievable)
+    weights_s = _mem_time(chip, weight_bytes, cfg.achievable)
+    kv_s = _mem_time(chip, kv_bytes, cfg.achievable)
+    act = b * m.d_model * 2.0  # bf16 activations of the replica's batch
+    ar, lat = _comm(chip, "all-reduce", act / cfg.ep, cfg.tp, cfg.achievable)
+    comm = 2 * m.layers * ar
+    if cfg.ep > 1:
+        a2a, lat2 = _comm(chip, "all-to-all", act * m.experts_per_token, cfg.ep, cfg.achievable)
+        comm += 2 * m.layers * a2a
+        lat = lat or lat2
+    if cfg.tp > m.kv_heads:  # batch-sharded attention: queries out to the cache's owners and back
+        a2a, _ = _comm(chip, "all-to-all", act / cfg.ep, cfg.tp, cfg.achievable)
+        comm += 2 * m.layers * a2a
+    return {
+        "kv_s": kv_s,
+        "weights_s": weights_s,
+        "compute_s": compute_s,
+        "comm_s": comm,
+        "step_s": kv_s + max(weights_s, compute_s) + comm,
+        "latency_bound": lat,
+        "weight_bytes": weight_bytes,
+        "kv_bytes": kv_bytes,
+    }
+
+
+def prefill_time(cfg: InferConfig) -> float | None:
+    """Time to prefill ``prefill_len`` tokens for every sequence of the batch."""
+    if cfg.prefill_len is None:
+        return None
+    m, chip, p = cfg.model, cfg.chip, cfg.prefill_len
+    tokens = cfg.batch * p
+    flops = m.matmul_flops_per_token() * tokens + m.attention_flops_per_token(p, causal=True) * tokens
+    if cfg.mfu is not None:  # applied-inference.md: 2 x params x tokens / (N C MFU)
+        return 2.0 * m.active_params * tokens / (cfg.chips * chip.flops(cfg.compute) * cfg.mfu)
+    per_chip = flops / cfg.chips
+    wbytes = param_bytes_per_chip(m, cfg.tp, cfg.ep, cfg.weights)
+    kv_write = (
+        kv_bytes_per_sequence(m, p, cfg.kv)
+        * cfg.replica_batch
+        / (kv_shards(m, cfg.tp, cfg.replica_batch / cfg.ep) * cfg.ep)
+    )
+    core = max(
+        _flop_time(chip, per_chip, cfg.compute, cfg.achievable), _mem_time(chip, wbytes + kv_write, cfg.achievable)
+    )
+    act = cfg.replica_batch * p * m.d_model * 2.0 / cfg.ep
+    ar, _ = _comm(chip, "all-reduce", act, cfg.tp, cfg.achievable)
+    return core + 2 * m.layers * ar
+
+
+def estimate_inference(cfg: InferConfig) -> InferEstimate:
+    """Predict memory, decode step, prefill and generation for one serving configuration."""
+    check_infer(cfg)
+    m, chip = cfg.model, cfg.chip
+    d = decode_step(cfg)
+    gen = None
+    if cfg.generate is not None:  # the cache grows by one token a step: price the mean context
+        gen = cfg.generate * float(decode_step(cfg, cfg.context + cfg.generate // 2)["step_s"])
+    p_chip = param_bytes_per_chip(m, cfg.tp, cfg.ep, cfg.weights)
+    kv_seq = kv_bytes_per_sequence(m, cfg.context, cfg.kv)
+    kv_chip = kv_seq * cfg.replica_batch / (kv_shards(m, cfg.tp, cfg.replica_batch / cfg.ep) * cfg.ep)
+    per_replica = max_replica_batch(m, chip, cfg.tp, cfg.ep, cfg.context, cfg.weights, cfg.kv)
+    total_params = m.params * dtype_bytes(cfg.weights)
+    total_kv = m.kv_bytes_per_token(cfg.kv) * cfg.context * cfg.batch
+    min_chips = max(1, math.ceil((total_params + total_kv) / chip.hbm_bytes))
+    w_ici = chip.ici_bidirectional if chip.topology == "torus" else chip.link_bandwidth
+    # inference.md: TP stays memory-bound-friendly while Y < F / (B beta), beta = W_hbm / W_ici.
+    tp_max = m.d_ff / (cfg.replica_batch * chip.hbm_bandwidth / w_ici)
+    return InferEstimate(
+        config=cfg,
+        param_bytes=total_params,
+        kv_bytes=total_kv,
+        param_bytes_per_chip=p_chip,
+        kv_bytes_per_chip=kv_chip,
+        decode_step_s=float(d["step_s"]),
+        compute_s=float(d["compute_s"]),
+        memory_s=float(d["kv_s"]) + float(d["weights_s"]),
+        kv_s=float(d["kv_s"]),
+        weights_s=float(d["weights_s"]),
+        comm_s=float(d["comm_s"]),
+        latency_bound_collectives=bool(d["latency_bound"]),
+        prefill_s=prefill_time(cfg),
+        generate_s=gen,
+        max_batch=int(per_replica * cfg.dp),
+        min_chips=min_chips,
+        tp_max_degree=tp_max,
+    )
+
+
+def max_replica_batch(m: ModelConfig, chip: Chip, tp: int, ep: int, context: int, weights: str, kv: str) -> int:
+    """Largest batch one replica of tp x ep chips holds at ``context``: weights plus KV within HBM."""
+    free = chip.hbm_bytes * tp * ep - param_bytes_per_chip(m, tp, ep, weights) * tp * ep
+    if free <= 0:
+        return 0
+    seq = kv_bytes_per_sequence(m, context, kv)
+    # Fully sharded once the batch reaches tp / K sequences; below that, partly replicated.
+    best = math.floor(free / seq)
+    while best > 0 and seq * best / (kv_shards(m, tp, best / ep) * ep) > free / (tp * ep):
+        best -= 1
+    return best
+
+
+def with_layout(cfg: InferConfig, **changes: Any) -> InferConfig:
+    return dataclasses.replace(cfg, **changes)

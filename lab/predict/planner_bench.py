@@ -1,0 +1,100 @@
+"""Benchmark of :func:`lab.predict.planner.plan`: configurations priced per second on a few real searches.
+
+``scripts/bench_planner`` runs each case ``--repeat`` times (3 by default) and prints the median
+rate, the counts and the wall time; ``--json`` prints one JSON object instead. A benchmark, not a
+test: nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from lab.core.errors import UserError
+from lab.core.hardware import get_chip
+from lab.core.models import get_model
+from lab.core.table import dumps, render
+from lab.core.units import fmt_count, fmt_seconds
+from lab.predict.planner import plan
+
+MI = 1024 * 1024
+
+# (model, hardware, chips, batch_tokens, seq_len)
+CASES: tuple[tuple[str, str, int, int, int], ...] = (
+    ("llama3-70b", "h100", 64, 16 * MI, 8192),
+    ("llama3-70b", "h100", 1024, 16 * MI, 8192),
+    ("llama3-70b", "h100", 16384, 16 * MI, 8192),
+    ("llama3-8b", "tpu-v5e", 256, 4 * MI, 8192),
+)
+
+
+def run_case(model: str, hardware: str, chips: int, batch_tokens: int, seq_len: int, repeat: int) -> dict[str, Any]:
+    m, chip = get_model(model), get_chip(hardware)
+    runs = [plan(m, chip, chips, batch_tokens, seq_len) for _ in range(repeat)]
+    last = runs[-1]
+    best = last.top[0]
+    return {
+        "model": model,
+        "hardware": hardware,
+        "chips": chips,
+        "batch_tokens": batch_tokens,
+        "seq_len": seq_len,
+        "repeat": repeat,
+        "screened": last.screened,
+        "evaluated": last.evaluated,
+        "feasible": last.feasible,
+        "configs_per_s": statistics.median(r.configs_per_s for r in runs),
+        "screened_per_s": statistics.median(r.screened / r.seconds for r in runs),
+        "seconds": statistics.median(r.seconds for r in runs),
+        "seconds_all": [r.seconds for r in runs],
+        "best_layout": best.config.layout.describe(),
+        "best_remat": best.config.remat,
+        "best_microbatch": best.config.microbatch,
+        "best_step_time_s": best.step_time_s,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench_planner", description=__doc__.splitlines()[0])
+    p.add_argument("--repeat", type=int, default=3, help="runs per case; the median is reported (default 3)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    if args.repeat < 1:
+        print(f"bench_planner: --repeat must be >= 1, got {args.repeat}", file=sys.stderr)
+        return 2
+    try:
+        results = [run_case(*case, repeat=args.repeat) for case in CASES]
+    except UserError as exc:
+        print(f"bench_planner: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(dumps({"python": platform.python_version(), "repeat": args.repeat, "cases": results}))
+        return 0
+    rows = [
+        [
+            f"{r['model']} on {r['chips']} {r['hardware']}",
+            fmt_count(r["batch_tokens"]),
+            r["screened"],
+            r["evaluated"],
+            r["feasible"],
+            f"{r['configs_per_s']:.0f}",
+            f"{r['screened_per_s']:.0f}",
+            fmt_seconds(r["seconds"]),
+            f"{r['best_layout']}, {r['best_remat']}, mb {r['best_microbatch']}",
+        ]
+        for r in results
+    ]
+    headers = ["search", "tokens", "screened", "priced", "fit", "priced/s", "screened/s", "wall", "best"]
+    title = (
+        f"planner benchmark: median of {args.repeat} run(s) per search, one core, Python {platform.python_version()}"
+    )
+    print(render(headers, rows, title=title))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

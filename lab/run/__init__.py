@@ -1,0 +1,1 @@
+"""Experiments end to end: the schema, the run pipeline, its environment, the demo."""

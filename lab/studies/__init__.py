@@ -1,0 +1,1 @@
+"""Studies built on the estimators: hardware generations, serving, memory technology, validation."""
