@@ -229,6 +229,88 @@ def _calibrated_factor(chip: Chip, kind: str, group: int) -> float | None:
     return float(factor) if factor else None
 
 
+def _axis_sizes(axis_sizes: int | Sequence[int]) -> tuple[int, ...]:
+    """The sizes of the axes a collective spans, as ints; a :class:`UserError` for none or a non-positive one."""
+    sizes = (axis_sizes,) if isinstance(axis_sizes, int) else tuple(axis_sizes)
+    if not sizes:
+        raise UserError("--axis-size needs at least one axis size, e.g. 4 or 4,2")
+    for s in sizes:
+        if int(s) != s or s < 1:
+            raise UserError(f"axis size {s!r} must be a positive integer")
+    return tuple(int(s) for s in sizes)
+
+
+def _wraparound(wraparound: bool | Sequence[bool], sizes: tuple[int, ...], chip: Chip) -> tuple[bool, ...]:
+    """Per axis, whether it is a closed ring: one bool applies to every axis; off a torus, never."""
+    if isinstance(wraparound, bool):
+        wraps = tuple(wraparound for _ in sizes)
+    else:
+        wraps = tuple(bool(x) for x in wraparound)
+        if len(wraps) != len(sizes):
+            raise UserError(f"wraparound has {len(wraps)} entries for {len(sizes)} axes")
+    if chip.topology != "torus":
+        wraps = tuple(False for _ in sizes)
+    return wraps
+
+
+def _composed_all_reduce(nbytes: float, sizes: tuple[int, ...], chip: Chip, **kw: Any) -> dict[str, Any]:
+    """The priced fields of an uncalibrated AllReduce: a ReduceScatter, then an AllGather (``kw`` as
+    :func:`collective_time` takes them)."""
+    rs = collective_time("reduce-scatter", nbytes, sizes, chip, **kw)
+    ag = collective_time("all-gather", nbytes, sizes, chip, **kw)
+    return dict(
+        link=rs.link,
+        hops=rs.hops + ag.hops,
+        bandwidth_s=rs.bandwidth_s + ag.bandwidth_s,
+        latency_s=rs.latency_s + ag.latency_s,
+        time_s=rs.time_s + ag.time_s,
+        latency_bound=rs.latency_bound,
+        formula="ReduceScatter + AllGather",
+    )
+
+
+def _parts(
+    kind: str,
+    v: float,
+    sizes: tuple[int, ...],
+    wraps: tuple[bool, ...],
+    chip: Chip,
+    scope: str,
+    members_per_node: int | None,
+    factor: float | None,
+) -> _Parts:
+    """How ``kind`` moves V bytes on the chip's fabric (ICI torus inside a TPU slice, a switch elsewhere),
+    its bandwidth term scaled by the ``factor`` a calibrated host measured."""
+
+    def structure(k: str) -> _Parts:
+        if chip.topology == "torus" and scope == "node":
+            return _torus(k, v, sizes, wraps, chip)
+        return _switched(k, v, math.prod(sizes), chip, scope, members_per_node)
+
+    if kind == "all-reduce":  # calibrated: the AllGather's structure twice, scaled by the measured factor
+        ag = structure("all-gather")
+        parts = dataclasses.replace(ag, hops=2 * ag.hops, bandwidth_s=2 * ag.bandwidth_s, formula="2 x AllGather")
+    else:
+        parts = structure(kind)
+    if factor:
+        parts = dataclasses.replace(parts, bandwidth_s=parts.bandwidth_s * float(factor))
+    return parts
+
+
+def _priced(parts: _Parts) -> dict[str, Any]:
+    """The priced fields of a collective: launch, then the longer of the hops' latency and the bandwidth time."""
+    hop_total = parts.hops * parts.hop_latency_s
+    return dict(
+        link=parts.link,
+        hops=parts.hops,
+        bandwidth_s=parts.bandwidth_s,
+        latency_s=parts.launch_s + hop_total,
+        time_s=parts.launch_s + max(hop_total, parts.bandwidth_s),
+        latency_bound=parts.hops > 0 and hop_total > parts.bandwidth_s,
+        formula=parts.formula,
+    )
+
+
 def collective_time(
     kind: str,
     nbytes: float,
@@ -260,21 +342,8 @@ def collective_time(
         raise UserError(f"unknown scope {scope!r}; valid: {', '.join(SCOPES)}")
     if not (isinstance(nbytes, numbers.Real) and math.isfinite(nbytes) and nbytes > 0):
         raise UserError(f"--bytes must be a positive number, got {nbytes!r}")
-    sizes = (axis_sizes,) if isinstance(axis_sizes, int) else tuple(axis_sizes)
-    if not sizes:
-        raise UserError("--axis-size needs at least one axis size, e.g. 4 or 4,2")
-    for s in sizes:
-        if int(s) != s or s < 1:
-            raise UserError(f"axis size {s!r} must be a positive integer")
-    sizes = tuple(int(s) for s in sizes)
-    if isinstance(wraparound, bool):
-        wraps = tuple(wraparound for _ in sizes)
-    else:
-        wraps = tuple(bool(x) for x in wraparound)
-        if len(wraps) != len(sizes):
-            raise UserError(f"wraparound has {len(wraps)} entries for {len(sizes)} axes")
-    if chip.topology != "torus":
-        wraps = tuple(False for _ in sizes)
+    sizes = _axis_sizes(axis_sizes)
+    wraps = _wraparound(wraparound, sizes, chip)
 
     # The fields every answer shares; each branch below adds how it prices the collective.
     cost = functools.partial(
@@ -299,37 +368,5 @@ def collective_time(
     factor = _calibrated_factor(chip, kind, math.prod(sizes))
     if kind == "all-reduce" and not factor:
         kw = {"wraparound": wraps, "scope": scope, "members_per_node": members_per_node}
-        rs = collective_time("reduce-scatter", nbytes, sizes, chip, **kw)
-        ag = collective_time("all-gather", nbytes, sizes, chip, **kw)
-        return cost(
-            link=rs.link,
-            hops=rs.hops + ag.hops,
-            bandwidth_s=rs.bandwidth_s + ag.bandwidth_s,
-            latency_s=rs.latency_s + ag.latency_s,
-            time_s=rs.time_s + ag.time_s,
-            latency_bound=rs.latency_bound,
-            formula="ReduceScatter + AllGather",
-        )
-
-    def structure(k: str):
-        if chip.topology == "torus" and scope == "node":
-            return _torus(k, float(nbytes), sizes, wraps, chip)
-        return _switched(k, float(nbytes), math.prod(sizes), chip, scope, members_per_node)
-
-    if kind == "all-reduce":  # calibrated: the AllGather's structure twice, scaled by the measured factor
-        ag = structure("all-gather")
-        parts = dataclasses.replace(ag, hops=2 * ag.hops, bandwidth_s=2 * ag.bandwidth_s, formula="2 x AllGather")
-    else:
-        parts = structure(kind)
-    if factor:
-        parts = dataclasses.replace(parts, bandwidth_s=parts.bandwidth_s * float(factor))
-    hop_total = parts.hops * parts.hop_latency_s
-    return cost(
-        link=parts.link,
-        hops=parts.hops,
-        bandwidth_s=parts.bandwidth_s,
-        latency_s=parts.launch_s + hop_total,
-        time_s=parts.launch_s + max(hop_total, parts.bandwidth_s),
-        latency_bound=parts.hops > 0 and hop_total > parts.bandwidth_s,
-        formula=parts.formula,
-    )
+        return cost(**_composed_all_reduce(nbytes, sizes, chip, **kw))
+    return cost(**_priced(_parts(kind, float(nbytes), sizes, wraps, chip, scope, members_per_node, factor)))

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from lab.core.hardware import default_catalog
+from lab.core.hardware import Chip, default_catalog
 from lab.core.notation import parse_matmul
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_rate, fmt_seconds
@@ -77,48 +77,38 @@ def _placement_check(exprs: list[str]) -> dict[str, Any]:
     }
 
 
-def run_demo(hardware: str = "tpu-v5e", hardware_file: str | None = None) -> DemoReport:
-    """Build the default scenario's report for ``hardware``."""
-    chip = default_catalog(hardware_file).get(hardware)
-    dtype = "bf16" if "bf16" in chip.peak_flops else next(iter(chip.peak_flops))
-    sizes = {"B": TOKENS, "D": D_MODEL, "F": D_FF}
-    out: list[str] = []
-    data: dict[str, Any] = {
-        "scenario": {"d_model": D_MODEL, "d_ff": D_FF, "tokens": TOKENS, "mesh": MESH, "dtype": dtype},
-        "hardware": chip.to_dict(),
-    }
-
-    out.append(
+def _header(chip: Chip, dtype: str) -> list[str]:
+    """The scenario, what each section is, and the target chip's numbers."""
+    return [
         f"shardlab demo: LLaMA-3-8B MLP block (D={D_MODEL}, F={D_FF}), {TOKENS} tokens, "
-        f"mesh X={MESH['X']} x Y={MESH['Y']}, {dtype}, predicted for {chip.name}"
-    )
-    out.append("Sections 1-3 predict for the target chip; 4 checks placement on the emulated mesh; 5 is the main job.")
-    out.append(
+        f"mesh X={MESH['X']} x Y={MESH['Y']}, {dtype}, predicted for {chip.name}",
+        "Sections 1-3 predict for the target chip; 4 checks placement on the emulated mesh; 5 is the main job.",
         f"{chip.name}: {fmt_rate(chip.flops(dtype), 'FLOP/s')} {dtype}, {fmt_bytes(chip.hbm_bytes)} HBM at "
         f"{fmt_rate(chip.hbm_bandwidth, 'B/s')} (critical intensity {chip.critical_intensity(dtype):.0f}), "
         f"link {fmt_rate(chip.link_bandwidth, 'B/s')} one way"
-        + (" [uncalibrated placeholder numbers]" if chip.kind == "cpu" and not chip.calibrated else "")
-    )
+        + (" [uncalibrated placeholder numbers]" if chip.kind == "cpu" and not chip.calibrated else ""),
+    ]
 
-    # 1. Roofline of the up-projection per chip.
+
+def _roofline(chip: Chip, dtype: str) -> tuple[list[dict[str, Any]], str]:
+    """Section 1: the up-projection per chip over token batches, as data and as a table."""
     rows, rl = [], []
     for b in (16, 64, 256, 1024, 4096):
         r = matmul(chip, b, D_MODEL, D_FF, dtype=dtype)
         rl.append(r.to_dict())
         rows.append([b, f"{r.intensity:.0f}", r.bound, fmt_seconds(r.time_s), f"{100 * r.compute_s / r.time_s:.0f}%"])
     crit = matmul(chip, 1, D_MODEL, D_FF, dtype=dtype).critical_batch
-    data["roofline"] = rl
-    out += [
-        "",
-        render(
-            ["tokens/chip", "intensity", "bound", "time", "of peak FLOPs"],
-            rows,
-            title=f"1. Roofline: In[B, {D_MODEL}] @ W[{D_MODEL}, {D_FF}] on one chip "
-            f"(compute-bound above B = {crit:.0f})",
-        ),
-    ]
+    table = render(
+        ["tokens/chip", "intensity", "bound", "time", "of peak FLOPs"],
+        rows,
+        title=f"1. Roofline: In[B, {D_MODEL}] @ W[{D_MODEL}, {D_FF}] on one chip (compute-bound above B = {crit:.0f})",
+    )
+    return rl, table
 
-    # 2. The book's four cases, and a Megatron MLP.
+
+def _sharded_matmuls(chip: Chip, dtype: str) -> tuple[list[dict[str, Any]], str]:
+    """Section 2: the book's four cases and a Megatron MLP planned on the mesh, as data and as a table."""
+    sizes = {"B": TOKENS, "D": D_MODEL, "F": D_FF}
     rows, plans = [], []
     for label, expr in CASES:
         p = plan_sharded_matmul(expr, sizes, MESH, chip, dtype)
@@ -127,17 +117,16 @@ def run_demo(hardware: str = "tpu-v5e", hardware_file: str | None = None) -> Dem
         rows.append(
             [label, expr, p.output, comm, fmt_seconds(p.compute_s), fmt_seconds(p.comm_s) if p.collectives else "-"]
         )
-    data["sharded_matmuls"] = plans
-    out += [
-        "",
-        render(
-            ["case", "expression", "output", "collectives", "compute", "comm"],
-            rows,
-            title=f"2. Sharded matmuls on a {MESH['X']}x{MESH['Y']} mesh (B={TOKENS}, D={D_MODEL}, F={D_FF})",
-        ),
-    ]
+    table = render(
+        ["case", "expression", "output", "collectives", "compute", "comm"],
+        rows,
+        title=f"2. Sharded matmuls on a {MESH['X']}x{MESH['Y']} mesh (B={TOKENS}, D={D_MODEL}, F={D_FF})",
+    )
+    return plans, table
 
-    # 3. Collectives of this layer, with and without wraparound.
+
+def _collectives(chip: Chip) -> tuple[list[dict[str, Any]], str]:
+    """Section 3: the layer's collectives, with and without wraparound on a torus, as data and as a table."""
     wbytes = D_MODEL * D_FF * 2
     abytes = TOKENS // MESH["X"] * D_MODEL * 2
     rows, colls = [], []
@@ -163,29 +152,46 @@ def run_demo(hardware: str = "tpu-v5e", hardware_file: str | None = None) -> Dem
                 "yes" if a.latency_bound else "no",
             ]
         )
-    data["collectives"] = colls
-    out += [
-        "",
-        render(
-            ["collective", "what", "bytes (V)", "ring", "no wraparound", "latency-bound"],
-            rows,
-            title=f"3. Collectives ({'ICI torus' if torus else chip.topology}; latency-bound below "
-            f"{fmt_bytes(chip.latency_bound_bytes)} per shard)",
-        ),
+    table = render(
+        ["collective", "what", "bytes (V)", "ring", "no wraparound", "latency-bound"],
+        rows,
+        title=f"3. Collectives ({'ICI torus' if torus else chip.topology}; latency-bound below "
+        f"{fmt_bytes(chip.latency_bound_bytes)} per shard)",
+    )
+    return colls, table
+
+
+def _placement_lines(check: dict[str, Any]) -> list[str]:
+    """Section 4: what :func:`_placement_check` found, or why it did not run."""
+    if not check["ran"]:
+        return [f"4. Emulated-mesh check skipped: {check['reason']}"]
+    ok = check["operands"] - len(check["mismatches"])
+    label = "emulated CPU devices" if check["emulated"] else f"{check['platform']} devices"
+    return [
+        f"4. Emulated-mesh check ({check['devices']} {label}, mesh X=2 x Y=4): {ok}/{check['operands']} "
+        f"operands placed by JAX with the per-device shapes the notation predicts",
+        *(f"   MISMATCH {m}" for m in check["mismatches"]),
     ]
+
+
+def run_demo(hardware: str = "tpu-v5e", hardware_file: str | None = None) -> DemoReport:
+    """Build the default scenario's report for ``hardware``."""
+    chip = default_catalog(hardware_file).get(hardware)
+    dtype = "bf16" if "bf16" in chip.peak_flops else next(iter(chip.peak_flops))
+    data: dict[str, Any] = {
+        "scenario": {"d_model": D_MODEL, "d_ff": D_FF, "tokens": TOKENS, "mesh": MESH, "dtype": dtype},
+        "hardware": chip.to_dict(),
+    }
+    out = _header(chip, dtype)
+
+    # 1-3 predict for the target chip: roofline, the sharded matmuls, the layer's collectives.
+    data["roofline"], roofline = _roofline(chip, dtype)
+    data["sharded_matmuls"], sharded = _sharded_matmuls(chip, dtype)
+    data["collectives"], collectives = _collectives(chip)
+    out += ["", roofline, "", sharded, "", collectives]
 
     # 4. Structure on the emulated mesh.
     check = _placement_check([e for _, e in CASES])
     data["placement_check"] = check
-    out.append("")
-    if check["ran"]:
-        ok = check["operands"] - len(check["mismatches"])
-        label = "emulated CPU devices" if check["emulated"] else f"{check['platform']} devices"
-        out.append(
-            f"4. Emulated-mesh check ({check['devices']} {label}, mesh X=2 x Y=4): {ok}/{check['operands']} "
-            f"operands placed by JAX with the per-device shapes the notation predicts"
-        )
-        out += [f"   MISMATCH {m}" for m in check["mismatches"]]
-    else:
-        out.append(f"4. Emulated-mesh check skipped: {check['reason']}")
+    out += ["", *_placement_lines(check)]
     return DemoReport(data=data, text="\n".join(out))
