@@ -49,6 +49,8 @@ class ModelConfig:
         norm: ``layernorm`` (weight and bias) or ``rmsnorm`` (weight only).
         dropout: attention and residual dropout (adds 1-byte masks to activation memory).
         max_seq_len: context the model was trained for.
+        rope_theta: base of the rotary frequencies (RoPE models).
+        norm_eps: epsilon of the norms.
         source: where the dims come from.
     """
 
@@ -69,6 +71,8 @@ class ModelConfig:
     norm: str = "rmsnorm"
     dropout: bool = False
     max_seq_len: int = 8192
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
     source: str = "user"
 
     def __post_init__(self) -> None:
@@ -95,6 +99,10 @@ class ModelConfig:
             )
         if self.experts_per_token > self.experts:
             raise UserError(f"{where}: experts-per-token={self.experts_per_token} exceeds experts={self.experts}")
+        for f in ("rope_theta", "norm_eps"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < float("inf"):
+                raise UserError(f"{where}: {f.replace('_', '-')} must be a positive number, got {v!r}")
         if self.norm not in ("layernorm", "rmsnorm"):
             raise UserError(f"{where}: norm {self.norm!r} is not one of layernorm, rmsnorm")
 
@@ -257,7 +265,7 @@ def _megatron(name: str, heads: int, hidden: int, layers: int, source: str) -> M
     )
 
 
-def _llama(name: str, layers: int, d: int, f: int, n: int, k: int, v: int, ctx: int) -> ModelConfig:
+def _llama(name: str, layers: int, d: int, f: int, n: int, k: int, v: int, ctx: int, theta: float) -> ModelConfig:
     return ModelConfig(
         name=name,
         layers=layers,
@@ -268,17 +276,19 @@ def _llama(name: str, layers: int, d: int, f: int, n: int, k: int, v: int, ctx: 
         head_dim=d // n,
         vocab=v,
         max_seq_len=ctx,
+        rope_theta=theta,
+        norm_eps=1e-5,
         source=HF,
     )
 
 
 CATALOG: tuple[ModelConfig, ...] = (
-    _llama("llama3-8b", 32, 4096, 14336, 32, 8, 128256, 8192),
-    _llama("llama3-70b", 80, 8192, 28672, 64, 8, 128256, 8192),
-    _llama("llama3-405b", 126, 16384, 53248, 128, 8, 128256, 8192),
-    _llama("llama2-7b", 32, 4096, 11008, 32, 32, 32000, 4096),
-    _llama("llama2-13b", 40, 5120, 13824, 40, 40, 32000, 4096),
-    _llama("llama2-70b", 80, 8192, 28672, 64, 8, 32000, 4096),
+    _llama("llama3-8b", 32, 4096, 14336, 32, 8, 128256, 8192, 500000.0),
+    _llama("llama3-70b", 80, 8192, 28672, 64, 8, 128256, 8192, 500000.0),
+    _llama("llama3-405b", 126, 16384, 53248, 128, 8, 128256, 8192, 500000.0),
+    _llama("llama2-7b", 32, 4096, 11008, 32, 32, 32000, 4096, 10000.0),
+    _llama("llama2-13b", 40, 5120, 13824, 40, 40, 32000, 4096, 10000.0),
+    _llama("llama2-70b", 80, 8192, 28672, 64, 8, 32000, 4096, 10000.0),
     ModelConfig(
         name="gpt3-175b",
         layers=96,

@@ -57,7 +57,8 @@ def dtype_bytes(name: str) -> float:
 
 def _scaled(value: float, steps: list[tuple[float, str]], unit: str, digits: int = 3) -> str:
     for factor, prefix in steps:
-        if abs(value) >= factor:
+        # the value as it will print (999.97 rounds to 1e+03: that is the next prefix's 1)
+        if abs(float(f"{value:.{digits}g}")) >= factor:
             return f"{value / factor:.{digits}g} {prefix}{unit}"
     factor, prefix = steps[-1]
     return f"{value / factor:.{digits}g} {prefix}{unit}"
@@ -70,13 +71,7 @@ def fmt_seconds(s: float) -> str:
     """``0.000373`` -> ``'373 us'``."""
     if s == 0:
         return "0 s"
-    if s >= 1:
-        return f"{s:.3g} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3g} ms"
-    if s >= 1e-6:
-        return f"{s * 1e6:.3g} us"
-    return f"{s * 1e9:.3g} ns"
+    return _scaled(s, [(1.0, ""), (1e-3, "m"), (1e-6, "u"), (1e-9, "n")], "s")
 
 
 def fmt_bytes(n: float) -> str:

@@ -1,31 +1,38 @@
-"""Experiment files: declarative TOML naming what to run, on which mesh, at which sizes.
+"""Experiment files: a typed schema for what to run, read into a :class:`lab.core.plan.Plan`.
 
 ```toml
 # Which question this experiment answers, in a comment.
 [experiment]
-name = "sharded_matmul_case2"          # defaults to the file name
-kernel = "sharded_matmul_case2"        # a kernel from `shardlab audit --list`
-hardware = "tpu-v5e"                   # the chip predictions are priced for (default: calibrated)
-dtype = "float32"                      # float32 | bfloat16
-axes = ["X"]                           # collective microkernels only: the mesh axes they span
+name = "train_fsdp_tp"                 # defaults to the file name
+program = "train_step"                 # a kernel from `shardlab audit --list`, train_step or decode
+hardware = "calibrated"                # the chip it is priced for (calibrated: this host's measured spec)
+dtype = "float32"                      # compute dtype: float32 | bfloat16
+model = "llama3-8b"                    # optional: a catalog model the [model] table overrides
 
-[mesh]                                 # axis name = size, major to minor
-X = 2
-Y = 4
+[mesh]                                 # axis = size, major to minor; a slow axis (DCN / scale-out):
+data = 2                               #   data = { size = 2, link = "slow" }
+model = 4
 
-[sizes]                                # the kernel's dims (see its description)
-I = 56
-J = 88
-K = 104
+[sizes]                                # the program's sizes: batch, seq (train_step); batch, prompt_len, steps
+batch = 8                              # (decode); I, J, K (matmuls); B, D, F (tp_mlp); N (collectives)
+seq = 32
+
+[model]                                # model fields (see `shardlab model show`): e.g. layers = 2
+[rules]                                # preset = "fsdp_tp", and/or logical dim = mesh axis (or a list of them)
+[options]                              # remat, optimizer, param_dtype, microbatch, zero, flash_attention, ...
+[run]                                  # warmup, repeats (profiling)
+[sweep]                                # size = [values]: one run per combination
 ```
 
-Loading validates every field and names it (with its line) when something is wrong. The run harness
-adds a ``[run]`` table (warm-up, repeats) to the same format later.
+Every table is checked with types and units; an unknown key or a bad value is named with the file, its line
+and what is valid, before anything is imported or compiled. ``kernel = ...`` (for ``program``) and ``[run]``
+keys ``rules``, ``remat`` and ``[run.sweep]`` from earlier files are still read.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
+import itertools
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -33,31 +40,106 @@ from pathlib import Path
 from typing import Any
 
 from lab.core.errors import UserError
+from lab.core.models import ModelConfig, model_from_fields
+from lab.core.plan import LINKS, REMAT, MeshAxis, Options, Plan
+from lab.core.programs import complete_mesh, get_program
+from lab.core.rules import FIELDS, PRESETS, rules_from_table
+from lab.core.schema import Field, check_value, read_table
+from lab.core.units import canonical_dtype
 
-DTYPES = {"float32": "fp32", "fp32": "fp32", "f32": "fp32", "bfloat16": "bf16", "bf16": "bf16"}
-SECTIONS = {"experiment", "mesh", "sizes", "run", "model"}
-EXPERIMENT_KEYS = {"name", "kernel", "hardware", "dtype", "axes", "question"}
+DTYPES = ("float32", "bfloat16", "fp32", "bf16", "f32", "fp8")  # fp8: priced by the estimators, not run
+EXPERIMENT = {
+    "name": Field("str", "the run directory's default name"),
+    "program": Field("str", "what to build and run"),
+    "kernel": Field("str", "the same as program (earlier files)"),
+    "hardware": Field("str", "chip the prediction is priced for; calibrated = this host's measured spec"),
+    "dtype": Field("str", "compute dtype", DTYPES),
+    "axes": Field("strs", "collective microkernels: the mesh axes they span"),
+    "question": Field("str", "what the experiment asks"),
+    "model": Field("str", "a catalog model the [model] table overrides"),
+}
+RUN = {
+    "warmup": Field("int0", "untraced calls before the profiled ones"),
+    "repeats": Field("int+", "profiled calls"),
+    "rules": Field("str", "sharding-rules preset (earlier files; now [rules] preset)", tuple(PRESETS)),
+    "remat": Field("str", "activation recomputation (earlier files; now [options] remat)", REMAT),
+}
+OPTIONS = {
+    "remat": Field("str", "activation recomputation", REMAT),
+    "optimizer": Field("str", "optimizer whose state is kept", ("adam", "adamw", "sgd", "adafactor")),
+    "param_dtype": Field("str", "dtype the parameters are stored in", DTYPES),
+    "microbatch": Field("int+", "sequences per microbatch on each data-parallel replica"),
+    "zero": Field("int0", "ZeRO stage over the data-parallel axes (0-3)"),
+    "pp_schedule": Field("str", "pipeline schedule", ("gpipe", "1f1b", "interleaved")),
+    "interleave": Field("int+", "model chunks per pipeline stage (interleaved schedule)"),
+    "checkpoints_per_layer": Field("number+", "the book's k saved [B, D] per layer"),
+    "flash_attention": Field("bool", "fused attention: no score matrix stored"),
+    "fused_projections": Field("bool", "Q/K/V and gate/up fused into one weight each (Megatron)"),
+    "causal": Field("bool", "causal attention mask"),
+}
+RULES = {"preset": Field("str", "a preset the other keys override", tuple(PRESETS))} | {
+    f: Field("strs", f"mesh axes of the logical dim {f}") for f in FIELDS
+}
+_MODEL_KIND = {int: "int+", bool: "bool", str: "str", float: "number+"}
+MODEL = {
+    f.name: Field(_MODEL_KIND[{"int": int, "bool": bool, "str": str, "float": float}[str(f.type)]], f.name)
+    for f in dataclasses.fields(ModelConfig)
+} | {"base": Field("str", "a catalog model to start from")}
+SECTIONS = ("experiment", "mesh", "sizes", "model", "rules", "options", "run", "sweep")
+# Untraced calls before the profiled ones when an experiment does not say. In a fresh process XLA:CPU's first
+# several calls of a program run slower (measured on 2 cores: a 1 MB AllReduce, slowest device, took 1.8-2.8 ms
+# in the first traced steps after one warm-up call and 0.53-0.61 ms after ten or thirty; see
+# docs/validation/cpu-emulated.md), so one warm-up call is not enough.
+WARMUP = 10
+REPEATS = 5
 
 
 @dataclass(frozen=True)
 class Experiment:
-    name: str
-    kernel: str
-    mesh: dict[str, int]
-    sizes: dict[str, int]
-    hardware: str = "calibrated"
-    dtype: str = "fp32"
-    axes: tuple[str, ...] | None = None
+    """An experiment file as read: the Plan, and how to profile and sweep it."""
+
+    plan: Plan
     path: str | None = None
-    run: dict[str, Any] = field(default_factory=dict)
-    model: dict[str, Any] = field(default_factory=dict)
+    warmup: int = WARMUP
+    repeats: int = REPEATS
+    sweep: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    question: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    @property
+    def kernel(self) -> str:
+        return self.plan.program
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        return self.plan.shape
 
     @property
     def devices(self) -> int:
-        return math.prod(self.mesh.values())
+        return self.plan.devices
+
+    def points(self) -> list[tuple[str, Plan]]:
+        """``(label, plan)`` for every sweep point (one unlabelled point without a sweep), each validated."""
+        if not self.sweep:
+            return [("", self.plan)]
+        keys = list(self.sweep)
+        out = []
+        for combo in itertools.product(*(self.sweep[k] for k in keys)):
+            sizes = dict(self.plan.sizes) | dict(zip(keys, combo, strict=True))
+            label = "-".join(f"{k}{v}" for k, v in zip(keys, combo, strict=True))
+            plan = dataclasses.replace(self.plan, sizes=sizes)
+            try:
+                plan.validate(executable=False)
+            except UserError as exc:
+                raise UserError(f"{self.path}: sweep point {label}: {exc}") from None
+            out.append((label, plan))
+        return out
 
 
-def _line_of(text: str, section: str, key: str | None = None) -> int | None:
+def line_of(text: str, section: str, key: str | None = None) -> int | None:
     """1-based line of ``[section]`` (or of ``key`` inside it) in the TOML text."""
     in_section = False
     for i, line in enumerate(text.splitlines(), 1):
@@ -72,76 +154,202 @@ def _line_of(text: str, section: str, key: str | None = None) -> int | None:
     return None
 
 
-def load_experiment(path: str | Path) -> Experiment:
-    """Read and validate an experiment file; errors name the field and its line."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"experiment file {str(p)!r} does not exist; see experiments/ for examples")
-    text = p.read_text()
+class _Reader:
+    """One file's text and document, and where each of its values sits."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        if not path.is_file():
+            raise UserError(f"experiment file {str(path)!r} does not exist; see experiments/ for examples")
+        try:
+            self.text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise UserError(f"{path}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+        except OSError as exc:
+            raise UserError(f"cannot read {str(path)!r}: {exc.strerror}") from None
+        try:
+            self.doc = tomllib.loads(self.text)
+        except tomllib.TOMLDecodeError as exc:
+            raise UserError(f"{path}: not valid TOML: {exc}") from None
+
+    def where(self, section: str):
+        def at(key: str | None) -> str:
+            line = line_of(self.text, section, key) or line_of(self.text, section)
+            return f"{self.path}:{line}" if line else str(self.path)
+
+        return at
+
+    def table(self, section: str, fields: dict[str, Field], default: dict | None = None) -> dict[str, Any]:
+        raw = self.doc.get(section, default if default is not None else {})
+        if section == "run" and isinstance(raw, dict):
+            raw = {k: v for k, v in raw.items() if k != "sweep"}
+        return read_table(raw, fields, section, self.where(section))
+
+    def error(self, section: str, key: str | None, msg: str) -> UserError:
+        return UserError(f"{self.where(section)(key)}: [{section}]{'.' + key if key else ''} {msg}")
+
+
+def _mesh(r: _Reader) -> tuple[MeshAxis, ...]:
+    raw = r.doc.get("mesh")
+    if not isinstance(raw, dict) or not raw:
+        raise UserError(f"{r.path}: missing the [mesh] table (axis = size, e.g. data = 2)")
+    out = []
+    for name, v in raw.items():
+        size, link = v, "fast"
+        if isinstance(v, dict):
+            unknown = sorted(set(v) - {"size", "link"})
+            if unknown:
+                raise r.error("mesh", name, f"has unknown key {unknown[0]!r}; valid: size, link")
+            size, link = v.get("size"), v.get("link", "fast")
+            if link not in LINKS:
+                raise r.error(
+                    "mesh", name, f"link = {link!r} is not one of fast (ICI / NVLink), slow (DCN / scale-out)"
+                )
+        try:
+            check_value(size, Field("int+"))
+        except ValueError:
+            raise r.error("mesh", name, f"= {size!r} must be a positive integer (the axis size)") from None
+        out.append(MeshAxis(name, size, link))
+    return tuple(out)
+
+
+def _sizes(r: _Reader, dims: tuple[str, ...], program: str) -> dict[str, int]:
+    raw = r.doc.get("sizes")
+    if not isinstance(raw, dict) or not raw:
+        raise UserError(f"{r.path}: missing the [sizes] table; {program} needs {', '.join(dims)}")
+    fields = {d: Field("int+", d) for d in dims}
+    sizes = read_table(raw, fields, "sizes", r.where("sizes"))
+    for d in dims:
+        if d not in sizes:
+            raise r.error("sizes", None, f"needs {d} for {program}; give {', '.join(f'{x} = <n>' for x in dims)}")
+    return sizes
+
+
+def _model(r: _Reader, exp: dict[str, Any], needed: bool) -> ModelConfig | None:
+    table = r.table("model", MODEL)
+    base = exp.get("model")
+    if not table and base is None:
+        return None
+    if base is not None and "base" in table:
+        raise r.error("model", "base", "and [experiment].model both name a base model; keep one")
+    fields = dict(table) | ({"base": base} if base is not None else {})
+    fields.setdefault("name", base or "custom")
     try:
-        doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{p}: not valid TOML: {exc}") from None
+        return model_from_fields(fields, where=f"{r.path}: [model]")
+    except UserError as exc:
+        if not needed:
+            raise
+        raise UserError(str(exc)) from None
 
-    def bad(section: str, key: str | None, msg: str) -> UserError:
-        line = _line_of(text, section, key)
-        where = f"{p}:{line}" if line else str(p)
-        return UserError(f"{where}: [{section}]{'.' + key if key else ''} {msg}")
 
-    for sec in doc:
+def _sweep(r: _Reader, sizes: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    legacy = r.doc.get("run", {}).get("sweep") if isinstance(r.doc.get("run"), dict) else None
+    raw, section = (r.doc.get("sweep"), "sweep") if "sweep" in r.doc else (legacy or {}, "run.sweep")
+    for k in raw if isinstance(raw, dict) else ():
+        if k not in sizes:
+            raise r.error(section, k, f"sweeps a size the experiment does not have ({', '.join(sizes)})")
+    fields = {k: Field("ints+", f"values of {k}") for k in sizes}
+    table = read_table(raw, fields, section, r.where(section))
+    return {k: tuple(v) for k, v in table.items()}
+
+
+def load_experiment(path: str | Path) -> Experiment:
+    """Read and validate an experiment file into a Plan; errors name the file, the line and what is valid."""
+    r = _Reader(Path(path))
+    for sec in r.doc:
         if sec not in SECTIONS:
-            raise bad(sec, None, f"is not a known section; valid: {', '.join(sorted(SECTIONS))}")
-    exp = doc.get("experiment")
-    if not isinstance(exp, dict):
-        raise UserError(f'{p}: missing the [experiment] table (with at least kernel = "...")')
-    for key in exp:
-        if key not in EXPERIMENT_KEYS:
-            raise bad("experiment", key, f"is not a known field; valid: {', '.join(sorted(EXPERIMENT_KEYS))}")
-    kernel = exp.get("kernel")
-    if not isinstance(kernel, str) or not kernel:
-        raise bad("experiment", "kernel" if "kernel" in exp else None, 'needs kernel = "<name>"')
-    dtype = exp.get("dtype", "float32")
-    if dtype not in DTYPES:
-        raise bad("experiment", "dtype", f"= {dtype!r} is not one of float32, bfloat16")
-    hardware = exp.get("hardware", "calibrated")
-    if not isinstance(hardware, str):
-        raise bad("experiment", "hardware", 'must be a chip name such as "tpu-v5e"')
-    axes = exp.get("axes")
-    if axes is not None and (not isinstance(axes, list) or not all(isinstance(a, str) for a in axes)):
-        raise bad("experiment", "axes", 'must be a list of mesh axis names, e.g. ["X", "Y"]')
-
-    def int_table(section: str) -> dict[str, int]:
-        table = doc.get(section)
-        if not isinstance(table, dict) or not table:
-            raise UserError(f"{p}: missing the [{section}] table")
-        out = {}
-        for k, v in table.items():
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise bad(section, k, f"= {v!r} must be a positive integer")
-            out[k] = v
-        return out
-
-    mesh = int_table("mesh")
-    sizes = int_table("sizes")
-    if axes is not None:
-        for a in axes:
-            if a not in mesh:
-                raise bad("experiment", "axes", f"names {a!r}, which is not a mesh axis ({', '.join(mesh)})")
-    run = doc.get("run", {})
-    if not isinstance(run, dict):
-        raise bad("run", None, "must be a table")
-    model = doc.get("model", {})
-    if not isinstance(model, dict):
-        raise bad("model", None, "must be a table of the model's dims")
-    return Experiment(
-        name=exp.get("name", p.stem),
-        kernel=kernel,
+            raise r.error(sec, None, f"is not a known section; valid: {', '.join(SECTIONS)}")
+    if not isinstance(r.doc.get("experiment"), dict):
+        raise UserError(f'{r.path}: missing the [experiment] table (with at least program = "...")')
+    exp = r.table("experiment", EXPERIMENT)
+    run = r.table("run", RUN)
+    options = r.table("options", OPTIONS)
+    rules_table = r.table("rules", RULES)
+    preset = rules_table.pop("preset", run.get("rules"))
+    mesh = _mesh(r)
+    for a in exp.get("axes") or ():
+        if a not in {m.name for m in mesh}:
+            raise r.error(
+                "experiment", "axes", f"names {a!r}, which is not a mesh axis ({', '.join(m.name for m in mesh)})"
+            )
+    program = exp.get("program", exp.get("kernel"))
+    if program is None:
+        raise r.error("experiment", None, 'needs program = "<name>" (see `shardlab audit --list`)')
+    try:
+        spec = get_program(program)
+    except UserError as exc:
+        raise r.error("experiment", "program" if "program" in exp else "kernel", str(exc)) from None
+    sizes = _sizes(r, spec.dims, spec.name)
+    model = _model(r, exp, spec.needs_model)
+    shape = complete_mesh(spec, {a.name: a.size for a in mesh})
+    mesh = mesh + tuple(MeshAxis(a, 1) for a in shape if a not in {m.name for m in mesh})
+    for key, axes in rules_table.items():
+        for a in (axes,) if isinstance(axes, str) else axes:
+            if a not in shape:
+                raise r.error(
+                    "rules", key, f"= {axes!r} names mesh axis {a!r}, which the mesh lacks; valid: {', '.join(shape)}"
+                )
+    rules = None
+    if spec.needs_model or rules_table or preset:
+        rules = rules_from_table(rules_table, preset if spec.needs_model or preset else None)
+    opt = {k: v for k, v in options.items() if k not in ("remat", "optimizer", "param_dtype")}
+    plan = Plan(
+        program=spec.name,
         mesh=mesh,
         sizes=sizes,
-        hardware=hardware,
-        dtype=DTYPES[dtype],
-        axes=tuple(axes) if axes is not None else None,
-        path=str(p),
-        run=run,
+        name=exp.get("name", r.path.stem),
+        hardware=exp.get("hardware", "calibrated"),
+        dtype=canonical_dtype(exp.get("dtype", "float32")),
+        param_dtype=canonical_dtype(options.get("param_dtype", "float32")),
         model=model,
+        rules=rules,
+        rules_preset=preset,
+        remat=options.get("remat", run.get("remat", "none")),
+        optimizer={"adamw": "adam"}.get(options.get("optimizer", "adam"), options.get("optimizer", "adam")),
+        axes=exp.get("axes"),
+        options=_options(r, opt),
     )
+    try:  # what the estimators need; what the kernels need on top is checked before anything is built
+        plan.validate(executable=False)
+        if spec.needs_model and not _estimator_only(plan):
+            plan.validate()
+    except UserError as exc:
+        raise UserError(f"{_locate(r, str(exc))}: {exc}") from None
+    return Experiment(
+        plan=plan,
+        path=str(r.path),
+        warmup=run.get("warmup", WARMUP),
+        repeats=run.get("repeats", REPEATS),
+        sweep=_sweep(r, sizes),
+        question=exp.get("question", ""),
+    )
+
+
+def _estimator_only(plan: Plan) -> bool:
+    """A Plan only the estimators can take (pipeline, expert or context axes, fp8): checked for what it needs to
+    be priced; ``shardlab run`` refuses it with the reason."""
+    rules = plan.rules
+    return plan.dtype not in ("fp32", "bf16") or any(rules.axes(d) for d in ("layers", "experts", "context"))
+
+
+def _locate(r: _Reader, msg: str) -> str:
+    """``file:line`` of the value a Plan error is about: the first rules key, size, model field or mesh axis
+    the message names (as ``name=``, ``'name'`` or ``name =``)."""
+    for section in ("rules", "sizes", "model", "mesh", "options"):
+        table = r.doc.get(section)
+        if not isinstance(table, dict):
+            continue
+        for key in table:
+            if re.search(rf"(?<![\w-])(?:'{re.escape(key)}'|{re.escape(key)}\s?=)", msg):
+                return r.where(section)(key)
+    return str(r.path)
+
+
+def _options(r: _Reader, opt: dict[str, Any]) -> Options:
+    try:
+        return Options(**opt)
+    except UserError as exc:
+        raise UserError(f"{r.where('options')(None)}: [options] {exc}") from None
+
+
+__all__ = ["Experiment", "line_of", "load_experiment"]

@@ -1,0 +1,404 @@
+"""The Plan: one frozen, JAX-free description of a program that every part of the lab reads.
+
+A Plan names the program (a kernel, or the Transformer's train step or decode), the mesh (axis names, sizes
+and which axes are fast interconnect, ICI / NVLink, and which slow, DCN / scale-out), the sharding rules
+(logical dims to mesh axes), the model, the chip it is priced for, the sizes (batch, sequence, ...), dtypes,
+remat and optimizer, and the implementation choices that change its cost. From it:
+
+* the estimators derive their layout (:meth:`Plan.degrees`: ``dp, fsdp, tp, ...`` from the rules' axes);
+* the kernels derive ``PartitionSpec``s (``rules.spec(logical_dims)``) and build the program;
+* the audit and the ledger compare the compiled and measured program with the estimate of the same Plan.
+
+Plans come from experiment files (``lab/run/experiment.py``), from estimator flags and from planner results
+(:func:`plan_from_degrees`); :meth:`Plan.to_toml` writes one back as an experiment file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from lab.core.arrays import check_transformer, unsupported_features
+from lab.core.errors import UserError
+from lab.core.models import ModelConfig
+from lab.core.programs import ProgramSpec, complete_mesh, get_program
+from lab.core.rules import FIELDS, NOT_EXECUTED, ShardingRules
+from lab.core.units import canonical_dtype
+
+LINKS = {"fast": "ICI / NVLink: inside a slice or node", "slow": "DCN / scale-out: across slices or nodes"}
+COMPUTE_DTYPES = ("fp32", "bf16")
+REMAT = ("none", "selective", "full")
+OPTIMIZERS = ("adam", "sgd", "adafactor")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class MeshAxis:
+    """One mesh axis: its name, its size, and the link it runs over (``fast`` or ``slow``)."""
+
+    name: str
+    size: int
+    link: str = "fast"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise UserError(f"mesh axis {self.name!r}: size must be a positive integer, got {self.size!r}")
+        if self.link not in LINKS:
+            raise UserError(
+                f"mesh axis {self.name!r}: link {self.link!r} is not one of {', '.join(LINKS)} "
+                "(fast = ICI / NVLink, slow = DCN / scale-out)"
+            )
+
+
+@dataclass(frozen=True)
+class Options:
+    """How the program is implemented and scheduled, where that changes what it costs.
+
+    Attributes:
+        microbatch: sequences per microbatch on each data-parallel replica (None: the whole replica batch).
+        zero: ZeRO stage over the data-parallel axes (1: optimizer state, 2: and gradients; 3 is FSDP).
+        pp_schedule, interleave: the pipeline schedule (``gpipe``, ``1f1b``, ``interleaved`` with v chunks).
+        checkpoints_per_layer: the book's ``k`` saved ``[B, D]`` per layer, instead of the remat policy's count.
+        flash_attention: attention fused (no score matrix stored, causal blocks skipped).
+        fused_projections: Q/K/V and gate/up are one weight each (Megatron), so their input gradients are
+            reduced once per block; the lab's Transformer keeps them apart (5 reductions per layer, not 2).
+        causal: the attention mask (FLOP conventions and flash attention's skipped blocks).
+    """
+
+    microbatch: int | None = None
+    zero: int = 0
+    pp_schedule: str = "1f1b"
+    interleave: int = 1
+    checkpoints_per_layer: float | None = None
+    flash_attention: bool = False
+    fused_projections: bool = False
+    causal: bool = True
+
+    def __post_init__(self) -> None:
+        if self.zero not in (0, 1, 2, 3):
+            raise UserError(f"zero = {self.zero!r} is not one of 0, 1, 2, 3")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise UserError(f"pp_schedule = {self.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
+        for name in ("microbatch", "interleave"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise UserError(f"{name} = {v!r} must be a positive integer")
+        if self.interleave > 1 and self.pp_schedule != "interleaved":
+            raise UserError(f'interleave = {self.interleave} needs pp_schedule = "interleaved"')
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One program, fully described (see the module docstring)."""
+
+    program: str
+    mesh: tuple[MeshAxis, ...]
+    sizes: Mapping[str, int]
+    name: str = ""
+    hardware: str = "calibrated"
+    dtype: str = "fp32"
+    param_dtype: str = "fp32"
+    model: ModelConfig | None = None
+    rules: ShardingRules | None = None
+    rules_preset: str | None = None
+    remat: str = "none"
+    optimizer: str = "adam"
+    axes: tuple[str, ...] | None = None
+    options: Options = field(default_factory=Options)
+
+    # ----- derived ------------------------------------------------------------------------------------
+
+    @property
+    def spec(self) -> ProgramSpec:
+        return get_program(self.program)
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """Axis name -> size, major to minor."""
+        return {a.name: a.size for a in self.mesh}
+
+    @property
+    def devices(self) -> int:
+        return math.prod(a.size for a in self.mesh)
+
+    @property
+    def slow_axes(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.mesh if a.link == "slow")
+
+    @property
+    def batch(self) -> int | None:
+        return self.sizes.get("batch")
+
+    @property
+    def seq_len(self) -> int | None:
+        """Tokens per sequence: ``seq`` for a train step, the prompt for decode."""
+        return self.sizes.get("seq", self.sizes.get("prompt_len"))
+
+    @property
+    def is_transformer(self) -> bool:
+        return self.spec.family == "transformer"
+
+    def degrees(self) -> dict[str, int]:
+        """The estimators' parallel degrees (``dp, fsdp, tp, pp, cp, ep`` and ``sequence_parallel``)."""
+        if self.rules is None:
+            raise UserError(f"{self.program} has no sharding rules: the training and inference estimators need them")
+        return self.rules.degrees(self.shape)
+
+    def roles(self) -> dict[str, tuple[str, ...]]:
+        """Mesh axes of each parallelism (``tp``, ``fsdp``, ``dp``, ``batch``, ...), live axes only."""
+        if self.rules is None:
+            return {}
+        return self.rules.roles(self.shape)
+
+    def role_links(self) -> dict[str, str]:
+        """``slow`` for a parallelism any of whose axes crosses the slow link, else ``fast``."""
+        slow = set(self.slow_axes)
+        return {role: ("slow" if slow & set(axes) else "fast") for role, axes in self.roles().items()}
+
+    # ----- checks -------------------------------------------------------------------------------------
+
+    def validate(self, *, executable: bool = True) -> None:
+        """Everything that can be checked without JAX; ``executable`` adds what the kernels need to build it.
+
+        Raises:
+            UserError: naming the bad value and a valid alternative.
+        """
+        spec = self.spec
+        if len({a.name for a in self.mesh}) != len(self.mesh):
+            raise UserError(f"mesh names an axis twice: {', '.join(a.name for a in self.mesh)}")
+        for d in spec.dims:
+            v = self.sizes.get(d)
+            if v is None:
+                raise UserError(
+                    f"{spec.name}: no size for dim {d!r}; give {', '.join(f'{x} = <n>' for x in spec.dims)}"
+                )
+        extra = sorted(set(self.sizes) - set(spec.dims))
+        if extra:
+            raise UserError(f"{spec.name}: unknown size {extra[0]!r}; its sizes are {', '.join(spec.dims)}")
+        if self.dtype not in COMPUTE_DTYPES and executable:
+            raise UserError(f"dtype {self.dtype!r} is not one of float32, bfloat16")
+        if self.remat not in REMAT:
+            raise UserError(f"remat {self.remat!r} is not one of {', '.join(REMAT)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        if self.axes is not None:
+            for a in self.axes:
+                if a not in self.shape:
+                    raise UserError(f"axes names {a!r}, which is not a mesh axis ({', '.join(self.shape)})")
+        if spec.needs_model:
+            self._validate_transformer(executable)
+        elif self.rules is not None and self.rules.mesh_axes():
+            raise UserError(f"{spec.name} is placed by its notation; sharding rules apply to train_step and decode")
+
+    def _validate_transformer(self, executable: bool) -> None:
+        m, rules = self.model, self.rules
+        if m is None:
+            raise UserError(f'{self.program} needs a model: a [model] table, or model = "llama3-8b"')
+        if rules is None:
+            raise UserError(f'{self.program} needs sharding rules: [rules] preset = "fsdp_tp" (or per-dim axes)')
+        rules.check_mesh(self.shape, "[rules]")
+        if not executable:
+            return
+        for dim in NOT_EXECUTED:
+            if rules.axes(dim):
+                raise UserError(
+                    f"[rules] {dim} = {rules.axes(dim)!r}: the lab's Transformer does not run {dim} sharded yet; "
+                    f"leave {dim} out to run it (the estimators price it: shardlab train estimate --plan)"
+                )
+        missing = unsupported_features(m)
+        if missing:
+            raise UserError(
+                f"model {m.name!r} has {', '.join(missing)}; the lab's Transformer builds LLaMA-style models only "
+                "(SwiGLU, RoPE, RMSNorm, untied, no biases, dense)"
+            )
+        if m.head_dim % 2:
+            raise UserError(f"model {m.name!r}: head-dim={m.head_dim} must be even for rotary embeddings")
+        if self.program == "train_step":
+            seq = self.sizes["seq"]
+            if seq < 2 or seq > m.max_seq_len:
+                raise UserError(f"seq={seq} must be between 2 and max-seq-len={m.max_seq_len}")
+            check_transformer(m, rules, self.shape, batch=self.sizes["batch"], seq=seq)
+        else:
+            p, s = self.sizes["prompt_len"], self.sizes["steps"]
+            if p + s > m.max_seq_len + 1:
+                raise UserError(
+                    f"prompt_len={p} + steps={s} must fit max-seq-len={m.max_seq_len} (+1); "
+                    f"shorten them or set max_seq_len = {p + s - 1}"
+                )
+            check_transformer(m, rules, self.shape, batch=self.sizes["batch"], seq=p, decode=True)
+
+    # ----- output -------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "name": self.name,
+            "program": self.program,
+            "mesh": [dataclasses.asdict(a) for a in self.mesh],
+            "sizes": dict(self.sizes),
+            "hardware": self.hardware,
+            "dtype": self.dtype,
+            "param_dtype": self.param_dtype,
+            "remat": self.remat,
+            "optimizer": self.optimizer,
+            "options": dataclasses.asdict(self.options),
+        }
+        if self.axes is not None:
+            d["axes"] = list(self.axes)
+        if self.model is not None:
+            d["model"] = dataclasses.asdict(self.model)
+        if self.rules is not None:
+            d["rules"] = self.rules.to_dict()
+            d["rules_preset"] = self.rules_preset
+            d["degrees"] = self.degrees()
+        return d
+
+    def to_toml(self, question: str = "") -> str:
+        """This Plan as an experiment file that ``shardlab run`` and ``train estimate --plan`` read back."""
+
+        def val(v: Any) -> str:
+            if isinstance(v, bool):
+                return "true" if v else "false"
+            if isinstance(v, str):
+                return f'"{v}"'
+            if isinstance(v, tuple | list):
+                return "[" + ", ".join(val(x) for x in v) + "]"
+            return repr(v)
+
+        dt = {"fp32": "float32", "bf16": "bfloat16"}.get(self.dtype, self.dtype)
+        lines = [f"# {question or 'Written by shardlab from a Plan.'}", "[experiment]"]
+        lines += [f"name = {val(self.name or self.program)}", f"program = {val(self.program)}"]
+        lines += [f"hardware = {val(self.hardware)}", f"dtype = {val(dt)}"]
+        if self.axes is not None:
+            lines.append(f"axes = {val(self.axes)}")
+        lines += ["", "[mesh]"]
+        for a in self.mesh:
+            lines.append(
+                f"{a.name} = {a.size}" if a.link == "fast" else f'{a.name} = {{ size = {a.size}, link = "slow" }}'
+            )
+        lines += ["", "[sizes]"] + [f"{k} = {v}" for k, v in self.sizes.items()]
+        if self.model is not None:
+            lines += ["", "[model]"]
+            for f in dataclasses.fields(ModelConfig):
+                if f.name != "source":
+                    lines.append(f"{f.name} = {val(getattr(self.model, f.name))}")
+        if self.rules is not None:
+            lines += ["", "[rules]"]
+            lines += [f"{k} = {val(v if len(v) > 1 else v[0])}" for k, v in self.rules.to_dict().items()]
+        opts = {k: v for k, v in dataclasses.asdict(self.options).items() if v is not None}
+        opts |= {"remat": self.remat, "optimizer": self.optimizer, "param_dtype": self.param_dtype}
+        lines += ["", "[options]"] + [f"{k} = {val(v)}" for k, v in opts.items()]
+        return "\n".join(lines) + "\n"
+
+
+def make_mesh_axes(shape: Mapping[str, int], slow: tuple[str, ...] = ()) -> tuple[MeshAxis, ...]:
+    return tuple(MeshAxis(name, int(size), "slow" if name in slow else "fast") for name, size in shape.items())
+
+
+def kernel_plan(
+    program: str,
+    mesh: Mapping[str, int],
+    sizes: Mapping[str, int],
+    dtype: str = "fp32",
+    axes: tuple[str, ...] | None = None,
+    *,
+    hardware: str = "calibrated",
+    name: str = "",
+) -> Plan:
+    """A Plan for a registry kernel, its mesh completed with the axes the kernel looks up by name."""
+    spec = get_program(program)
+    if spec.needs_model:
+        raise UserError(f"{program} needs a model and sharding rules: describe it in an experiment file")
+    full = complete_mesh(spec, dict(mesh))
+    return Plan(
+        program=program,
+        mesh=make_mesh_axes(full),
+        sizes=dict(sizes),
+        name=name or program,
+        hardware=hardware,
+        dtype=canonical_dtype(dtype),
+        axes=tuple(axes) if axes is not None else None,
+    )
+
+
+ROLE_AXES = {"pp": "pipe", "dp": "data", "fsdp": "fsdp", "cp": "context", "tp": "model"}
+
+
+def plan_from_degrees(
+    model: ModelConfig,
+    *,
+    hardware: str,
+    batch: int,
+    seq_len: int,
+    dp: int = 1,
+    fsdp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    sequence_parallel: bool = False,
+    dtype: str = "bf16",
+    param_dtype: str = "bf16",
+    remat: str = "selective",
+    optimizer: str = "adam",
+    options: Options | None = None,
+    slow: tuple[str, ...] = (),
+    name: str = "",
+) -> Plan:
+    """A train-step Plan from the estimators' parallel degrees (flags, or a planner result).
+
+    Axes are named after their role, major to minor ``pipe, data, fsdp, context, model`` (tensor parallelism
+    innermost, pipeline outermost, as the estimator places them); expert parallelism is carved out of the fsdp
+    (else the data) axis as an ``expert`` axis. ``slow`` names roles whose axes cross the slow link.
+    """
+    if ep > 1 and fsdp % ep and dp % ep:
+        raise UserError(f"ep={ep} divides neither fsdp={fsdp} nor dp={dp}; the Plan cannot name its axis")
+    from_fsdp = ep > 1 and fsdp % ep == 0
+    carved = {"data": dp // ep if ep > 1 and not from_fsdp else dp, "fsdp": fsdp // ep if from_fsdp else fsdp}
+    order = (("pipe", pp), ("data", carved["data"]), ("expert", ep), ("fsdp", carved["fsdp"]), ("context", cp))
+    shape = {name: size for name, size in (*order, ("model", tp)) if size > 1}
+    expert = ("expert",) if ep > 1 else ()
+    in_shape = [a for a in ("data", "expert", "fsdp") if a in shape]
+    fsdp_axes = [a for a in (("expert", "fsdp") if from_fsdp else ("fsdp",)) if a in shape]
+    rules = ShardingRules(
+        batch=tuple(in_shape) or None,
+        embed=tuple(fsdp_axes) or None,
+        heads="model" if tp > 1 else None,
+        kv_heads="model" if tp > 1 and model.kv_heads % tp == 0 else None,
+        ffw="model" if tp > 1 else None,
+        vocab="model" if tp > 1 else None,
+        sequence="model" if sequence_parallel and tp > 1 else None,
+        layers="pipe" if pp > 1 else None,
+        context="context" if cp > 1 else None,
+        experts=expert or None,
+    )
+    slow_axes = tuple(ROLE_AXES[r] for r in slow if ROLE_AXES.get(r) in shape)
+    return Plan(
+        program="train_step",
+        mesh=make_mesh_axes(shape or {"data": 1}, slow_axes),
+        sizes={"batch": batch, "seq": seq_len},
+        name=name or f"{model.name}-train",
+        hardware=hardware,
+        dtype=canonical_dtype(dtype),
+        param_dtype=canonical_dtype(param_dtype),
+        model=model,
+        rules=rules,
+        remat=remat,
+        optimizer=optimizer,
+        options=options or Options(flash_attention=True, fused_projections=True),
+    )
+
+
+__all__ = [
+    "COMPUTE_DTYPES",
+    "FIELDS",
+    "LINKS",
+    "MeshAxis",
+    "Options",
+    "Plan",
+    "kernel_plan",
+    "make_mesh_axes",
+    "plan_from_degrees",
+]

@@ -1,0 +1,218 @@
+"""The programs the lab can build and run, described without JAX.
+
+Each :class:`ProgramSpec` says what a program needs (its size names, the mesh axes it looks up by name, a
+model and sharding rules) so that an experiment is validated before anything is imported or compiled; the
+kernel registry (``kernels/registry.py``) attaches a builder to every name here, and the estimators
+(``lab/predict/program.py``) price every name here. Three families:
+
+* **kernels**: the book's sharded matmuls (``A[I_X, J] * B[J, K_Y]``), collective matmuls, the Megatron MLP
+  block: dims ``I, J, K`` (``B, D, F`` for the block) over mesh axes ``X`` and ``Y``;
+* **collectives**: one collective over ``axes`` of any mesh, ``N`` elements per device;
+* **transformer**: the LLaMA-style model's train step and greedy decode, placed by sharding rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lab.core.errors import UserError
+
+MLP_NOTATION = "In[B_X, D] * Win[D, F_Y] -> H[B_X, F_Y]; H[B_X, F_Y] * Wout[F_Y, D] -> Out[B_X, D]"
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    """One buildable program.
+
+    Attributes:
+        name: registry key, e.g. ``sharded_matmul_case3_scatter`` or ``train_step``.
+        family: ``sharded_matmul``, ``collective_matmul``, ``collective``, ``block`` or ``transformer``.
+        description: one line.
+        dims: the size names it needs (``("I", "J", "K")``; collectives ``("N",)``).
+        notation: the book notation (with output) for matmul kernels and the block, else None.
+        mesh_axes: axes it looks up by name; a missing one is added with size 1. None: any axes.
+        explicit: built on an explicit-axes mesh (``*_named`` kernels).
+    """
+
+    name: str
+    family: str
+    description: str
+    dims: tuple[str, ...]
+    notation: str | None = None
+    mesh_axes: tuple[str, ...] | None = None
+    explicit: bool = False
+
+    @property
+    def needs_model(self) -> bool:
+        return self.family == "transformer"
+
+
+def _matmul(name: str, family: str, notation: str, description: str, explicit: bool = False) -> ProgramSpec:
+    return ProgramSpec(name, family, description, ("I", "J", "K"), notation, ("X", "Y"), explicit)
+
+
+_SPECS: tuple[ProgramSpec, ...] = (
+    _matmul(
+        "sharded_matmul_case1",
+        "sharded_matmul",
+        "A[I_X, J] * B[J, K_Y] -> C[I_X, K_Y]",
+        "case 1, shard_map: no contracting dim sharded, no communication",
+    ),
+    _matmul(
+        "sharded_matmul_case2",
+        "sharded_matmul",
+        "A[I, J_X] * B[J, K] -> C[I, K]",
+        "case 2, shard_map: AllGather_X A, then a local matmul",
+    ),
+    _matmul(
+        "sharded_matmul_case3",
+        "sharded_matmul",
+        "A[I, J_X] * B[J_X, K] -> C[I, K]",
+        "case 3, shard_map: local matmul, then AllReduce_X",
+    ),
+    _matmul(
+        "sharded_matmul_case3_scatter",
+        "sharded_matmul",
+        "A[I, J_X] * B[J_X, K] -> C[I, K_X]",
+        "case 3, shard_map: local matmul, then ReduceScatter_X onto K",
+    ),
+    _matmul(
+        "sharded_matmul_case4",
+        "sharded_matmul",
+        "A[I_X, J] * B[J, K_X] -> C[I, K_X]",
+        "case 4, shard_map: AllGather_X A, then a local matmul",
+    ),
+    _matmul(
+        "sharded_matmul_case1_named",
+        "sharded_matmul",
+        "A[I_X, J] * B[J, K_Y] -> C[I_X, K_Y]",
+        "case 1, explicit-mode NamedSharding: the type rule gives C[I_X, K_Y]",
+        True,
+    ),
+    _matmul(
+        "sharded_matmul_case2_named",
+        "sharded_matmul",
+        "A[I, J_X] * B[J, K] -> C[I, K]",
+        "case 2, explicit-mode NamedSharding: XLA chooses the communication",
+        True,
+    ),
+    _matmul(
+        "sharded_matmul_case3_named",
+        "sharded_matmul",
+        "A[I, J_X] * B[J_X, K] -> C[I, K]",
+        "case 3, explicit-mode NamedSharding: out_sharding=C[I, K] (AllReduce)",
+        True,
+    ),
+    _matmul(
+        "sharded_matmul_case3_scatter_named",
+        "sharded_matmul",
+        "A[I, J_X] * B[J_X, K] -> C[I, K_X]",
+        "case 3, explicit-mode NamedSharding: out_sharding=C[I, K_X] (ReduceScatter)",
+        True,
+    ),
+    _matmul(
+        "sharded_matmul_case4_named",
+        "sharded_matmul",
+        "A[I_X, J] * B[J, K_X] -> C[I, K_X]",
+        "case 4, explicit-mode NamedSharding: reshard A to A[I, J], then multiply",
+        True,
+    ),
+    _matmul(
+        "collective_matmul_allgather",
+        "collective_matmul",
+        "A[I_X, J_Y] * W[J, K_Y] -> Out[I_X, K_Y]",
+        "AllGather_Y of the lhs overlapped with the matmul: Y-1 ppermute ring steps",
+    ),
+    _matmul(
+        "collective_matmul_allgather_bidir",
+        "collective_matmul",
+        "A[I_X, J_Y] * W[J, K_Y] -> Out[I_X, K_Y]",
+        "AllGather_Y-matmul, chunks both ways round the ring: Y//2 steps",
+    ),
+    _matmul(
+        "matmul_allgather_blocking",
+        "collective_matmul",
+        "A[I_X, J_Y] * W[J, K_Y] -> Out[I_X, K_Y]",
+        "AllGather_Y of the lhs, then one matmul (the blocking baseline)",
+    ),
+    _matmul(
+        "collective_matmul_reducescatter",
+        "collective_matmul",
+        "A[I, J_Y] * W[J_Y, K] -> Out[I, K_Y]",
+        "matmul overlapped with ReduceScatter_Y: partial sums ppermuted round the ring, Y-1 steps",
+    ),
+    _matmul(
+        "collective_matmul_reducescatter_bidir",
+        "collective_matmul",
+        "A[I, J_Y] * W[J_Y, K] -> Out[I, K_Y]",
+        "matmul-ReduceScatter_Y, partial sums both ways round the ring: Y//2 steps",
+    ),
+    _matmul(
+        "matmul_reducescatter_blocking",
+        "collective_matmul",
+        "A[I, J_Y] * W[J_Y, K] -> Out[I, K_Y]",
+        "local matmul, then ReduceScatter_Y (the blocking baseline)",
+    ),
+    ProgramSpec("collective_all_gather", "collective", "AllGather over the axes: [N] per device in, [G*N] out", ("N",)),
+    ProgramSpec(
+        "collective_reduce_scatter",
+        "collective",
+        "ReduceScatter over the axes: [N] per device in, [N/G] out",
+        ("N",),
+    ),
+    ProgramSpec(
+        "collective_all_reduce", "collective", "AllReduce (psum) over the axes: [N] per device in, [N] out", ("N",)
+    ),
+    ProgramSpec(
+        "collective_all_to_all",
+        "collective",
+        "AllToAll over the axes: [N] per device in, [N] out, N/G to each member",
+        ("N",),
+    ),
+    ProgramSpec(
+        "collective_permute", "collective", "ring shift by one over the axes: [N] per device in, [N] out", ("N",)
+    ),
+    ProgramSpec(
+        "tp_mlp",
+        "block",
+        "Megatron MLP block: column-parallel up, GeLU, row-parallel down, AllReduce_Y",
+        ("B", "D", "F"),
+        MLP_NOTATION,
+        ("X", "Y"),
+    ),
+    ProgramSpec(
+        "train_step",
+        "transformer",
+        "the Transformer's training step: forward, backward and one AdamW update",
+        ("batch", "seq"),
+    ),
+    ProgramSpec(
+        "decode",
+        "transformer",
+        "the Transformer's greedy generation: prefill the prompt, then one token per step from the KV cache",
+        ("batch", "prompt_len", "steps"),
+    ),
+)
+
+PROGRAMS: dict[str, ProgramSpec] = {s.name: s for s in _SPECS}
+
+
+def get_program(name: str) -> ProgramSpec:
+    """The program ``name``; a :class:`UserError` listing the valid names otherwise."""
+    try:
+        return PROGRAMS[name]
+    except KeyError:
+        raise UserError(f"unknown kernel {name!r}; valid: {', '.join(PROGRAMS)}") from None
+
+
+def complete_mesh(spec: ProgramSpec, mesh: dict[str, int]) -> dict[str, int]:
+    """The mesh with every axis the program looks up by name (a missing one gets size 1, in the spec's order)."""
+    if spec.mesh_axes is None:
+        return dict(mesh)
+    out = dict(mesh)
+    for a in spec.mesh_axes:
+        out.setdefault(a, 1)
+    return out
+
+
+__all__ = ["MLP_NOTATION", "PROGRAMS", "ProgramSpec", "complete_mesh", "get_program"]
