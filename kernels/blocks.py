@@ -14,8 +14,10 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from lab.core.programs import MLP_NOTATION
+
 X, Y = "X", "Y"
-TP_MLP_NOTATION = "In[B_X, D] * Win[D, F_Y] -> H[B_X, F_Y]; H[B_X, F_Y] * Wout[F_Y, D] -> Out[B_X, D]"
+TP_MLP_NOTATION = MLP_NOTATION  # In[B_X, D] * Win[D, F_Y] -> H[B_X, F_Y]; H * Wout[F_Y, D] -> Out[B_X, D]
 TP_MLP_SPECS = (
     P(X, None),  # In[B_X, D]
     P(None, Y),  # Win[D, F_Y]: column-parallel

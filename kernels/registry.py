@@ -1,12 +1,15 @@
-"""One registry of the lab's kernels: build any of them on a mesh, with inputs and a reference answer.
+"""One registry of everything the lab runs: every program of :mod:`lab.core.programs` with its builder.
 
-``get_kernel(name).build(mesh, sizes)`` checks the sizes against the mesh (a :class:`lab.core.errors.UserError`
-naming the dim, its size and the divisor, before anything compiles), makes deterministic inputs, places them
-with their shardings and returns a :class:`Built`: ``built.fn(*built.args)`` runs the kernel and
-``built.reference(*built.host_args)`` is the single-device answer.
+:func:`build` is the one path from a :class:`lab.core.plan.Plan` to a runnable program (a kernel, the MLP block,
+the Transformer's train step or decode). It returns a :class:`kernels.program.Built`: ``built.fn`` lowers with
+``built.abstract`` (``ShapeDtypeStruct`` s with shardings: nothing allocated), ``built.args`` places real inputs
+when first read, and ``built.reference(*built.host_args)`` is the single-device answer of a kernel.
 
-Matmul kernels look mesh axes up by name, ``X`` and ``Y``; give a mesh without Y as ``{"X": 8, "Y": 1}``.
-Collective kernels run over ``axes`` (default: every mesh axis) and take ``N``, the elements per device.
+``get_kernel(name).build(mesh, sizes)`` builds a kernel on a JAX mesh directly: it checks the sizes against
+the mesh (a :class:`lab.core.errors.UserError` naming the dim, its size and the divisor, before anything
+compiles). Matmul kernels look mesh axes up by name, ``X`` and ``Y``; give a mesh without Y as
+``{"X": 8, "Y": 1}``. Collective kernels run over ``axes`` (default: every mesh axis) and take ``N``, the
+elements per device.
 """
 
 from __future__ import annotations
@@ -25,25 +28,12 @@ from kernels import blocks
 from kernels import collective_matmul as cm
 from kernels import collectives as coll
 from kernels import sharded_matmul as sm
+from kernels.mesh import make_mesh
+from kernels.program import Built
 from lab.core.errors import UserError
 from lab.core.notation import parse_matmul
-
-
-@dataclass(frozen=True)
-class Built:
-    """A kernel ready to run.
-
-    Attributes:
-        fn: jitted; call ``fn(*args)``.
-        args: device arrays placed with their shardings.
-        host_args: the same inputs as numpy arrays.
-        reference: ``reference(*host_args) -> np.ndarray``, a plain single-device computation.
-    """
-
-    fn: Callable
-    args: tuple
-    host_args: tuple
-    reference: Callable
+from lab.core.plan import Plan
+from lab.core.programs import PROGRAMS, ProgramSpec
 
 
 @dataclass(frozen=True)
@@ -98,6 +88,21 @@ def _check_sizes(name: str, sizes: Mapping[str, int], dims: tuple[str, ...]) -> 
 # ----- matmul kernels --------------------------------------------------------------------------------------------
 
 
+def _placed(
+    fn: Callable, shapes: list[tuple[int, ...]], shardings: list, dtype: np.dtype, seed: int, reference
+) -> Built:
+    """A kernel whose inputs are standard-normal host arrays placed with ``shardings`` when first needed."""
+    spec = tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=sh) for shape, sh in zip(shapes, shardings, strict=True))
+
+    def host():
+        return _inputs(shapes, dtype, seed)
+
+    def place():
+        return tuple(jax.device_put(x, sh) for x, sh in zip(host(), shardings, strict=True))
+
+    return Built(fn, spec, place, host_args=host, reference=reference)
+
+
 def _build_matmul(
     name: str,
     notation: str,
@@ -122,148 +127,33 @@ def _build_matmul(
     shape = dict(mesh.shape)
     for arr in (expr.lhs, expr.rhs, expr.out):
         arr.check(shape, sizes)  # UserError naming dim, size and shard count
-    dtype = _dtype(dtype)
-    host = _inputs([tuple(sizes[d] for d in arr.dim_names) for arr in (expr.lhs, expr.rhs)], dtype, seed)
     if explicit:
         mesh = sm.explicit_mesh(mesh)
-    args = tuple(
-        jax.device_put(x, NamedSharding(mesh, arr.to_partition_spec()))
-        for x, arr in zip(host, (expr.lhs, expr.rhs), strict=True)
-    )
-    return Built(fn=make(mesh), args=args, host_args=host, reference=sm.reference_matmul)
+    operands = (expr.lhs, expr.rhs)
+    shapes = [tuple(sizes[d] for d in arr.dim_names) for arr in operands]
+    shardings = [NamedSharding(mesh, arr.to_partition_spec()) for arr in operands]
+    return _placed(make(mesh), shapes, shardings, _dtype(dtype), seed, sm.reference_matmul)
 
 
-_MATMULS: list[tuple[str, str, str, Callable[[Mesh], Callable], bool, str]] = [
-    # (name, family, notation, builder, explicit mode, description)
-    (
-        "sharded_matmul_case1",
-        "sharded_matmul",
-        "A[I_X, J] * B[J, K_Y] -> C[I_X, K_Y]",
-        sm.case1,
-        False,
-        "case 1, shard_map: no contracting dim sharded, no communication",
-    ),
-    (
-        "sharded_matmul_case2",
-        "sharded_matmul",
-        "A[I, J_X] * B[J, K] -> C[I, K]",
-        sm.case2,
-        False,
-        "case 2, shard_map: AllGather_X A, then a local matmul",
-    ),
-    (
-        "sharded_matmul_case3",
-        "sharded_matmul",
-        "A[I, J_X] * B[J_X, K] -> C[I, K]",
-        sm.case3,
-        False,
-        "case 3, shard_map: local matmul, then AllReduce_X",
-    ),
-    (
-        "sharded_matmul_case3_scatter",
-        "sharded_matmul",
-        "A[I, J_X] * B[J_X, K] -> C[I, K_X]",
-        sm.case3_scatter,
-        False,
-        "case 3, shard_map: local matmul, then ReduceScatter_X onto K",
-    ),
-    (
-        "sharded_matmul_case4",
-        "sharded_matmul",
-        "A[I_X, J] * B[J, K_X] -> C[I, K_X]",
-        sm.case4,
-        False,
-        "case 4, shard_map: AllGather_X A, then a local matmul",
-    ),
-    (
-        "sharded_matmul_case1_named",
-        "sharded_matmul",
-        "A[I_X, J] * B[J, K_Y] -> C[I_X, K_Y]",
-        sm.case1_named,
-        True,
-        "case 1, explicit-mode NamedSharding: the type rule gives C[I_X, K_Y]",
-    ),
-    (
-        "sharded_matmul_case2_named",
-        "sharded_matmul",
-        "A[I, J_X] * B[J, K] -> C[I, K]",
-        sm.case2_named,
-        True,
-        "case 2, explicit-mode NamedSharding: XLA chooses the communication",
-    ),
-    (
-        "sharded_matmul_case3_named",
-        "sharded_matmul",
-        "A[I, J_X] * B[J_X, K] -> C[I, K]",
-        sm.case3_named,
-        True,
-        "case 3, explicit-mode NamedSharding: out_sharding=C[I, K] (AllReduce)",
-    ),
-    (
-        "sharded_matmul_case3_scatter_named",
-        "sharded_matmul",
-        "A[I, J_X] * B[J_X, K] -> C[I, K_X]",
-        sm.case3_scatter_named,
-        True,
-        "case 3, explicit-mode NamedSharding: out_sharding=C[I, K_X] (ReduceScatter)",
-    ),
-    (
-        "sharded_matmul_case4_named",
-        "sharded_matmul",
-        "A[I_X, J] * B[J, K_X] -> C[I, K_X]",
-        sm.case4_named,
-        True,
-        "case 4, explicit-mode NamedSharding: reshard A to A[I, J], then multiply",
-    ),
-    (
-        "collective_matmul_allgather",
-        "collective_matmul",
-        "A[I_X, J_Y] * W[J, K_Y] -> Out[I_X, K_Y]",
-        cm.collective_matmul_allgather,
-        False,
-        "AllGather_Y of the lhs overlapped with the matmul: Y-1 ppermute ring steps",
-    ),
-    (
-        "collective_matmul_allgather_bidir",
-        "collective_matmul",
-        "A[I_X, J_Y] * W[J, K_Y] -> Out[I_X, K_Y]",
-        cm.collective_matmul_allgather_bidir,
-        False,
-        "AllGather_Y-matmul, chunks both ways round the ring: Y//2 steps",
-    ),
-    (
-        "matmul_allgather_blocking",
-        "collective_matmul",
-        "A[I_X, J_Y] * W[J, K_Y] -> Out[I_X, K_Y]",
-        cm.matmul_allgather_blocking,
-        False,
-        "AllGather_Y of the lhs, then one matmul (the blocking baseline)",
-    ),
-    (
-        "collective_matmul_reducescatter",
-        "collective_matmul",
-        "A[I, J_Y] * W[J_Y, K] -> Out[I, K_Y]",
-        cm.collective_matmul_reducescatter,
-        False,
-        "matmul overlapped with ReduceScatter_Y: partial sums ppermuted round the ring, Y-1 steps",
-    ),
-    (
-        "collective_matmul_reducescatter_bidir",
-        "collective_matmul",
-        "A[I, J_Y] * W[J_Y, K] -> Out[I, K_Y]",
-        cm.collective_matmul_reducescatter_bidir,
-        False,
-        "matmul-ReduceScatter_Y, partial sums both ways round the ring: Y//2 steps",
-    ),
-    (
-        "matmul_reducescatter_blocking",
-        "collective_matmul",
-        "A[I, J_Y] * W[J_Y, K] -> Out[I, K_Y]",
-        cm.matmul_reducescatter_blocking,
-        False,
-        "local matmul, then ReduceScatter_Y (the blocking baseline)",
-    ),
-]
+# The builder of each matmul program of lab.core.programs (its notation and description live there).
+_MATMULS: dict[str, Callable[[Mesh], Callable]] = {
+    "sharded_matmul_case1": sm.case1,
+    "sharded_matmul_case2": sm.case2,
+    "sharded_matmul_case3": sm.case3,
+    "sharded_matmul_case3_scatter": sm.case3_scatter,
+    "sharded_matmul_case4": sm.case4,
+    "sharded_matmul_case1_named": sm.case1_named,
+    "sharded_matmul_case2_named": sm.case2_named,
+    "sharded_matmul_case3_named": sm.case3_named,
+    "sharded_matmul_case3_scatter_named": sm.case3_scatter_named,
+    "sharded_matmul_case4_named": sm.case4_named,
+    "collective_matmul_allgather": cm.collective_matmul_allgather,
+    "collective_matmul_allgather_bidir": cm.collective_matmul_allgather_bidir,
+    "matmul_allgather_blocking": cm.matmul_allgather_blocking,
+    "collective_matmul_reducescatter": cm.collective_matmul_reducescatter,
+    "collective_matmul_reducescatter_bidir": cm.collective_matmul_reducescatter_bidir,
+    "matmul_reducescatter_blocking": cm.matmul_reducescatter_blocking,
+}
 
 
 # ----- collective microkernels -------------------------------------------------------------------------------------
@@ -286,25 +176,11 @@ def _build_collective(
     r = coll.group_size(mesh, coll.rest_axes(mesh, axes))
     if kind in ("reduce_scatter", "all_to_all") and n % g:
         raise UserError(f"{name}: dim N={n} does not divide over {'x'.join(axes)} ({g} devices); use a multiple of {g}")
-    dtype = _dtype(dtype)
     in_len, in_spec, _, _ = coll.layout(kind, mesh, axes, n)
-    (host,) = _inputs([(in_len,)], dtype, seed)
-    arg = jax.device_put(host, NamedSharding(mesh, in_spec))
-    return Built(
-        fn=coll.collective(kind, mesh, axes),
-        args=(arg,),
-        host_args=(host,),
-        reference=partial(coll.reference, kind, r=r, g=g),
+    reference = partial(coll.reference, kind, r=r, g=g)
+    return _placed(
+        coll.collective(kind, mesh, axes), [(in_len,)], [NamedSharding(mesh, in_spec)], _dtype(dtype), seed, reference
     )
-
-
-_COLLECTIVES = {
-    "all_gather": "AllGather over the axes: [N] per device in, [G*N] out",
-    "reduce_scatter": "ReduceScatter over the axes: [N] per device in, [N/G] out",
-    "all_reduce": "AllReduce (psum) over the axes: [N] per device in, [N] out",
-    "all_to_all": "AllToAll over the axes: [N] per device in, [N] out, N/G to each member",
-    "permute": "ring shift by one over the axes: [N] per device in, [N] out",
-}
 
 
 def _build_block(
@@ -326,48 +202,24 @@ def _build_block(
         expr = parse_matmul(part)
         for arr in (expr.lhs, expr.rhs, expr.out):
             arr.check(shape, sizes)
-    dtype = _dtype(dtype)
     b, d, f = sizes["B"], sizes["D"], sizes["F"]
-    host = _inputs([(b, d), (d, f), (f, d)], dtype, seed)
-    args = tuple(
-        jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in zip(host, blocks.TP_MLP_SPECS, strict=True)
+    shardings = [NamedSharding(mesh, spec) for spec in blocks.TP_MLP_SPECS]
+    return _placed(
+        blocks.tp_mlp(mesh), [(b, d), (d, f), (f, d)], shardings, _dtype(dtype), seed, blocks.reference_tp_mlp
     )
-    return Built(fn=blocks.tp_mlp(mesh), args=args, host_args=host, reference=blocks.reference_tp_mlp)
 
 
-def _registry() -> dict[str, Kernel]:
-    out: dict[str, Kernel] = {}
-    for name, family, notation, make, explicit, description in _MATMULS:
-        out[name] = Kernel(
-            name=name,
-            family=family,
-            description=description,
-            notation=notation,
-            dims=("I", "J", "K"),
-            build=partial(_build_matmul, name, notation, make, explicit),
-        )
-    for kind, description in _COLLECTIVES.items():
-        name = f"collective_{kind}"
-        out[name] = Kernel(
-            name=name,
-            family="collective",
-            description=description,
-            notation=None,
-            dims=("N",),
-            build=partial(_build_collective, name, kind),
-        )
-    out["tp_mlp"] = Kernel(
-        name="tp_mlp",
-        family="block",
-        description="Megatron MLP block: column-parallel up, GeLU, row-parallel down, AllReduce_Y",
-        notation=blocks.TP_MLP_NOTATION,
-        dims=("B", "D", "F"),
-        build=partial(_build_block, "tp_mlp"),
-    )
-    return out
+def _kernel(spec: ProgramSpec) -> Kernel:
+    if spec.family == "collective":
+        build = partial(_build_collective, spec.name, spec.name.removeprefix("collective_"))
+    elif spec.family == "block":
+        build = partial(_build_block, spec.name)
+    else:
+        build = partial(_build_matmul, spec.name, spec.notation, _MATMULS[spec.name], spec.explicit)
+    return Kernel(spec.name, spec.family, spec.description, spec.notation, spec.dims, build)
 
 
-KERNELS: dict[str, Kernel] = _registry()
+KERNELS: dict[str, Kernel] = {name: _kernel(spec) for name, spec in PROGRAMS.items() if spec.family != "transformer"}
 
 
 def get_kernel(name: str) -> Kernel:
@@ -376,6 +228,21 @@ def get_kernel(name: str) -> Kernel:
         return KERNELS[name]
     except KeyError:
         raise UserError(f"unknown kernel {name!r}; valid: {', '.join(KERNELS)}") from None
+
+
+def build(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0) -> Built:
+    """Any program of a validated Plan on ``mesh`` (default: the first devices, shaped as the Plan says)."""
+    plan.validate()
+    if plan.program == "train_step":
+        from kernels.transformer.train import build_train
+
+        return build_train(plan, mesh, seed=seed)
+    if plan.program == "decode":
+        from kernels.transformer.decode import build_decode
+
+        return build_decode(plan, mesh, seed=seed)
+    jmesh = mesh if mesh is not None else make_mesh(plan.shape)
+    return get_kernel(plan.program).build(jmesh, plan.sizes, plan.dtype, plan.axes, seed=seed)
 
 
 def output_spec(kernel: Kernel, mesh: Mesh, axes: tuple[str, ...] | None = None) -> P:
@@ -388,4 +255,4 @@ def output_spec(kernel: Kernel, mesh: Mesh, axes: tuple[str, ...] | None = None)
     return coll.layout(kind, mesh, coll.check_axes(mesh, axes), 1)[3]
 
 
-__all__ = ["KERNELS", "Built", "Kernel", "get_kernel", "output_spec"]
+__all__ = ["KERNELS", "Built", "Kernel", "build", "get_kernel", "output_spec"]

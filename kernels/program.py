@@ -1,0 +1,68 @@
+"""What every builder returns: a jitted program with abstract arguments to lower, and real ones on demand.
+
+``built.fn.lower(*built.abstract).compile()`` compiles without allocating anything (the audit's path, and the
+run's one compilation); ``built.args`` places real inputs the first time it is read; ``built.runner(compiled)``
+is one call of the program that threads donated state (a train step's parameters and optimizer state) from
+call to call, so a profiler can repeat it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cached_property
+from typing import Any
+
+
+class Built:
+    """A program ready to lower, compile and run.
+
+    Attributes:
+        fn: jitted; call ``fn(*args)``.
+        abstract: ``jax.ShapeDtypeStruct`` s with shardings, one per argument.
+        reference: ``reference(*host_args) -> np.ndarray``, a plain single-device answer (kernels only).
+    """
+
+    def __init__(
+        self,
+        fn: Callable,
+        abstract: tuple,
+        make_args: Callable[[], tuple],
+        *,
+        host_args: Callable[[], tuple] | None = None,
+        reference: Callable | None = None,
+        carry: Callable[[Any, tuple], tuple] | None = None,
+    ):
+        self.fn = fn
+        self.abstract = abstract
+        self.reference = reference
+        self._make_args = make_args
+        self._host_args = host_args
+        self._carry = carry
+
+    @cached_property
+    def host_args(self) -> tuple:
+        """The inputs as numpy arrays (kernels with a reference)."""
+        if self._host_args is None:
+            raise TypeError("this program has no host inputs (its arguments are initialised on the devices)")
+        return self._host_args()
+
+    @cached_property
+    def args(self) -> tuple:
+        """Device arrays placed with their shardings (allocated on first use)."""
+        return self._make_args()
+
+    def runner(self, compiled: Callable | None = None) -> Callable[[], Any]:
+        """One call of the program (``compiled`` if given, else ``fn``) on ``args``, carrying donated state."""
+        call = compiled or self.fn
+        state = {"args": self.args}
+
+        def run() -> Any:
+            out = call(*state["args"])
+            if self._carry is not None:
+                state["args"] = self._carry(out, state["args"])
+            return out
+
+        return run
+
+
+__all__ = ["Built"]

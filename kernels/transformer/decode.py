@@ -1,0 +1,164 @@
+"""The Transformer's inference: prefill the prompt, then greedy decoding one token per step from a KV cache.
+
+The cache keeps ``[L, B_data, S, K_model, H]`` (batch over the rules' batch axes, kv_heads over theirs) in the
+compute dtype; each decode step writes its new k, v at ``pos`` and attends over the whole cache, positions after
+``pos`` masked, so every step reads all ``S`` positions (what the inference estimator prices for this program).
+:func:`build_decode` is the one path from a :class:`lab.core.plan.Plan` to a runnable generation.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from kernels.mesh import make_mesh
+from kernels.program import Built
+from kernels.transformer.model import (
+    HEADS,
+    RESIDUAL,
+    Cache,
+    Params,
+    _attend,
+    _embed,
+    _forward,
+    _Layout,
+    _logits,
+    _mlp,
+    _qkv,
+    _rms_norm,
+    abstract,
+    cache_info,
+    compute_dtype,
+    init_params,
+    param_info,
+    shardings,
+    synthetic_tokens,
+    token_sharding,
+    validate,
+)
+from lab.core.errors import UserError
+from lab.core.models import ModelConfig
+from lab.core.plan import Plan
+from lab.core.rules import PRESETS, ShardingRules
+
+
+def _layout(rules: ShardingRules | None, mesh: Mesh | None, dtype: str, decode: bool = False) -> _Layout:
+    return _Layout(rules or PRESETS["single"], mesh, compute_dtype(dtype), decode)
+
+
+def prefill(
+    params: Params,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    rules: ShardingRules | None = None,
+    mesh: Mesh | None = None,
+    dtype: str = "float32",
+) -> tuple[jax.Array, Cache]:
+    """Run the prompt ``[B, T]``: logits ``[B, T, V]`` and a KV cache ``[L, B, S, K, H]`` filled up to T."""
+    lay = _layout(rules, mesh, dtype)
+    logits, (k, v) = _forward(params, tokens, cfg, lay, keep_kv=True)  # k, v: [L, B, T, K, H]
+    pad = ((0, 0), (0, 0), (0, cfg.max_seq_len - tokens.shape[1]), (0, 0), (0, 0))
+    cache_axes = cache_info(cfg, tokens.shape[0])["k"].logical_axes
+    cache = {name: lay.constrain(jnp.pad(a.astype(lay.dtype), pad), cache_axes) for name, a in (("k", k), ("v", v))}
+    return logits, cache
+
+
+def decode_step(
+    params: Params,
+    cache: Cache,
+    token: jax.Array,
+    pos: jax.Array | int,
+    cfg: ModelConfig,
+    rules: ShardingRules | None = None,
+    mesh: Mesh | None = None,
+    dtype: str = "float32",
+) -> tuple[jax.Array, Cache]:
+    """One new token per sequence: ``token [B]`` at position ``pos`` -> logits ``[B, V]`` and the updated cache."""
+    lay = _layout(rules, mesh, dtype, decode=True)
+    pos = jnp.asarray(pos, jnp.int32)
+    positions = pos[None]  # [T=1]
+    x = _embed(params, token[:, None], cfg, lay)  # [B, 1, D]
+    visible = (jnp.arange(cfg.max_seq_len) <= pos)[None, :]  # [T=1, S]
+    zero = jnp.zeros((), jnp.int32)
+
+    def body(x, layer):
+        p, ck, cv = layer  # ck, cv: [B, S, K, H]
+        x = lay.constrain(x, RESIDUAL)
+        with jax.named_scope("attention"):
+            h = _rms_norm(x, p["attn_norm"], cfg.norm_eps)
+            q, k, v = _qkv(h, p, positions, cfg, lay)
+            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (zero, pos, zero, zero))
+            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (zero, pos, zero, zero))
+            o = lay.constrain(_attend(q, ck, cv, visible, cfg), HEADS)
+            with jax.named_scope("out"):
+                x = x + lay.constrain(jnp.einsum("btnh,nhd->btd", o, p["wo"].astype(lay.dtype)), RESIDUAL)
+        with jax.named_scope("mlp"):
+            x = x + lay.constrain(_mlp(_rms_norm(x, p["mlp_norm"], cfg.norm_eps), p, cfg, lay), RESIDUAL)
+        return x, (ck, cv)
+
+    x, (k, v) = jax.lax.scan(body, x, (params["layers"], cache["k"], cache["v"]))
+    cache_axes = cache_info(cfg, token.shape[0])["k"].logical_axes
+    cache = {"k": lay.constrain(k, cache_axes), "v": lay.constrain(v, cache_axes)}
+    return _logits(params, x, cfg, lay)[:, 0], cache
+
+
+def generate(
+    params: Params,
+    prompt: jax.Array,
+    steps: int,
+    cfg: ModelConfig,
+    rules: ShardingRules | None = None,
+    mesh: Mesh | None = None,
+    dtype: str = "float32",
+) -> jax.Array:
+    """Greedy decoding: ``steps`` new tokens ``[B, steps]`` after the prompt ``[B, T]`` (prefill + a scan)."""
+    T = prompt.shape[1]
+    if T + steps > cfg.max_seq_len + 1:
+        raise UserError(f"prompt {T} + {steps} steps exceeds the KV cache (max-seq-len={cfg.max_seq_len})")
+    logits, cache = prefill(params, prompt, cfg, rules, mesh, dtype)
+    with jax.named_scope("sample"):
+        first = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)  # [B]
+
+    def body(carry, _):
+        cache, tok, pos = carry
+        logits, cache = decode_step(params, cache, tok, pos, cfg, rules, mesh, dtype)
+        with jax.named_scope("sample"):
+            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return (cache, nxt, pos + 1), tok
+
+    (_, last, _), toks = jax.lax.scan(body, (cache, first, jnp.int32(T)), None, length=steps - 1)
+    return jnp.concatenate([toks.T, last[:, None]], axis=1)  # [B, steps]
+
+
+def make_generate(cfg: ModelConfig, rules: ShardingRules, mesh: Mesh, steps: int, dtype: str = "float32") -> Callable:
+    """Jitted ``(params, prompt) -> tokens [B, steps]`` with pinned input and output shardings."""
+    validate(cfg, rules, mesh)
+    p_sh = shardings(param_info(cfg), rules, mesh)
+    tok_sh = token_sharding(rules, mesh)
+    fn = functools.partial(generate, steps=steps, cfg=cfg, rules=rules, mesh=mesh, dtype=dtype)
+    return jax.jit(fn, in_shardings=(p_sh, tok_sh), out_shardings=tok_sh)
+
+
+def build_decode(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0) -> Built:
+    """Greedy generation of a validated Plan: ``built.fn(*built.args)`` is ``[batch, steps]`` tokens."""
+    plan.validate()
+    cfg, rules = plan.model, plan.rules
+    assert cfg is not None and rules is not None
+    batch, prompt_len, steps = plan.sizes["batch"], plan.sizes["prompt_len"], plan.sizes["steps"]
+    m = mesh if mesh is not None else make_mesh(plan.shape)
+    fn = make_generate(cfg, rules, m, steps, plan.dtype)
+    tok_sh = token_sharding(rules, m)
+    spec = (abstract(param_info(cfg), rules, m), jax.ShapeDtypeStruct((batch, prompt_len), "int32", sharding=tok_sh))
+
+    def make_args():
+        params = init_params(cfg, rules, m, jax.random.key(seed))
+        return params, jax.device_put(synthetic_tokens(cfg, batch, prompt_len, seed), tok_sh)
+
+    return Built(fn, spec, make_args)
+
+
+__all__ = ["build_decode", "decode_step", "generate", "make_generate", "prefill"]

@@ -1,0 +1,475 @@
+"""The LLaMA-style decoder: its arrays and forward pass, placed by sharding rules (the train step and decode
+are in ``train`` and ``decode``).
+
+The model is the catalog's :class:`lab.core.models.ModelConfig` (one model config for the estimators and this
+kernel); its arrays are declared in :mod:`lab.core.arrays` by shape and logical dims, and here they get a dtype
+and an initializer (:class:`ArrayInfo`). A :class:`lab.core.rules.ShardingRules` maps logical dims to mesh
+axes, so a parallelism strategy is one more rules instance (:data:`lab.core.rules.PRESETS`). A bad layout is
+refused with a :class:`lab.core.errors.UserError` before anything is traced.
+
+In the book's letters (B batch, T sequence, D d_model, N heads, K kv-heads, G = N/K, H head_dim, F d_ff,
+V vocab, L layers, S max_seq_len); the quoted names are the ``jax.named_scope`` s the estimators' ops carry::
+
+    x[B, T, D]  = Embed[V, D][tokens]                                          "embed"
+    per layer (jax.lax.scan over the stacked weights [L, ...]):
+      h         = RMSNorm(x)                                                   "attention/norm"
+      q[B,T,N,H] = h *_D Wq[D, N, H];  k, v[B,T,K,H] = h *_D Wk, Wv[D, K, H]   "attention/qkv"
+      q, k      = RoPE(q, k)                                                   "attention/rope"
+      s[B,K,G,T,T] = q *_H k, causal softmax;  o[B,T,N,H] = s *_T v           "attention/scores"
+      x        += o *_{N,H} Wo[N, H, D]                                        "attention/out"
+      h         = RMSNorm(x)                                                   "mlp/norm"
+      u[B,T,F]  = silu(h *_D Wgate[D, F]) . (h *_D Wup[D, F])                  "mlp/up"
+      x        += u *_F Wdown[F, D]                                            "mlp/down"
+    logits[B, T, V] = RMSNorm(x) *_D Wout[D, V]   (float32)                    "norm", "logits"
+
+Rules, in the book's notation with X = ``data`` and Y = ``model``. ``tp`` is Megatron's column/row split:
+``Wq[D, N_Y, H]`` and ``Wup[D, F_Y]`` are column-parallel, ``Wo[N_Y, H, D]`` and ``Wdown[F_Y, D]`` row-parallel,
+so each half-block ends in ``AllReduce_Y`` of ``x[B_X, T, D]{U_Y}``; the embedding ``E[V_Y, D]`` is
+vocab-parallel (masked local lookups, then ``AllReduce_Y``) and so are the logits ``[B_X, T, V_Y]`` (the loss
+reduces max and sum over Y). ``tp_sp`` keeps the residual stream as ``x[B_X, T_Y, D]`` between blocks, so each
+AllReduce becomes ``ReduceScatter_Y`` onto T plus an ``AllGather_Y`` before the next column-parallel matmul.
+FSDP stores ``W[D_X, ...]``, all-gathers each layer's weights inside the scan (forward, and again in the
+backward pass) and reduces their gradients back to ``W[D_X, ...]``.
+
+What XLA's CPU backend compiles this to (read with :mod:`lab.compile.hlo`, checked against the training
+estimator by ``shardlab audit``): the collectives above, except that every reduce-then-shard (the ``tp_sp``
+ReduceScatter, the FSDP gradient reduction) stays an ``all-reduce`` followed by a ``dynamic-slice``, gradients of
+several weights are reduced in one tuple all-reduce, and bfloat16 collectives run in float32.
+
+Meshes use ``AxisType.Auto``: a whole Transformer under explicit axes would need ``out_sharding=`` on most
+einsums, and the sharded-matmul kernels already teach explicit mode; here activations are pinned with
+``jax.lax.with_sharding_constraint`` at block boundaries and the partitioner propagates the rest. Attention is
+a plain einsum softmax: with heads sharded over ``model`` every head's scores are local.
+
+Precision: parameters and AdamW state are float32 (master weights); the compute dtype (``bfloat16`` for mixed
+precision) is what matmuls run in, parameters being cast at use; norms, softmax, logits and the loss are
+float32. Activation recomputation (``remat``) uses the estimators' words: ``none``; ``selective`` keeps matmul
+outputs without batch dims (the projections) and recomputes the rest, the attention softmax included
+(Korthikanti et al. 2022); ``full`` keeps only each layer's input.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kernels.mesh import make_mesh
+from lab.core import arrays
+from lab.core.errors import UserError
+from lab.core.models import ModelConfig
+from lab.core.rules import DATA, MESH_AXES, MODEL, PRESETS, ShardingRules, get_rules
+from lab.core.units import canonical_dtype
+
+REMAT = ("none", "selective", "full")  # the same words as the estimators'
+_JNP = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+
+Params = dict[str, Any]
+Cache = dict[str, jax.Array]
+
+# Prime-ish multiples of the tensor-parallel degrees 2 and 4 (and of 8 where FSDP shards over both axes), so a
+# transposed or mis-sharded dim fails at once: D = 7*8, F = 13*8, V = 11*8, H = 12 (q width 96 != D).
+TINY = ModelConfig(
+    name="tiny",
+    vocab=88,
+    d_model=56,
+    layers=2,
+    heads=8,
+    kv_heads=4,
+    head_dim=12,
+    d_ff=104,
+    max_seq_len=64,
+    source="shardlab test model: prime-ish multiples of the parallel degrees",
+)
+
+
+def compute_dtype(dtype: Any) -> Any:
+    """A JAX dtype from ``"float32"``, ``"bf16"``, ``jnp.bfloat16``..."""
+    if isinstance(dtype, str):
+        dt = canonical_dtype(dtype)
+        if dt not in _JNP:
+            raise UserError(f"compute dtype {dtype!r} is not one of float32, bfloat16")
+        return _JNP[dt]
+    return jnp.dtype(dtype)
+
+
+def partition_spec(rules: ShardingRules, logical: tuple[str | None, ...], what: str = "an array") -> P:
+    """The ``PartitionSpec`` of an array with these logical dims under ``rules``."""
+    return P(*rules.spec(logical, what))
+
+
+def mesh_shape(axes: Mapping[str, int] | Mesh) -> dict[str, int]:
+    """Axis name -> size of a mesh, or of a partial ``{"data": ..., "model": ...}`` (a missing one is 1)."""
+    if isinstance(axes, Mesh):
+        return dict(axes.shape)
+    unknown = [a for a in axes if a not in MESH_AXES]
+    if unknown:
+        raise UserError(f"mesh axis {unknown[0]!r} is not one of {', '.join(MESH_AXES)}")
+    return {a: int(axes.get(a, 1)) for a in MESH_AXES}
+
+
+def transformer_mesh(axes: Mapping[str, int] | Mesh) -> Mesh:
+    """A ``data x model`` mesh from ``{"data": 2, "model": 4}`` (a missing axis has size 1), or the mesh given."""
+    if isinstance(axes, Mesh):
+        return axes
+    return make_mesh(mesh_shape(axes))
+
+
+# ----- arrays: the core declarations with a dtype and an initializer --------------------------------------------
+
+Init = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """An array described before it exists: global shape, dtype, one logical name per dim, initializer."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    logical_axes: tuple[str | None, ...]
+    init: Init | None = None
+
+    def spec(self, rules: ShardingRules, what: str = "an array") -> P:
+        return partition_spec(rules, self.logical_axes, what)
+
+    def bytes_per_device(self, rules: ShardingRules, mesh_sizes: Mapping[str, int]) -> float:
+        """Bytes one device holds: global bytes over the product of the mesh axes splitting it."""
+        shards = math.prod(mesh_sizes[a] for name in self.logical_axes for a in rules.axes(name))
+        return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize / shards
+
+
+def _is_info(x: Any) -> bool:
+    return isinstance(x, ArrayInfo)
+
+
+def _param_init(name: str, s: arrays.ArraySpec) -> Init:
+    """Norm scales start at one, the embedding at N(0, 1), every other weight at N(0, 1 / fan_in)."""
+    if name.endswith("norm"):
+        return jax.nn.initializers.ones
+    if name == "embed":
+        fan_in = 1
+    elif name == "wo":  # [L, N, H, D]: contracts N and H
+        fan_in = s.shape[1] * s.shape[2]
+    elif name == "unembed":  # [D, V]
+        fan_in = s.shape[0]
+    else:  # [L, D, ...] or w_down [L, F, D]: contracts dim 1
+        fan_in = s.shape[1]
+    return jax.nn.initializers.normal(fan_in**-0.5)
+
+
+def param_info(cfg: ModelConfig) -> dict[str, Any]:
+    """Every parameter as an :class:`ArrayInfo` (float32); layer weights stacked on a leading ``layers`` dim."""
+    specs = arrays.param_specs(cfg)
+    return {
+        k: (
+            {n: ArrayInfo(s.shape, jnp.float32, s.logical_axes, _param_init(n, s)) for n, s in v.items()}
+            if isinstance(v, dict)
+            else ArrayInfo(v.shape, jnp.float32, v.logical_axes, _param_init(k, v))
+        )
+        for k, v in specs.items()
+    }
+
+
+def activation_info(
+    cfg: ModelConfig, batch: int, seq: int, *, decode: bool = False, dtype: str = "float32"
+) -> dict[str, ArrayInfo]:
+    """The activations the model pins with ``with_sharding_constraint`` (and the token inputs)."""
+    cd = compute_dtype(dtype)
+    kinds = {"tokens": jnp.int32, "logits": jnp.float32}
+    specs = arrays.activation_specs(cfg, batch, seq, decode=decode)
+    return {k: ArrayInfo(s.shape, kinds.get(k, cd), s.logical_axes) for k, s in specs.items()}
+
+
+def cache_info(cfg: ModelConfig, batch: int, dtype: str = "float32") -> dict[str, ArrayInfo]:
+    """The KV cache: ``k`` and ``v`` of ``[layers, batch, max_seq, kv_heads, head_dim]`` in the compute dtype."""
+    cd = compute_dtype(dtype)
+    return {k: ArrayInfo(s.shape, cd, s.logical_axes) for k, s in arrays.cache_specs(cfg, batch).items()}
+
+
+def _named(tree: Any) -> list[tuple[str, ArrayInfo]]:
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_info)
+    return [(jax.tree_util.keystr(path, simple=True, separator="/"), leaf) for path, leaf in leaves]
+
+
+def check_layout(infos: Any, rules: ShardingRules, mesh_sizes: Mapping[str, int]) -> None:
+    """Refuse a layout before compiling: unknown mesh axes, one axis on two dims, indivisible dims."""
+    specs = {n: arrays.ArraySpec(i.shape, i.logical_axes) for n, i in _named(infos)}
+    arrays.check_layout(specs, rules, mesh_sizes)
+
+
+def validate(
+    cfg: ModelConfig,
+    rules: ShardingRules,
+    mesh: Mesh | Mapping[str, int],
+    *,
+    batch: int | None = None,
+    seq: int | None = None,
+    decode: bool = False,
+) -> None:
+    """The model (and, given ``batch``/``seq``, activations; with ``decode`` the KV cache) against the mesh
+    (:func:`lab.core.arrays.check_transformer`).
+
+    Raises:
+        UserError: before anything is traced or compiled.
+    """
+    shape = dict(mesh.shape) if isinstance(mesh, Mesh) else dict(mesh)
+    arrays.check_transformer(cfg, rules, shape, batch=batch, seq=seq, decode=decode)
+
+
+def shardings(infos: Any, rules: ShardingRules, mesh: Mesh) -> Any:
+    """The ``NamedSharding`` of every :class:`ArrayInfo` in a pytree (same structure)."""
+    flat, treedef = jax.tree.flatten(infos, is_leaf=_is_info)
+    names = [n for n, _ in _named(infos)]
+    return treedef.unflatten([NamedSharding(mesh, i.spec(rules, n)) for n, i in zip(names, flat, strict=True)])
+
+
+def abstract(infos: Any, rules: ShardingRules, mesh: Mesh) -> Any:
+    """``jax.ShapeDtypeStruct`` s with their shardings: what lowering needs, without allocating anything."""
+    sh = shardings(infos, rules, mesh)
+    return jax.tree.map(lambda i, s: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=s), infos, sh, is_leaf=_is_info)
+
+
+def param_bytes_per_device(cfg: ModelConfig, rules: ShardingRules, mesh_sizes: Mapping[str, int]) -> float:
+    """Float32 parameter bytes one device holds under the rules."""
+    return sum(i.bytes_per_device(rules, mesh_sizes) for _, i in _named(param_info(cfg)))
+
+
+def init_params(cfg: ModelConfig, rules: ShardingRules, mesh: Mesh, key: jax.Array) -> Params:
+    """Allocate every parameter directly with its ``NamedSharding`` (never a full copy on one device).
+
+    Values depend on ``key`` only, not on the rules or mesh (JAX's random bits are sharding-invariant).
+    """
+    info = param_info(cfg)
+    validate(cfg, rules, mesh)
+    flat, treedef = jax.tree.flatten(info, is_leaf=_is_info)
+
+    def init(key):
+        keys = jax.random.split(key, len(flat))
+        return treedef.unflatten([i.init(k, i.shape, i.dtype) for i, k in zip(flat, keys, strict=True)])
+
+    return jax.jit(init, out_shardings=shardings(info, rules, mesh))(key)
+
+
+def synthetic_tokens(cfg: ModelConfig, batch: int, seq: int, seed: int = 0) -> np.ndarray:
+    """A fixed int32 token batch ``[batch, seq]`` (host numpy), the same for every mesh."""
+    return np.random.default_rng(seed).integers(0, cfg.vocab, size=(batch, seq), dtype=np.int32)
+
+
+def token_sharding(rules: ShardingRules, mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, partition_spec(rules, ("batch", None), "tokens"))
+
+
+# ----- the model ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Rules plus the mesh they place on; without a mesh nothing is constrained (propagation only)."""
+
+    rules: ShardingRules
+    mesh: Mesh | None
+    dtype: Any = jnp.float32  # the compute dtype matmuls run in
+    decode: bool = False
+
+    def constrain(self, x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+        if self.mesh is None:
+            return x
+        if self.decode:  # one token: the residual stream is not split along T
+            logical = tuple(None if a == "sequence" else a for a in logical)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, partition_spec(self.rules, logical)))
+
+
+RESIDUAL = ("batch", "sequence", "act_embed")
+HEADS = ("batch", None, "heads", "head_dim")
+KV_HEADS = ("batch", None, "kv_heads", "head_dim")
+
+
+def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    with jax.named_scope("norm"):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+        return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotate pairs ``(x_i, x_{i+H/2})`` by ``position * theta^(-2i/H)``; x ``[B, T, n, H]``, positions ``[T]``."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / x.shape[-1])  # [H/2]
+    angle = positions.astype(jnp.float32)[:, None] * freq  # [T, H/2]
+    sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]  # [1, T, 1, H/2]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _qkv(h: jax.Array, p: Params, positions: jax.Array, cfg: ModelConfig, lay: _Layout):
+    cd = lay.dtype
+    with jax.named_scope("qkv"):
+        q = lay.constrain(jnp.einsum("btd,dnh->btnh", h, p["wq"].astype(cd)), HEADS)  # [B, T, N, H]
+        k = lay.constrain(jnp.einsum("btd,dkh->btkh", h, p["wk"].astype(cd)), KV_HEADS)  # [B, T, K, H]
+        v = lay.constrain(jnp.einsum("btd,dkh->btkh", h, p["wv"].astype(cd)), KV_HEADS)  # [B, T, K, H]
+    with jax.named_scope("rope"):
+        q, k = _rope(q, positions, cfg.rope_theta), _rope(k, positions, cfg.rope_theta)
+    return q, k, v
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Grouped-query softmax attention: q ``[B, T, N, H]``, k, v ``[B, S, K, H]``, mask ``[T, S]`` -> ``[B, T, N, H]``.
+
+    Query head ``n`` reads KV head ``n // G``; scores and softmax are float32.
+    """
+    B, T, N, H = q.shape
+    with jax.named_scope("scores"):
+        qg = q.reshape(B, T, cfg.kv_heads, cfg.heads // cfg.kv_heads, H)  # [B, T, K, G, H]: head n = k * G + g
+        s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * H**-0.5
+        s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
+        w = jax.nn.softmax(s, axis=-1).astype(q.dtype)  # [B, K, G, T, S]
+        o = jnp.einsum("bkgts,bskh->btkgh", w, v)
+    return o.reshape(B, T, N, H)
+
+
+def _mlp(h: jax.Array, p: Params, cfg: ModelConfig, lay: _Layout) -> jax.Array:
+    cd = lay.dtype
+    with jax.named_scope("up"):
+        gate = jnp.einsum("btd,df->btf", h, p["w_gate"].astype(cd))
+        up = jnp.einsum("btd,df->btf", h, p["w_up"].astype(cd))
+        u = lay.constrain(jax.nn.silu(gate) * up, ("batch", None, "ffw"))  # [B, T, F]
+    with jax.named_scope("down"):
+        return jnp.einsum("btf,fd->btd", u, p["w_down"].astype(cd))  # [B, T, D]{U over ffw}
+
+
+def _block(x: jax.Array, p: Params, positions: jax.Array, cfg: ModelConfig, lay: _Layout):
+    """One pre-norm residual block over the whole sequence (causal). Returns the new x and this layer's k, v."""
+    x = lay.constrain(x, RESIDUAL)
+    T = x.shape[1]
+    with jax.named_scope("attention"):
+        h = _rms_norm(x, p["attn_norm"], cfg.norm_eps)
+        q, k, v = _qkv(h, p, positions, cfg, lay)
+        causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]  # [T, S]
+        o = lay.constrain(_attend(q, k, v, causal, cfg), HEADS)
+        with jax.named_scope("out"):
+            x = x + lay.constrain(jnp.einsum("btnh,nhd->btd", o, p["wo"].astype(lay.dtype)), RESIDUAL)
+    with jax.named_scope("mlp"):
+        h = _rms_norm(x, p["mlp_norm"], cfg.norm_eps)
+        x = x + lay.constrain(_mlp(h, p, cfg, lay), RESIDUAL)
+    return x, (k, v)
+
+
+def _remat_policy(remat: str):
+    if remat not in REMAT:
+        raise UserError(f"unknown remat {remat!r}; valid: {', '.join(REMAT)}")
+    return {
+        "none": None,
+        # Projections (matmuls against weights, no batch dims) are kept; scores, softmax, AV, norms and the MLP
+        # activation are recomputed in the backward pass.
+        "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        "full": jax.checkpoint_policies.nothing_saveable,  # only the layer input (the scan carry) is kept
+    }[remat]
+
+
+def _embed(params: Params, tokens: jax.Array, cfg: ModelConfig, lay: _Layout) -> jax.Array:
+    with jax.named_scope("embed"):
+        table = lay.constrain(params["embed"], ("vocab", None))  # FSDP: gather D; keep V split (Megatron)
+        x = jnp.take(table, tokens, axis=0).astype(lay.dtype)  # [B, T, D]
+        x = lay.constrain(x, ("batch", None, "act_embed"))  # masked local lookups summed over the vocab axes
+        return lay.constrain(x, RESIDUAL)
+
+
+def _logits(params: Params, x: jax.Array, cfg: ModelConfig, lay: _Layout) -> jax.Array:
+    x = _rms_norm(x, params["final_norm"], cfg.norm_eps)
+    with jax.named_scope("logits"):
+        logits = jnp.einsum(
+            "btd,dv->btv", x, params["unembed"].astype(lay.dtype), preferred_element_type=jnp.float32
+        )  # [B, T, V] float32
+        return lay.constrain(logits, ("batch", None, "vocab"))
+
+
+def _forward(params, tokens, cfg, lay, remat="none", *, keep_kv=False):
+    T = tokens.shape[1]
+    positions = jnp.arange(T)
+    x = _embed(params, tokens, cfg, lay)
+
+    def body(x, p):
+        x, kv = _block(x, p, positions, cfg, lay)
+        return x, (kv if keep_kv else None)
+
+    policy = _remat_policy(remat)
+    if remat != "none":
+        # prevent_cse=False: scan already keeps the recomputation from being merged with the forward pass.
+        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    x, kv = jax.lax.scan(body, x, params["layers"])
+    return _logits(params, lay.constrain(x, RESIDUAL), cfg, lay), kv
+
+
+def forward(
+    params: Params,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    rules: ShardingRules | None = None,
+    mesh: Mesh | None = None,
+    remat: str = "none",
+    dtype: str = "float32",
+) -> jax.Array:
+    """Logits ``[B, T, V]`` (float32) of int tokens ``[B, T]``; activations pinned when ``mesh`` is given.
+
+    ``dtype`` is what the matmuls run in (``bfloat16`` for mixed precision); parameters stay float32.
+    """
+    lay = _Layout(rules or PRESETS["single"], mesh, compute_dtype(dtype))
+    return _forward(params, tokens, cfg, lay, remat)[0]
+
+
+def loss_fn(
+    params: Params,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    rules: ShardingRules | None = None,
+    mesh: Mesh | None = None,
+    remat: str = "none",
+    dtype: str = "float32",
+) -> jax.Array:
+    """Mean next-token cross entropy (float32): position t predicts token t+1; the last position is masked.
+
+    The target logit is picked with a one-hot product rather than a gather, so vocab-sharded logits reduce
+    with one AllReduce over the vocab axes (Megatron's vocab-parallel cross entropy) instead of a gather.
+    """
+    logits = forward(params, tokens, cfg, rules, mesh, remat, dtype)
+    B, T, V = logits.shape
+    targets = jnp.roll(tokens, -1, axis=1)
+    mask = (jnp.arange(T) < T - 1).astype(jnp.float32)  # [T]
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
+    target_logit = jnp.sum(logits * jax.nn.one_hot(targets, V, dtype=jnp.float32), axis=-1)
+    return jnp.sum((lse - target_logit) * mask) / (B * (T - 1))
+
+
+__all__ = [
+    "DATA",
+    "MODEL",
+    "REMAT",
+    "TINY",
+    "ArrayInfo",
+    "ShardingRules",
+    "abstract",
+    "activation_info",
+    "cache_info",
+    "check_layout",
+    "compute_dtype",
+    "forward",
+    "get_rules",
+    "init_params",
+    "loss_fn",
+    "mesh_shape",
+    "param_bytes_per_device",
+    "param_info",
+    "partition_spec",
+    "shardings",
+    "synthetic_tokens",
+    "token_sharding",
+    "transformer_mesh",
+    "validate",
+]

@@ -1,0 +1,156 @@
+"""The Transformer's training step: loss and gradients, one AdamW update, built from a Plan.
+
+Parameters and AdamW state are float32 and sharded alike (optimizer moments follow their parameter through
+``optax.tree_map_params``); gradients are pinned to the parameters' shardings, so under FSDP they leave the
+backward pass reduce-scattered. :func:`build_train` is the one path from a :class:`lab.core.plan.Plan` to a
+runnable step: abstract arguments for lowering, real ones only when the step is run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kernels.mesh import make_mesh
+from kernels.program import Built
+from kernels.transformer.model import (
+    REMAT,
+    _is_info,
+    _remat_policy,
+    abstract,
+    init_params,
+    loss_fn,
+    param_info,
+    shardings,
+    synthetic_tokens,
+    token_sharding,
+    validate,
+)
+from lab.core.models import ModelConfig
+from lab.core.plan import Plan
+from lab.core.rules import ShardingRules
+
+
+def optimizer(learning_rate: float = 1e-2) -> optax.GradientTransformation:
+    """AdamW with optax's defaults (b1 0.9, b2 0.999, weight decay 1e-4); state float32 like the params."""
+    return optax.adamw(learning_rate)
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, cfg: ModelConfig, rules: ShardingRules, mesh: Mesh):
+    """Shardings of the optimizer state: every moment like its parameter (FSDP shards it); scalars replicated."""
+    p_sh = shardings(param_info(cfg), rules, mesh)
+    abstract_params = jax.tree.map(lambda i: jax.ShapeDtypeStruct(i.shape, i.dtype), param_info(cfg), is_leaf=_is_info)
+    shapes = jax.eval_shape(tx.init, abstract_params)
+    return optax.tree_map_params(
+        tx, lambda _, s: s, shapes, p_sh, transform_non_params=lambda _: NamedSharding(mesh, P())
+    )
+
+
+def abstract_opt_state(tx: optax.GradientTransformation, cfg: ModelConfig, rules: ShardingRules, mesh: Mesh):
+    """The optimizer state as ``ShapeDtypeStruct`` s with shardings (nothing allocated)."""
+    abstract_params = jax.tree.map(lambda i: jax.ShapeDtypeStruct(i.shape, i.dtype), param_info(cfg), is_leaf=_is_info)
+    shapes = jax.eval_shape(tx.init, abstract_params)
+    sh = opt_state_shardings(tx, cfg, rules, mesh)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, sh)
+
+
+def init_opt_state(params, cfg: ModelConfig, rules: ShardingRules, mesh: Mesh, learning_rate=1e-2):
+    """AdamW state allocated with :func:`opt_state_shardings`."""
+    tx = optimizer(learning_rate)
+    return jax.jit(tx.init, out_shardings=opt_state_shardings(tx, cfg, rules, mesh))(params)
+
+
+def make_grads_fn(
+    cfg: ModelConfig, rules: ShardingRules, mesh: Mesh, remat: str = "none", dtype: str = "float32"
+) -> Callable:
+    """Jitted ``(params, tokens) -> (loss, grads)``, gradients placed like the parameters."""
+    _remat_policy(remat)
+    validate(cfg, rules, mesh)
+    p_sh = shardings(param_info(cfg), rules, mesh)
+
+    def grads(params, tokens):
+        return jax.value_and_grad(loss_fn)(params, tokens, cfg, rules, mesh, remat, dtype)
+
+    return jax.jit(
+        grads, in_shardings=(p_sh, token_sharding(rules, mesh)), out_shardings=(NamedSharding(mesh, P()), p_sh)
+    )
+
+
+def make_train_step(
+    cfg: ModelConfig,
+    rules: ShardingRules,
+    mesh: Mesh,
+    remat: str = "none",
+    dtype: str = "float32",
+    learning_rate: float = 1e-2,
+) -> Callable:
+    """Jitted ``step(params, opt_state, tokens) -> (params, opt_state, loss)``: one AdamW step.
+
+    Parameters and optimizer state are donated (updated in place) and keep their shardings.
+    """
+    _remat_policy(remat)
+    validate(cfg, rules, mesh)
+    tx = optimizer(learning_rate)
+    p_sh = shardings(param_info(cfg), rules, mesh)
+    o_sh = opt_state_shardings(tx, cfg, rules, mesh)
+
+    def step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, cfg, rules, mesh, remat, dtype)
+        grads = jax.lax.with_sharding_constraint(grads, p_sh)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        return params, opt_state, loss
+
+    return jax.jit(
+        step,
+        in_shardings=(p_sh, o_sh, token_sharding(rules, mesh)),
+        out_shardings=(p_sh, o_sh, NamedSharding(mesh, P())),
+        donate_argnums=(0, 1),
+    )
+
+
+def build_train(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0, learning_rate: float = 1e-2) -> Built:
+    """The train step of a validated Plan: ``built.fn``, its abstract arguments, and real ones on demand.
+
+    ``built.runner()`` runs one step after another, each on the parameters and optimizer state the last one
+    returned (they are donated).
+    """
+    plan.validate()
+    cfg, rules, remat = plan.model, plan.rules, plan.remat
+    assert cfg is not None and rules is not None and remat in REMAT
+    batch, seq = plan.sizes["batch"], plan.sizes["seq"]
+    m = mesh if mesh is not None else make_mesh(plan.shape)
+    step = make_train_step(cfg, rules, m, remat, plan.dtype, learning_rate)
+    tx = optimizer(learning_rate)
+    tok_sh = token_sharding(rules, m)
+    spec = (
+        abstract(param_info(cfg), rules, m),
+        abstract_opt_state(tx, cfg, rules, m),
+        jax.ShapeDtypeStruct((batch, seq), "int32", sharding=tok_sh),
+    )
+
+    def make_args():
+        params = init_params(cfg, rules, m, jax.random.key(seed))
+        opt_state = init_opt_state(params, cfg, rules, m, learning_rate)
+        return params, opt_state, jax.device_put(synthetic_tokens(cfg, batch, seq, seed), tok_sh)
+
+    def carry(out, args):  # parameters and optimizer state were donated: continue from the step's outputs
+        return out[0], out[1], args[2]
+
+    return Built(step, spec, make_args, carry=carry)
+
+
+__all__ = [
+    "abstract_opt_state",
+    "build_train",
+    "init_opt_state",
+    "make_grads_fn",
+    "make_train_step",
+    "opt_state_shardings",
+    "optimizer",
+]
