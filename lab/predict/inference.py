@@ -37,7 +37,8 @@ from lab.core.models import ModelConfig
 from lab.core.units import canonical_dtype, dtype_bytes
 from lab.predict import efficiency as eff
 
-WEIGHT_DTYPES = ("bf16", "fp8", "int8", "int4")
+WEIGHT_DTYPES = ("bf16", "fp8", "int8", "int4", "fp32")
+SAMPLE_BYTES = 8.0  # greedy sampling over vocab shards: each shard's best logit (fp32) and its index (int32)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,11 @@ class InferConfig:
     generate: int | None = None
     mfu: float | None = None
     achievable: bool = False
+    # How the serving program is written (defaults: the book's form). ``vocab_parallel``: the embedding table and
+    # logits are split over tp, so each step adds an AllReduce after the lookup and an AllGather of every
+    # shard's best token for greedy sampling; ``flash_attention``: prefill skips the masked half of the scores.
+    vocab_parallel: bool = False
+    flash_attention: bool = True
 
     @property
     def chips(self) -> int:
@@ -249,6 +255,28 @@ def _comm(chip: Chip, kind: str, nbytes: float, group: int, achievable: bool) ->
     return c.time_s / (eff.COLLECTIVE_FRACTION[chip.kind] if achievable else 1.0), c.latency_bound
 
 
+def _act_bytes(cfg: InferConfig) -> float:
+    """Bytes per activation on the wire: the compute dtype's (16-bit for int8/fp8 compute)."""
+    return 4.0 if cfg.compute == "fp32" else 2.0
+
+
+def comms(cfg: InferConfig, tokens: float) -> list[tuple[str, float, float, int, str]]:
+    """The collectives of one forward pass over ``tokens`` tokens per replica (one decode step: its batch;
+    prefill: batch x prompt): ``(kind, bytes of one call, calls, group, what)``."""
+    m = cfg.model
+    act = tokens * m.d_model * _act_bytes(cfg)
+    out = [("all-reduce", act / cfg.ep, 2 * m.layers, cfg.tp, "TP AllReduces: attention out, MLP down")]
+    if cfg.ep > 1:
+        out.append(("all-to-all", act * m.experts_per_token, 2 * m.layers, cfg.ep, "EP dispatch and combine"))
+    if cfg.tp > m.kv_heads:  # batch-sharded attention: queries out to the cache's owners and back
+        out.append(("all-to-all", act / cfg.ep, 2 * m.layers, cfg.tp, "batch-sharded attention"))
+    if cfg.vocab_parallel:
+        out.append(("all-reduce", act / cfg.ep, 1, cfg.tp, "vocab-parallel embedding lookup"))
+        seqs = cfg.replica_batch
+        out.append(("all-gather", SAMPLE_BYTES * seqs * cfg.tp, 1, cfg.tp, "greedy sampling over the vocab shards"))
+    return [c for c in out if c[3] > 1]
+
+
 def decode_step(cfg: InferConfig, context: int | None = None) -> dict[str, float | bool]:
     """Terms of one decode step per chip at ``context`` tokens of cache (default: the config's)."""
     m, chip = cfg.model, cfg.chip
@@ -268,16 +296,11 @@ def decode_step(cfg: InferConfig, context: int | None = None) -> dict[str, float
     compute_s = _flop_time(chip, mm + att, cfg.compute, cfg.achievable)
     weights_s = _mem_time(chip, weight_bytes, cfg.achievable)
     kv_s = _mem_time(chip, kv_bytes, cfg.achievable)
-    act = b * m.d_model * 2.0  # bf16 activations of the replica's batch
-    ar, lat = _comm(chip, "all-reduce", act / cfg.ep, cfg.tp, cfg.achievable)
-    comm = 2 * m.layers * ar
-    if cfg.ep > 1:
-        a2a, lat2 = _comm(chip, "all-to-all", act * m.experts_per_token, cfg.ep, cfg.achievable)
-        comm += 2 * m.layers * a2a
-        lat = lat or lat2
-    if cfg.tp > m.kv_heads:  # batch-sharded attention: queries out to the cache's owners and back
-        a2a, _ = _comm(chip, "all-to-all", act / cfg.ep, cfg.tp, cfg.achievable)
-        comm += 2 * m.layers * a2a
+    comm, lat = 0.0, False
+    for kind, nbytes, calls, group, _ in comms(cfg, b):
+        t, bound = _comm(chip, kind, nbytes, group, cfg.achievable)
+        comm += calls * t
+        lat = lat or (bound and kind != "all-gather")  # the sampling gather is tiny, not a TP verdict
     return {
         "kv_s": kv_s,
         "weights_s": weights_s,
@@ -287,6 +310,37 @@ def decode_step(cfg: InferConfig, context: int | None = None) -> dict[str, float
         "latency_bound": lat,
         "weight_bytes": weight_bytes,
         "kv_bytes": kv_bytes,
+        "matmul_flops": mm,
+        "attention_flops": att,
+    }
+
+
+def prefill_terms(cfg: InferConfig) -> dict[str, float]:
+    """Prefill of ``prefill_len`` tokens for every sequence, per chip: FLOPs, bytes and the roofline core."""
+    m, chip, p = cfg.model, cfg.chip, cfg.prefill_len or 0
+    tokens = cfg.batch * p
+    mm = m.matmul_flops_per_token() * tokens / cfg.chips
+    att = m.attention_flops_per_token(p, causal=cfg.flash_attention) * tokens / cfg.chips
+    wbytes = param_bytes_per_chip(m, cfg.tp, cfg.ep, cfg.weights)
+    kv_write = (
+        kv_bytes_per_sequence(m, p, cfg.kv)
+        * cfg.replica_batch
+        / (kv_shards(m, cfg.tp, cfg.replica_batch / cfg.ep) * cfg.ep)
+    )
+    compute_s = _flop_time(chip, mm + att, cfg.compute, cfg.achievable)
+    memory_s = _mem_time(chip, wbytes + kv_write, cfg.achievable)
+    comm = sum(
+        calls * _comm(chip, k, b, g, cfg.achievable)[0] for k, b, calls, g, _ in comms(cfg, cfg.replica_batch * p)
+    )
+    return {
+        "matmul_flops": mm,
+        "attention_flops": att,
+        "weight_bytes": wbytes,
+        "kv_bytes": kv_write,
+        "compute_s": compute_s,
+        "memory_s": memory_s,
+        "comm_s": comm,
+        "step_s": max(compute_s, memory_s) + comm,
     }
 
 
@@ -294,24 +348,10 @@ def prefill_time(cfg: InferConfig) -> float | None:
     """Time to prefill ``prefill_len`` tokens for every sequence of the batch."""
     if cfg.prefill_len is None:
         return None
-    m, chip, p = cfg.model, cfg.chip, cfg.prefill_len
-    tokens = cfg.batch * p
-    flops = m.matmul_flops_per_token() * tokens + m.attention_flops_per_token(p, causal=True) * tokens
     if cfg.mfu is not None:  # applied-inference.md: 2 x params x tokens / (N C MFU)
-        return 2.0 * m.active_params * tokens / (cfg.chips * chip.flops(cfg.compute) * cfg.mfu)
-    per_chip = flops / cfg.chips
-    wbytes = param_bytes_per_chip(m, cfg.tp, cfg.ep, cfg.weights)
-    kv_write = (
-        kv_bytes_per_sequence(m, p, cfg.kv)
-        * cfg.replica_batch
-        / (kv_shards(m, cfg.tp, cfg.replica_batch / cfg.ep) * cfg.ep)
-    )
-    core = max(
-        _flop_time(chip, per_chip, cfg.compute, cfg.achievable), _mem_time(chip, wbytes + kv_write, cfg.achievable)
-    )
-    act = cfg.replica_batch * p * m.d_model * 2.0 / cfg.ep
-    ar, _ = _comm(chip, "all-reduce", act, cfg.tp, cfg.achievable)
-    return core + 2 * m.layers * ar
+        tokens = cfg.batch * cfg.prefill_len
+        return 2.0 * cfg.model.active_params * tokens / (cfg.chips * cfg.chip.flops(cfg.compute) * cfg.mfu)
+    return prefill_terms(cfg)["step_s"]
 
 
 def estimate_inference(cfg: InferConfig) -> InferEstimate:

@@ -33,120 +33,46 @@ memory-bound ops by bytes, collectives by :mod:`lab.predict.collectives`), compo
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from lab.core.errors import UserError
-from lab.core.hardware import Chip
-from lab.core.models import ModelConfig
 from lab.predict import efficiency as eff
+from lab.predict.limits import Limits, limits
+from lab.predict.train_config import (
+    GRAD_BYTES,
+    OPTIMIZERS,
+    REMAT,
+    SCHEDULES,
+    UPDATE_BYTES,
+    WEIGHT_BYTES,
+    Layout,
+    TrainConfig,
+    check_config,
+)
+from lab.predict.training_comm import Comm, calls_per_step, collectives, group_size, place
+from lab.predict.training_memory import (
+    Memory,
+    activation_bytes_per_layer,
+    layer_params_local,
+    local_params,
+    memory_per_chip,
+    min_chips,
+)
 
-REMAT = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-OPTIMIZERS = {"adam": 12.0, "sgd": 8.0, "adafactor": 4.0}  # optimizer bytes per parameter (master + moments)
-UPDATE_BYTES = {"adam": 30.0, "sgd": 20.0, "adafactor": 18.0}  # HBM traffic of one update per parameter
-WEIGHT_BYTES, GRAD_BYTES = 2.0, 4.0
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Parallelism degrees and their options."""
-
-    dp: int = 1
-    fsdp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    zero: int = 0
-    sequence_parallel: bool = False
-    pp_schedule: str = "1f1b"
-    interleave: int = 1
-
-    @property
-    def chips(self) -> int:
-        return self.dp * self.fsdp * self.tp * self.pp * self.cp
-
-    @property
-    def fsdp_eff(self) -> int:
-        """Weight-sharding degree: fsdp, times dp under ZeRO-3."""
-        return self.fsdp * (self.dp if self.zero == 3 else 1)
-
-    @property
-    def dp_eff(self) -> int:
-        """Replicas that all-reduce gradients once per step."""
-        return 1 if self.zero == 3 else self.dp
-
-    @property
-    def v(self) -> int:
-        return self.interleave if self.pp_schedule == "interleaved" else 1
-
-    def describe(self) -> str:
-        parts = [f"{k}={getattr(self, k)}" for k in ("dp", "fsdp", "tp", "pp", "cp", "ep") if getattr(self, k) > 1]
-        if self.zero:
-            parts.append(f"zero={self.zero}")
-        if self.sequence_parallel:
-            parts.append("sp")
-        if self.pp > 1:
-            parts.append(self.pp_schedule + (f"x{self.interleave}" if self.pp_schedule == "interleaved" else ""))
-        return " ".join(parts) or "single chip"
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """One training job: model, hardware, layout, batch and policies."""
-
-    model: ModelConfig
-    chip: Chip
-    layout: Layout
-    seq_len: int
-    global_batch: int  # sequences per step
-    microbatch: int = 1
-    remat: str = "selective"
-    checkpoints_per_layer: float | None = None
-    dtype: str = "bf16"
-    optimizer: str = "adam"
-    flash_attention: bool = True
-    causal: bool = True  # for the MFU convention and flash attention's skipped blocks
-
-    @property
-    def batch_tokens(self) -> int:
-        return self.global_batch * self.seq_len
-
-    @property
-    def microbatches(self) -> int:
-        """Microbatches per pipeline per step."""
-        return self.global_batch // (self.microbatch * self.layout.dp * self.layout.fsdp)
-
-
-@dataclass(frozen=True)
-class Memory:
-    params: float
-    grads: float
-    optimizer: float
-    activations: float
-    activations_per_layer: float
-    hbm_bytes: float
-
-    @property
-    def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations
-
-    @property
-    def fits(self) -> bool:
-        return self.total <= self.hbm_bytes
-
-    def to_dict(self) -> dict[str, float]:
-        return {
-            "params": self.params,
-            "grads": self.grads,
-            "optimizer": self.optimizer,
-            "activations": self.activations,
-            "activations_per_layer": self.activations_per_layer,
-            "total": self.total,
-            "hbm_bytes": self.hbm_bytes,
-        }
+# The kernels' named scope each estimator op is joined to (lab/report/ledger.py); ops sharing a scope are one row.
+SCOPES = {
+    "qkv": "attention/qkv",
+    "attention": "attention/scores",
+    "attention.bmm": "attention/scores",
+    "attention.softmax": "attention/scores",
+    "out_proj": "attention/out",
+    "router": "mlp/router",
+    "mlp.up": "mlp/up",
+    "mlp.activation": "mlp/up",
+    "mlp.down": "mlp/down",
+    "norms": "norm",
+    "residuals": "residual",
+}
 
 
 @dataclass(frozen=True)
@@ -161,6 +87,7 @@ class TrainEstimate:
     hardware_flops_per_step: float
     min_chips: int | None
     assumptions: tuple[str, ...] = field(default_factory=tuple)
+    layer: LayerCost | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -227,205 +154,20 @@ class TrainEstimate:
             "min_chips": self.min_chips,
             "bottleneck": self.bottleneck,
             "assumptions": list(self.assumptions),
+            "ops": step_ops(self),
         }
-
-
-# ----- validation ---------------------------------------------------------------------------
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _nearest(n: int, options: list[int]) -> int:
-    return min(options, key=lambda d: (abs(d - n), d))
-
-
-def check_config(cfg: TrainConfig) -> None:
-    """Raise a UserError naming the bad value and a nearby valid one."""
-    m, lay = cfg.model, cfg.layout
-    for name in ("dp", "fsdp", "tp", "pp", "cp", "ep", "interleave"):
-        v = getattr(lay, name)
-        if not isinstance(v, int) or v < 1:
-            raise UserError(f"--{name} must be a positive integer, got {v!r}")
-    if lay.zero not in (0, 1, 2, 3):
-        raise UserError(f"--zero {lay.zero} is not one of 0, 1, 2, 3")
-    if lay.pp_schedule not in SCHEDULES:
-        raise UserError(f"--pp-schedule {lay.pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
-    if cfg.remat not in REMAT:
-        raise UserError(f"--remat {cfg.remat!r} is not one of {', '.join(REMAT)}")
-    if cfg.optimizer not in OPTIMIZERS:
-        raise UserError(f"--optimizer {cfg.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-    for name in ("seq_len", "global_batch", "microbatch"):
-        v = getattr(cfg, name)
-        if not isinstance(v, int) or v < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
-    cfg.chip.flops(cfg.dtype)
-    if m.heads % lay.tp:
-        raise UserError(
-            f"--tp {lay.tp} does not divide {m.heads} attention heads; try --tp {_nearest(lay.tp, _divisors(m.heads))}"
-        )
-    if m.kv_heads % lay.tp and lay.tp % m.kv_heads:
-        raise UserError(f"--tp {lay.tp} neither divides nor is a multiple of {m.kv_heads} KV heads")
-    if m.layers % (lay.pp * lay.v):
-        opts = [d for d in _divisors(m.layers) if d % lay.v == 0 or lay.v == 1]
-        raise UserError(
-            f"--pp {lay.pp}"
-            + (f" x --interleave {lay.v}" if lay.v > 1 else "")
-            + f" does not divide {m.layers} layers; try --pp "
-            f"{_nearest(lay.pp, [d // lay.v for d in opts if d // lay.v >= 1] or [1])}"
-        )
-    if cfg.seq_len % lay.cp:
-        raise UserError(f"--cp {lay.cp} does not divide --seq-len {cfg.seq_len}")
-    if lay.sequence_parallel and cfg.seq_len % (lay.tp * lay.cp):
-        raise UserError(f"sequence parallelism needs --seq-len divisible by tp x cp = {lay.tp * lay.cp}")
-    if lay.ep > 1:
-        if not m.is_moe:
-            raise UserError(f"--ep {lay.ep} needs a mixture-of-experts model; {m.name} is dense (use --ep 1)")
-        if m.experts % lay.ep or (lay.dp * lay.fsdp) % lay.ep:
-            raise UserError(f"--ep {lay.ep} must divide the {m.experts} experts and dp x fsdp = {lay.dp * lay.fsdp}")
-    replicas = lay.dp * lay.fsdp
-    per_replica = cfg.global_batch / replicas
-    if cfg.global_batch % replicas:
-        lo = max(replicas, cfg.global_batch // replicas * replicas)
-        raise UserError(
-            f"global batch {cfg.global_batch} sequences does not divide over dp x fsdp = {replicas}; "
-            f"try {lo} or {lo + replicas}"
-        )
-    if cfg.microbatch > per_replica:
-        raise UserError(
-            f"--microbatch {cfg.microbatch} is larger than the {int(per_replica)} sequences each "
-            f"data-parallel replica gets; use at most {int(per_replica)}"
-        )
-    if per_replica % cfg.microbatch:
-        raise UserError(
-            f"--microbatch {cfg.microbatch} does not divide the {int(per_replica)} sequences per "
-            f"replica; try {_nearest(cfg.microbatch, _divisors(int(per_replica)))}"
-        )
-    if lay.pp_schedule == "interleaved" and lay.pp > 1 and cfg.microbatches % lay.pp:
-        raise UserError(
-            f"the interleaved schedule needs the {cfg.microbatches} microbatches to be a multiple of "
-            f"--pp {lay.pp} (Megatron's requirement)"
-        )
-
-
-# ----- memory -------------------------------------------------------------------------------
-
-
-def activation_bytes_per_layer(
-    model: ModelConfig,
-    layout: Layout,
-    seq_len: int,
-    microbatch: int,
-    remat: str,
-    flash_attention: bool,
-    checkpoints: float | None = None,
-) -> float:
-    """Stored activations of one layer for one microbatch on one chip (16-bit activations).
-
-    For a GPT-style layer (MHA, 4h GeLU MLP, dropout, unfused attention) this is Korthikanti et al.
-    Table 2: ``sbh(10 + 24/t + 5as/ht)``, ``sbh(34 + 5as/h)/t`` with SP, ``sbh(10 + 24/t)`` selective,
-    ``34 sbh/t`` selective + SP, and ``2 sbh`` under full recomputation.
-    """
-    t, s, b = layout.tp, seq_len / layout.cp, microbatch
-    h = model.d_model
-    sp = layout.sequence_parallel
-    if checkpoints is not None:  # the book's form: k saved [B, D] per layer
-        return checkpoints * 2.0 * s * b * h / (t if sp else 1)
-    if remat == "full":
-        return 2.0 * s * b * h / (t if sp else 1)
-    drop = 1.0 if model.dropout else 0.0
-    # With fused attention there is no score matrix for selective recomputation to drop; it then keeps
-    # matmul outputs only and recomputes the norms and the MLP activation (JAX's dots_saveable policy).
-    dots_only = remat == "selective" and flash_attention
-    # Replicated across TP unless SP: two norm inputs (4sbh), attention and MLP inputs (4sbh, the norm
-    # outputs, recomputed under dots_only), 2 dropout masks.
-    shared = ((4.0 if dots_only else 8.0) + 2.0 * drop) * s * b * h
-    kv_per_rank = max(model.kv_heads / t, 1.0) * model.head_dim
-    q_per_rank = model.q_dim / t
-    # Split by TP: Q, K, V, the attention output (out-projection input), and the MLP's internals.
-    attn = 2.0 * s * b * (2 * q_per_rank + 2 * kv_per_rank)
-    f_local = model.d_ff * model.experts_per_token / t
-    mlp = 2.0 * s * b * f_local * ((3 if model.gated_mlp else 2) - (1 if dots_only else 0))
-    scores = 0.0
-    if not flash_attention and remat == "none":
-        # softmax output (2 bytes), its dropout mask (1) and dropout output (2): 5 a s^2 b / t
-        scores = (2.0 + 3.0 * drop) * (model.heads / t) * s * seq_len * b  # local queries x all keys
-    return (shared / (t if sp else 1)) + attn + mlp + scores
-
-
-def local_params(m: ModelConfig, lay: Layout) -> float:
-    """Parameters one chip owns before ZeRO/FSDP: everything / (tp x pp), experts also / ep."""
-    dense = m.params - m.expert_params_total
-    return dense / (lay.tp * lay.pp) + m.expert_params_total / (lay.tp * lay.pp * lay.ep)
-
-
-def layer_params_local(m: ModelConfig, lay: Layout) -> float:
-    """One layer's parameters on one tensor/expert-parallel rank (what FSDP gathers for that layer)."""
-    experts = m.experts * m.expert_params if m.is_moe else 0
-    return (m.layer_params - experts + experts / lay.ep) / lay.tp
-
-
-def memory_per_chip(cfg: TrainConfig) -> Memory:
-    m, lay = cfg.model, cfg.layout
-    local = local_params(m, lay)
-    f = lay.fsdp_eff
-    zero_group = lay.dp * lay.fsdp
-    params = local * WEIGHT_BYTES / f
-    if f > 1:  # the layer being computed (and the next, prefetched) are gathered whole
-        params += 2 * layer_params_local(m, lay) * WEIGHT_BYTES
-    grads = local * GRAD_BYTES / (zero_group if lay.zero >= 2 else f)
-    opt = local * OPTIMIZERS[cfg.optimizer] / (zero_group if lay.zero >= 1 else f)
-    per_layer = activation_bytes_per_layer(
-        m, lay, cfg.seq_len, cfg.microbatch, cfg.remat, cfg.flash_attention, cfg.checkpoints_per_layer
-    )
-    layers_per_stage = m.layers / lay.pp
-    if lay.pp == 1:
-        in_flight = 1.0
-    elif lay.pp_schedule == "gpipe":
-        in_flight = float(cfg.microbatches)
-    else:
-        in_flight = float(min(lay.pp, cfg.microbatches))
-        if lay.pp_schedule == "interleaved":
-            in_flight *= 1 + (lay.pp - 1) / (lay.pp * lay.v)
-    acts = per_layer * layers_per_stage * in_flight
-    # Korthikanti Sec. 4.3: embeddings and logits, 4 s b (h + V) / t on a single stage; s b h p / t otherwise.
-    s, b, h = cfg.seq_len / lay.cp, cfg.microbatch, m.d_model
-    acts += 4.0 * s * b * (h + m.vocab) / lay.tp if lay.pp == 1 else s * b * h * lay.pp / lay.tp
-    return Memory(
-        params=params,
-        grads=grads,
-        optimizer=opt,
-        activations=acts,
-        activations_per_layer=per_layer,
-        hbm_bytes=cfg.chip.hbm_bytes,
-    )
 
 
 # ----- time ---------------------------------------------------------------------------------
 
 
-def _placement(chip: Chip, size: int, stride: int) -> dict[str, Any]:
-    """Where a parallel group of ``size`` chips, ``stride`` apart, sits on the fabric."""
-    if size <= 1:
-        return {}
-    if chip.topology == "torus":
-        pod = math.prod(chip.pod_shape or (size,))
-        if size * stride <= pod:
-            return {"scope": "node"}
-        return {"scope": "cross-node"}  # across slices, over DCN
-    n = chip.node_size or 1
-    if size * stride <= n:
-        return {"scope": "node"}
-    per_node = max(1, min(size, n // stride)) if stride < n else 1
-    while size % per_node:
-        per_node -= 1
-    return {"scope": "cross-node", "members_per_node": per_node}
-
-
 @dataclass(frozen=True)
 class LayerCost:
-    """One layer, one microbatch, one chip: seconds per phase and the communication it exposes."""
+    """One layer, one microbatch, one chip: seconds per phase and the communication it exposes.
+
+    ``ops`` are ``(name, kind, forward s, backward s, forward FLOPs, forward bytes)``; ``recomputed`` names the
+    ops the remat policy runs again in the backward pass.
+    """
 
     fwd: float
     bwd: float
@@ -433,7 +175,9 @@ class LayerCost:
     tp_comm: float
     ep_comm: float
     cp_exposed: float
-    ops: tuple[tuple[str, str, float, float], ...]  # (name, kind, forward s, backward s)
+    ops: tuple[tuple[str, str, float, float, float, float], ...]
+    recomputed: tuple[str, ...] = ()
+    tp_microbatch: float = 0.0  # TP collectives once per microbatch: the vocab-parallel embedding and loss
 
 
 def _wide(dtype: str) -> str:
@@ -441,8 +185,8 @@ def _wide(dtype: str) -> str:
     return "bf16" if dtype in ("fp8", "fp4", "int8", "int4") else dtype
 
 
-def layer_cost(cfg: TrainConfig) -> LayerCost:
-    """Per-op forward/backward times of one layer (see the module docstring for the model)."""
+def _compute_ops(cfg: TrainConfig) -> list[tuple[str, str, float, float, float, float]]:
+    """The forward and backward ops of one layer for one microbatch (matmuls by shape, the rest by bytes)."""
     m, lay, chip, dt = cfg.model, cfg.layout, cfg.chip, cfg.dtype
     t, cp = lay.tp, lay.cp
     s_local = cfg.seq_len / cp
@@ -450,24 +194,25 @@ def layer_cost(cfg: TrainConfig) -> LayerCost:
     d, h = m.d_model, m.head_dim
     q = m.heads / t
     kv = max(m.kv_heads / t, 1.0)
-    ops: list[tuple[str, str, float, float]] = []
+    ops: list[tuple[str, str, float, float, float, float]] = []
 
     def mm(name: str, mm_m: float, k: float, n: float, batch: float = 1.0) -> None:
         tm = eff.matmul_time(chip, mm_m, k, n, dt, batch)
-        ops.append((name, "matmul", tm, 2 * tm))
+        ops.append((name, "matmul", tm, 2 * tm, 2.0 * batch * mm_m * k * n, 0.0))
 
     def mem(name: str, nbytes: float, kind: str = "elementwise") -> None:
         tm = eff.memory_time(chip, nbytes)
-        ops.append((name, kind, tm, 2 * tm))
+        ops.append((name, kind, tm, 2 * tm, 0.0, nbytes))
 
     mm("qkv", tokens, d, (q + 2 * kv) * h)
     causal_skip = 0.5 if (cfg.flash_attention and cfg.causal) else 1.0
     # fp8 recipes (Transformer Engine and the like) keep attention and the output layer in bf16.
     bmm = 2 * eff.matmul_time(chip, s_local, h, cfg.seq_len, _wide(dt), cfg.microbatch * q) * causal_skip
+    bmm_flops = 2 * 2.0 * cfg.microbatch * q * s_local * h * cfg.seq_len * causal_skip  # QK^T and AV
     if cfg.flash_attention:
-        ops.append(("attention", "attention", bmm, 2.5 * bmm))
+        ops.append(("attention", "attention", bmm, 2.5 * bmm, bmm_flops, 0.0))
     else:
-        ops.append(("attention.bmm", "attention", bmm, 2 * bmm))
+        ops.append(("attention.bmm", "attention", bmm, 2 * bmm, bmm_flops, 0.0))
         scores = cfg.microbatch * q * s_local * cfg.seq_len
         mem("attention.softmax", scores * (4.0 + (5.0 if m.dropout else 0.0)), "attention")
     mm("out_proj", tokens, q * h, d)
@@ -483,51 +228,54 @@ def layer_cost(cfg: TrainConfig) -> LayerCost:
     sp_div = t if lay.sequence_parallel else 1
     mem("norms", tokens / sp_div * d * 8.0)  # two norms: read and write 2 bytes per element each
     mem("residuals", tokens / sp_div * d * (12.0 + (2.0 if m.dropout else 0.0)))  # two (bias-dropout-)adds
+    return ops
 
+
+_PRICED: dict[int, tuple[object, dict[tuple, float]]] = {}  # chip id -> (the chip, its priced collectives)
+
+
+def comm_time(cfg: TrainConfig, c: Comm) -> float:
+    """Achievable time of one call of ``c`` where its group sits (memoised per chip: a search prices the same
+    collectives over and over)."""
+    group, where = group_size(cfg, c.role), place(cfg, c.role)
+    key = (c.kind, c.bytes, group, tuple(sorted(where.items())))
+    held = _PRICED.get(id(cfg.chip))
+    if held is None or held[0] is not cfg.chip:
+        if len(_PRICED) > 32:
+            _PRICED.clear()
+        held = _PRICED[id(cfg.chip)] = (cfg.chip, {})
+    memo = held[1]
+    if key not in memo:
+        memo[key] = eff.comm_time(cfg.chip, c.kind, c.bytes, group, **where)
+    return memo[key]
+
+
+def layer_cost(cfg: TrainConfig) -> LayerCost:
+    """Per-op forward/backward times of one layer, and the communication it exposes (module docstring)."""
+    ops = _compute_ops(cfg)
     fwd = sum(o[2] for o in ops)
     bwd = sum(o[3] for o in ops)
-
-    # Tensor parallelism: per direction two AllReduces of [tokens, D], or AllGather + ReduceScatter with SP.
-    act_bytes = tokens * d * 2.0
-    tp_place = _placement(chip, t, 1)
-    if lay.sequence_parallel:
-        one = eff.comm_time(chip, "all-gather", act_bytes, t, **tp_place) + eff.comm_time(
-            chip, "reduce-scatter", act_bytes, t, **tp_place
-        )
-    else:
-        one = eff.comm_time(chip, "all-reduce", act_bytes, t, **tp_place)
-    tp_fwd = 2 * one
-    # Expert parallelism: dispatch and combine all-to-alls per direction.
-    ep_fwd = 0.0
-    if lay.ep > 1:
-        ep_place = _placement(chip, lay.ep, t * cp)
-        ep_fwd = 2 * eff.comm_time(chip, "all-to-all", lay.ep * act_bytes * m.experts_per_token, lay.ep, **ep_place)
-    # Context parallelism: KV chunks travel the ring, hidden behind attention where they can be.
+    comms = collectives(cfg, roles=("tp", "ep", "cp"))
+    per_layer = [c for c in comms if c.per == "layer"]
+    tp = sum(c.calls * comm_time(cfg, c) for c in per_layer if c.role == "tp" and not c.hidden)
+    tp_mb = sum(c.calls * comm_time(cfg, c) for c in comms if c.role == "tp" and c.per == "microbatch")
+    ep = sum(c.calls * comm_time(cfg, c) for c in per_layer if c.role == "ep")
     cp_exposed = 0.0
-    if cp > 1:
-        kv_bytes = 2 * tokens * kv * h * 2.0
-        ring = (cp - 1) * eff.comm_time(chip, "permute", kv_bytes, cp, **_placement(chip, cp, t))
-        att = sum(o[2] for o in ops if o[1] == "attention")
-        cp_exposed = max(0.0, ring - att) + max(0.0, 2 * ring - 2.5 * att)
-
-    recompute = 0.0
-    directions = 2  # forward and backward; full recomputation runs the forward's collectives again
+    for c in per_layer:
+        if c.role == "cp":  # the ring's passes hide behind attention where they can (forward 1, backward 2)
+            ring = c.calls / 3 * comm_time(cfg, c)
+            att = sum(o[2] for o in ops if o[1] == "attention")
+            cp_exposed = max(0.0, ring - att) + max(0.0, 2 * ring - 2.5 * att)
     if cfg.remat == "full":
-        recompute = fwd
-        directions = 3
+        recomputed = tuple(o[0] for o in ops)
     elif cfg.remat == "selective" and not cfg.flash_attention:
-        recompute = sum(o[2] for o in ops if o[1] == "attention")
+        recomputed = tuple(o[0] for o in ops if o[1] == "attention")
     elif cfg.remat == "selective":  # fused attention: recompute the norms and the MLP activation instead
-        recompute = sum(o[2] for o in ops if o[0] in ("norms", "mlp.activation"))
-    return LayerCost(
-        fwd=fwd,
-        bwd=bwd,
-        recompute=recompute,
-        tp_comm=directions * tp_fwd,
-        ep_comm=directions * ep_fwd,
-        cp_exposed=cp_exposed,
-        ops=tuple(ops),
-    )
+        recomputed = ("norms", "mlp.activation")
+    else:
+        recomputed = ()
+    recompute = sum(o[2] for o in ops if o[0] in recomputed)
+    return LayerCost(fwd, bwd, recompute, tp, ep, cp_exposed, tuple(ops), recomputed, tp_mb)
 
 
 def _logits_time(cfg: TrainConfig) -> float:
@@ -539,56 +287,46 @@ def _logits_time(cfg: TrainConfig) -> float:
     return 3 * mm + ce
 
 
+def _fsdp_exposed(cfg: TrainConfig, lc: LayerCost, times: dict[Comm, float]) -> float:
+    """FSDP per microbatch: each layer's gathers and scatter beyond the same layer's compute, the embeddings'
+    beyond the logits'."""
+    layer = {c.kind: t for c, t in times.items() if c.role == "fsdp" and c.per == "layer"}
+    ag, rs = layer.get("all-gather", 0.0), layer.get("reduce-scatter", 0.0)
+    exposed = cfg.model.layers / cfg.layout.pp * (max(0.0, ag - lc.fwd) + max(0.0, ag + rs - lc.bwd - lc.recompute))
+    rest = sum(c.calls * t for c, t in times.items() if c.role == "fsdp" and c.per == "microbatch")
+    return exposed + max(0.0, rest - _logits_time(cfg)) if rest else exposed
+
+
 def estimate(cfg: TrainConfig, *, check: bool = True, layer: LayerCost | None = None) -> TrainEstimate:
     """Predict one training step (see the module docstring for the model and its assumptions)."""
     if check:
         check_config(cfg)
     m, lay, chip = cfg.model, cfg.layout, cfg.chip
     lc = layer if layer is not None else layer_cost(cfg)
+    # Each collective priced once; TP, EP and CP are the layer cost's (the planner caches those).
+    times = {c: comm_time(cfg, c) for c in collectives(cfg, roles=("pp", "fsdp", "dp", "batch"))}
     layers = m.layers / lay.pp
     n_mb = cfg.microbatches
 
     compute_mb = layers * (lc.fwd + lc.bwd + lc.recompute) + _logits_time(cfg)
-    tp_mb = layers * lc.tp_comm
+    tp_mb = layers * lc.tp_comm + lc.tp_microbatch
     ep_mb = layers * lc.ep_comm
     cp_mb = layers * lc.cp_exposed
-
-    # Pipeline sends: activations forward, gradients backward, once per chunk boundary.
-    pp_mb = 0.0
-    if lay.pp > 1:
-        # Megatron's scatter/gather: each tensor-parallel rank sends 1/tp of the activation (Narayanan Sec. 4.1).
-        nbytes = cfg.microbatch * cfg.seq_len / lay.cp * m.d_model * 2.0 / lay.tp
-        stride = lay.tp * lay.cp * lay.fsdp * lay.dp
-        pp_mb = 2 * lay.v * eff.comm_time(chip, "permute", nbytes, lay.pp, **_placement(chip, lay.pp, stride))
-
-    # FSDP: gather weights before each layer's forward and backward, scatter its gradients after.
-    fsdp_mb = 0.0
-    f = lay.fsdp_eff
-    if f > 1:
-        wbytes = layer_params_local(m, lay) * WEIGHT_BYTES
-        place = _placement(chip, f, lay.tp * lay.cp)
-        ag = eff.comm_time(chip, "all-gather", wbytes, f, **place)
-        rs = eff.comm_time(chip, "reduce-scatter", wbytes, f, **place)
-        fwd_c, bwd_c = lc.fwd, lc.bwd + lc.recompute
-        fsdp_mb = layers * (max(0.0, ag - fwd_c) + max(0.0, ag + rs - bwd_c))
+    pp_mb = sum(c.calls * t for c, t in times.items() if c.role == "pp")  # once per chunk boundary, both ways
+    fsdp_mb = _fsdp_exposed(cfg, lc, times) if lay.fsdp_eff > 1 else 0.0
 
     t_mb = compute_mb + tp_mb + ep_mb + cp_mb + pp_mb + fsdp_mb
     bubble_mb = (lay.pp - 1) / lay.v if lay.pp > 1 else 0.0
     bubble = bubble_mb * t_mb
 
-    # Data parallelism: one gradient reduction per step, behind the last microbatch's backward.
-    local = local_params(m, lay)
-    dp_exposed = 0.0
-    dp_comm = 0.0
-    if lay.dp_eff > 1:
-        gbytes = local / f * 2.0  # bf16 gradients (the book's convention)
-        place = _placement(chip, lay.dp_eff, lay.tp * lay.cp * lay.fsdp)
-        dp_comm = eff.comm_time(chip, "all-reduce", gbytes, lay.dp_eff, **place)
-        dp_exposed = max(0.0, dp_comm - layers * (lc.bwd + lc.recompute))
+    # Data parallelism: one gradient reduction per step, behind the last microbatch's backward; the loss mean.
+    dp_comm = sum(t for c, t in times.items() if c.role == "dp")
+    loss = sum(t for c, t in times.items() if c.role == "batch")
+    dp_exposed = max(0.0, dp_comm - layers * (lc.bwd + lc.recompute)) + loss
 
     # Optimizer: a memory-bound pass over this chip's share of the state.
-    shard = lay.dp * lay.fsdp if lay.zero >= 1 else f
-    optimizer = eff.memory_time(chip, local / shard * UPDATE_BYTES[cfg.optimizer])
+    shard = lay.dp * lay.fsdp if lay.zero >= 1 else lay.fsdp_eff
+    optimizer = eff.memory_time(chip, local_params(m, lay) / shard * UPDATE_BYTES[cfg.optimizer])
 
     step = n_mb * t_mb + bubble + dp_exposed + optimizer
     breakdown = {
@@ -618,95 +356,95 @@ def estimate(cfg: TrainConfig, *, check: bool = True, layer: LayerCost | None = 
         model_flops_per_step=model_flops,
         hardware_flops_per_step=hw_flops,
         min_chips=min_chips(cfg, mem),
-        assumptions=ASSUMPTIONS,
+        assumptions=(*ASSUMPTIONS, _precision(cfg)),
+        layer=lc,
     )
+
+
+def step_ops(est: TrainEstimate) -> list[dict[str, Any]]:
+    """The step as named ops on one chip: each kernel scope's compute (forward, backward and recomputation over
+    every layer and microbatch), the logits, the optimizer, and every collective with its calls and bytes."""
+    cfg, lc = est.config, est.layer
+    m, lay = cfg.model, cfg.layout
+    runs = cfg.microbatches * m.layers / lay.pp  # layer executions per step
+    rows: dict[str, dict[str, Any]] = {}
+    for name, kind, f, b, flops, nbytes in lc.ops:
+        again = name in lc.recomputed
+        scope = SCOPES.get(name, name)
+        r = rows.setdefault(scope, {"name": scope, "kind": kind, "time_s": 0.0, "flops": 0.0, "bytes": 0.0})
+        r["time_s"] += runs * (f + b + (f if again else 0.0))
+        r["flops"] += runs * flops * (3 + (1 if again else 0))
+        r["bytes"] += runs * nbytes * (3 + (1 if again else 0))
+        if kind == "matmul":
+            r["kind"] = "matmul"
+    tokens = cfg.microbatch * cfg.seq_len / lay.cp
+    logits_flops = 3 * 2.0 * tokens * m.d_model * m.vocab / lay.tp
+    out = list(rows.values())
+    out.append(
+        {
+            "name": "logits",
+            "kind": "matmul",
+            "time_s": cfg.microbatches * _logits_time(cfg),
+            "flops": cfg.microbatches * logits_flops,
+            "bytes": 0.0,
+        }
+    )
+    out.append(
+        {"name": "optimizer", "kind": "elementwise", "time_s": est.breakdown["optimizer_s"], "flops": 0.0, "bytes": 0.0}
+    )
+    for c in collectives(cfg):
+        n = calls_per_step(cfg, c)
+        out.append(
+            {
+                "name": c.what,
+                "kind": c.kind,
+                "time_s": n * comm_time(cfg, c),
+                "flops": 0.0,
+                "bytes": n * c.bytes,
+                "role": c.role,
+                "calls": n,
+                "dtype": c.dtype,
+                "hidden": c.hidden or None,
+            }
+        )
+    return out
+
+
+def _precision(cfg: TrainConfig) -> str:
+    if cfg.param_dtype == "bf16":
+        return "gradients reduced in bf16; weights bf16; optimizer state fp32"
+    return "gradients reduced in fp32; weights fp32 (the master copy); optimizer moments fp32"
 
 
 ASSUMPTIONS = (
     "TP and EP collectives and pipeline sends are not overlapped with compute",
     "FSDP gathers/scatters overlap the same layer's compute; DP gradient reduction overlaps the last backward",
-    "gradients reduced in bf16; weights bf16; optimizer state fp32",
+    "SP's re-gathered inputs for the weight gradients overlap the input-gradient matmul",
 )
 
 
-def min_chips(cfg: TrainConfig, mem: Memory | None = None) -> int | None:
-    """Smallest chip count whose HBM holds the job with weights, gradients and optimizer state sharded over
-    every chip (ZeRO-3), at this config's per-chip activations. None if the activations alone overflow."""
-    mem = mem or memory_per_chip(cfg)
-    state = cfg.model.params * (WEIGHT_BYTES + GRAD_BYTES + OPTIMIZERS[cfg.optimizer])
-    room = cfg.chip.hbm_bytes - mem.activations
-    if room <= 0:
-        return None
-    return max(1, math.ceil(state / room))
-
-
-# ----- the book's thresholds -----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Communication thresholds of the scaling book (training.md; gpus.md for GPUs).
-
-    ``alpha = C / W`` with W the bandwidth an AllGather sees per chip: the bidirectional ICI link
-    times the number of axes on a TPU, NVLink egress inside a GPU node, node egress across nodes.
-    """
-
-    hardware: str
-    d_ff: int | None
-    axes: int
-    tp_axes: int
-    alpha: float
-    dp_min_tokens_per_chip: float
-    dp_min_tokens_per_chip_cross_node: float
-    tp_max_degree: float | None
-    fsdp_tp_min_tokens_per_chip: float | None
-    fsdp_opt_degree: float | None
-    dcn_min_tokens_per_slice: float | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def limits(
-    chip: Chip,
-    d_ff: int | None = None,
-    *,
-    axes: int = 1,
-    tp_axes: int = 1,
-    chips: int | None = None,
-    batch_tokens: float | None = None,
-    dtype: str = "bf16",
-) -> Limits:
-    """The book's DP, TP and FSDP+TP thresholds for ``chip`` (and a model's ``d_ff``)."""
-    for name, v in (("--axes", axes), ("--tp-axes", tp_axes)):
-        if v < 1:
-            raise UserError(f"{name} must be >= 1, got {v}")
-    c = chip.flops(dtype)
-    if chip.topology == "torus":
-        w = chip.ici_bidirectional
-        cross = c / chip.scaleout_bandwidth
-        dcn = c / chip.scaleout_bandwidth
-    else:
-        w = chip.link_bandwidth
-        cross = c / (chip.node_size * chip.scaleout_bandwidth)
-        dcn = None
-    alpha = c / w
-    tp_max = fsdp_tp = opt = None
-    if d_ff is not None:
-        tp_max = tp_axes * d_ff * w / c  # training.md: Y < M_Y F / alpha
-        fsdp_tp = alpha**2 / (axes * tp_axes * d_ff)  # B/N > alpha^2 / (M_X M_Y F)
-        if chips and batch_tokens:
-            opt = math.sqrt(batch_tokens / d_ff * axes / tp_axes * chips)  # X_opt = sqrt(B/F * M_X/M_Y * N)
-    return Limits(
-        hardware=chip.name,
-        d_ff=d_ff,
-        axes=axes,
-        tp_axes=tp_axes,
-        alpha=alpha,
-        dp_min_tokens_per_chip=alpha / axes,
-        dp_min_tokens_per_chip_cross_node=cross,
-        tp_max_degree=tp_max,
-        fsdp_tp_min_tokens_per_chip=fsdp_tp,
-        fsdp_opt_degree=opt,
-        dcn_min_tokens_per_slice=dcn,
-    )
+__all__ = [
+    "ASSUMPTIONS",
+    "GRAD_BYTES",
+    "OPTIMIZERS",
+    "REMAT",
+    "SCHEDULES",
+    "SCOPES",
+    "WEIGHT_BYTES",
+    "LayerCost",
+    "Layout",
+    "Limits",
+    "Memory",
+    "TrainConfig",
+    "TrainEstimate",
+    "activation_bytes_per_layer",
+    "check_config",
+    "estimate",
+    "layer_cost",
+    "layer_params_local",
+    "limits",
+    "local_params",
+    "memory_per_chip",
+    "min_chips",
+    "step_ops",
+]

@@ -1,0 +1,195 @@
+"""One training job as the estimator sees it: parallel degrees (:class:`Layout`) and the job (:class:`TrainConfig`),
+and the checks that refuse a job that cannot run, naming the bad value and a nearby valid one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lab.core.errors import UserError
+from lab.core.hardware import Chip
+from lab.core.models import ModelConfig
+
+REMAT = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+OPTIMIZERS = {"adam": 12.0, "sgd": 8.0, "adafactor": 4.0}  # optimizer bytes per parameter (master + moments)
+UPDATE_BYTES = {"adam": 30.0, "sgd": 20.0, "adafactor": 18.0}  # HBM traffic of one update per parameter
+WEIGHT_BYTES, GRAD_BYTES = 2.0, 4.0  # mixed precision: bf16 weights, fp32 gradients (Korthikanti et al., Fig. 1)
+MASTER_BYTES = 4.0  # the fp32 master copy inside OPTIMIZERS' bytes: not kept when the weights are fp32 already
+PARAM_DTYPES = ("bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallelism degrees and their options."""
+
+    dp: int = 1
+    fsdp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    sequence_parallel: bool = False
+    pp_schedule: str = "1f1b"
+    interleave: int = 1
+    cross_node: tuple[str, ...] = ()  # roles whose group is known to cross the slow link (DCN / scale-out)
+
+    @property
+    def chips(self) -> int:
+        return self.dp * self.fsdp * self.tp * self.pp * self.cp
+
+    @property
+    def fsdp_eff(self) -> int:
+        """Weight-sharding degree: fsdp, times dp under ZeRO-3."""
+        return self.fsdp * (self.dp if self.zero == 3 else 1)
+
+    @property
+    def dp_eff(self) -> int:
+        """Replicas that all-reduce gradients once per step."""
+        return 1 if self.zero == 3 else self.dp
+
+    @property
+    def v(self) -> int:
+        return self.interleave if self.pp_schedule == "interleaved" else 1
+
+    def describe(self) -> str:
+        parts = [f"{k}={getattr(self, k)}" for k in ("dp", "fsdp", "tp", "pp", "cp", "ep") if getattr(self, k) > 1]
+        if self.zero:
+            parts.append(f"zero={self.zero}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.pp > 1:
+            parts.append(self.pp_schedule + (f"x{self.interleave}" if self.pp_schedule == "interleaved" else ""))
+        return " ".join(parts) or "single chip"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training job: model, hardware, layout, batch and policies."""
+
+    model: ModelConfig
+    chip: Chip
+    layout: Layout
+    seq_len: int
+    global_batch: int  # sequences per step
+    microbatch: int = 1
+    remat: str = "selective"
+    checkpoints_per_layer: float | None = None
+    dtype: str = "bf16"
+    optimizer: str = "adam"
+    flash_attention: bool = True
+    causal: bool = True  # for the MFU convention and flash attention's skipped blocks
+    # How the program is written, where XLA or a framework does it differently (the lab's own Transformer keeps
+    # fp32 weights and separate Q/K/V and gate/up projections; Megatron-style defaults below).
+    param_dtype: str = "bf16"  # bf16: mixed precision (fp32 master copy in the optimizer state); fp32: weights are it
+    fused_projections: bool = True  # QKV and gate/up fused: 2 input-gradient reductions per layer, not 5
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes per stored weight (what FSDP gathers)."""
+        return WEIGHT_BYTES if self.param_dtype == "bf16" else 4.0
+
+    @property
+    def optimizer_bytes(self) -> float:
+        """Optimizer state per parameter; an fp32-weight job keeps no separate master copy."""
+        return OPTIMIZERS[self.optimizer] - (MASTER_BYTES if self.param_dtype == "fp32" else 0.0)
+
+    @property
+    def grad_reduce_bytes(self) -> float:
+        """Bytes per gradient element on the wire: bf16 under mixed precision (the book's convention), else fp32."""
+        return 2.0 if self.param_dtype == "bf16" else 4.0
+
+    @property
+    def act_bytes(self) -> float:
+        """Bytes per activation element on the wire: the compute dtype's, 16-bit for fp8/int8 recipes."""
+        return {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}.get(self.dtype, 2.0)
+
+    @property
+    def batch_tokens(self) -> int:
+        return self.global_batch * self.seq_len
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per pipeline per step."""
+        return self.global_batch // (self.microbatch * self.layout.dp * self.layout.fsdp)
+
+
+# ----- validation ---------------------------------------------------------------------------
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _nearest(n: int, options: list[int]) -> int:
+    return min(options, key=lambda d: (abs(d - n), d))
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Raise a UserError naming the bad value and a nearby valid one."""
+    m, lay = cfg.model, cfg.layout
+    for name in ("dp", "fsdp", "tp", "pp", "cp", "ep", "interleave"):
+        v = getattr(lay, name)
+        if not isinstance(v, int) or v < 1:
+            raise UserError(f"--{name} must be a positive integer, got {v!r}")
+    if lay.zero not in (0, 1, 2, 3):
+        raise UserError(f"--zero {lay.zero} is not one of 0, 1, 2, 3")
+    if lay.pp_schedule not in SCHEDULES:
+        raise UserError(f"--pp-schedule {lay.pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if cfg.remat not in REMAT:
+        raise UserError(f"--remat {cfg.remat!r} is not one of {', '.join(REMAT)}")
+    if cfg.param_dtype not in PARAM_DTYPES:
+        raise UserError(f"param dtype {cfg.param_dtype!r} is not one of {', '.join(PARAM_DTYPES)}")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise UserError(f"--optimizer {cfg.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+    for name in ("seq_len", "global_batch", "microbatch"):
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or v < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+    cfg.chip.flops(cfg.dtype)
+    if m.heads % lay.tp:
+        raise UserError(
+            f"--tp {lay.tp} does not divide {m.heads} attention heads; try --tp {_nearest(lay.tp, _divisors(m.heads))}"
+        )
+    if m.kv_heads % lay.tp and lay.tp % m.kv_heads:
+        raise UserError(f"--tp {lay.tp} neither divides nor is a multiple of {m.kv_heads} KV heads")
+    if m.layers % (lay.pp * lay.v):
+        opts = [d for d in _divisors(m.layers) if d % lay.v == 0 or lay.v == 1]
+        raise UserError(
+            f"--pp {lay.pp}"
+            + (f" x --interleave {lay.v}" if lay.v > 1 else "")
+            + f" does not divide {m.layers} layers; try --pp "
+            f"{_nearest(lay.pp, [d // lay.v for d in opts if d // lay.v >= 1] or [1])}"
+        )
+    if cfg.seq_len % lay.cp:
+        raise UserError(f"--cp {lay.cp} does not divide --seq-len {cfg.seq_len}")
+    if lay.sequence_parallel and cfg.seq_len % (lay.tp * lay.cp):
+        raise UserError(f"sequence parallelism needs --seq-len divisible by tp x cp = {lay.tp * lay.cp}")
+    if lay.ep > 1:
+        if not m.is_moe:
+            raise UserError(f"--ep {lay.ep} needs a mixture-of-experts model; {m.name} is dense (use --ep 1)")
+        if m.experts % lay.ep or (lay.dp * lay.fsdp) % lay.ep:
+            raise UserError(f"--ep {lay.ep} must divide the {m.experts} experts and dp x fsdp = {lay.dp * lay.fsdp}")
+    replicas = lay.dp * lay.fsdp
+    per_replica = cfg.global_batch / replicas
+    if cfg.global_batch % replicas:
+        lo = max(replicas, cfg.global_batch // replicas * replicas)
+        raise UserError(
+            f"global batch {cfg.global_batch} sequences does not divide over dp x fsdp = {replicas}; "
+            f"try {lo} or {lo + replicas}"
+        )
+    if cfg.microbatch > per_replica:
+        raise UserError(
+            f"--microbatch {cfg.microbatch} is larger than the {int(per_replica)} sequences each "
+            f"data-parallel replica gets; use at most {int(per_replica)}"
+        )
+    if per_replica % cfg.microbatch:
+        raise UserError(
+            f"--microbatch {cfg.microbatch} does not divide the {int(per_replica)} sequences per "
+            f"replica; try {_nearest(cfg.microbatch, _divisors(int(per_replica)))}"
+        )
+    if lay.pp_schedule == "interleaved" and lay.pp > 1 and cfg.microbatches % lay.pp:
+        raise UserError(
+            f"the interleaved schedule needs the {cfg.microbatches} microbatches to be a multiple of "
+            f"--pp {lay.pp} (Megatron's requirement)"
+        )

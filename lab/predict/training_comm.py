@@ -1,0 +1,276 @@
+"""Training's collectives: every one a step issues, over which parallelism, how many bytes, behind what.
+
+One list (:func:`collectives`) serves both the step time (:mod:`lab.predict.training` prices each entry with
+:mod:`lab.predict.efficiency` and applies its overlap rule) and the compiled-program audit (which checks the
+same entries, byte for byte, against the collectives XLA emitted). Bytes are V, the collective model's
+convention, on one device: an AllGather's output, a ReduceScatter's or AllReduce's input.
+
+Per layer and microbatch, with ``act = tokens x D x bytes`` the activations a TP group shares
+(``row`` = 2 row-parallel projections: attention out, MLP down; ``col`` = the column-parallel ones, 2 when Q/K/V
+and gate/up are fused as in Megatron, 5 when they are separate weights as in the lab's Transformer):
+
+* **TP** (Megatron): forward ``row`` AllReduces (twice under full recomputation), backward ``col`` (the input
+  gradients of the column-parallel projections). With sequence parallelism each becomes an AllGather or
+  ReduceScatter of the same ``act``: forward ``row`` AllGathers and ``row`` ReduceScatters, backward ``row``
+  AllGathers (transposes of the forward ReduceScatters) and ``col`` ReduceScatters, plus ``row`` AllGathers of
+  the sequence-sharded inputs again for the weight gradients (Megatron overlaps them with the input-gradient
+  matmul: hidden here).
+* **Vocab-parallel embedding and loss** (per microbatch, TP): an AllReduce of ``act`` after the embedding
+  lookup and one in the logits' backward, and the softmax's max and sum (and the sum's backward) over the
+  vocabulary, ``tokens x 4`` bytes each; with SP the logits' input and the embedding's gradient are
+  all-gathered (2 x ``act``) and the norm scales' gradients, partial over the sequence, all-reduced.
+* **FSDP**: each layer's weights all-gathered before its forward and again before its backward, its
+  gradients reduce-scattered; the embeddings once per microbatch. Hidden behind the same layer's compute.
+* **DP**: one AllReduce of the gradients per step, hidden behind the last microbatch's backward; the loss mean
+  adds a 4-byte AllReduce over every batch axis.
+* **EP**: dispatch and combine AllToAlls per direction; **CP**: KV chunks around the ring (hidden behind
+  attention where they can be); **PP**: activations and gradients sent once per chunk boundary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from lab.core.hardware import Chip
+from lab.predict.train_config import TrainConfig
+from lab.predict.training_memory import layer_params_local, local_params
+
+LOSS_BYTES = 4.0  # the float32 loss
+SOFTMAX_BYTES = 4.0  # max and sum of float32 logits per token
+ROLES = ("tp", "ep", "cp", "pp", "fsdp", "dp", "batch")
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One collective of a training step.
+
+    Attributes:
+        role: the parallelism whose group it spans (``tp``, ``fsdp``, ``dp``, ``batch``, ``ep``, ``cp``, ``pp``).
+        kind: ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all`` or ``permute``.
+        bytes: V of one call on one device.
+        calls: calls per ``per``.
+        per: ``layer`` (per layer and microbatch), ``microbatch`` or ``step``.
+        what: what it carries, in words.
+        hidden: what it overlaps with (``""``: exposed; ``layer``, ``backward``, ``dgrad``, ``attention``).
+        dtype: the element type its bytes are counted in.
+    """
+
+    role: str
+    kind: str
+    bytes: float
+    calls: float
+    per: str
+    what: str
+    hidden: str = ""
+    dtype: str = "bf16"
+
+
+def group_size(cfg: TrainConfig, role: str) -> int:
+    lay = cfg.layout
+    return {
+        "tp": lay.tp,
+        "ep": lay.ep,
+        "cp": lay.cp,
+        "pp": lay.pp,
+        "fsdp": lay.fsdp_eff,
+        "dp": lay.dp_eff,
+        "batch": lay.dp * lay.fsdp,
+    }[role]
+
+
+def _stride(cfg: TrainConfig, role: str) -> int:
+    """Chips between neighbours of a group: tp innermost, then cp, fsdp, dp, pp (the estimator's mesh order)."""
+    lay = cfg.layout
+    return {
+        "tp": 1,
+        "cp": lay.tp,
+        "ep": lay.tp * lay.cp,
+        "fsdp": lay.tp * lay.cp,
+        "batch": lay.tp * lay.cp,
+        "dp": lay.tp * lay.cp * lay.fsdp,
+        "pp": lay.tp * lay.cp * lay.fsdp * lay.dp,
+    }[role]
+
+
+def placement(chip: Chip, size: int, stride: int, cross_node: bool = False) -> dict[str, Any]:
+    """Where a parallel group of ``size`` chips, ``stride`` apart, sits on the fabric (``cross_node``: it is known
+    to cross the slow link, DCN or scale-out)."""
+    if size <= 1:
+        return {}
+    if chip.topology == "torus":
+        pod = math.prod(chip.pod_shape or (size,))
+        if size * stride <= pod and not cross_node:
+            return {"scope": "node"}
+        return {"scope": "cross-node"}  # across slices, over DCN
+    n = chip.node_size or 1
+    if cross_node:  # the Plan says its axes cross the slow link: one member per node
+        return {"scope": "cross-node", "members_per_node": 1}
+    if size * stride <= n:
+        return {"scope": "node"}
+    per_node = max(1, min(size, n // stride)) if stride < n else 1
+    while size % per_node:
+        per_node -= 1
+    return {"scope": "cross-node", "members_per_node": per_node}
+
+
+def place(cfg: TrainConfig, role: str) -> dict[str, Any]:
+    return placement(cfg.chip, group_size(cfg, role), _stride(cfg, role), role in cfg.layout.cross_node)
+
+
+def _tokens(cfg: TrainConfig) -> float:
+    """Tokens of one microbatch on one chip."""
+    return cfg.microbatch * cfg.seq_len / cfg.layout.cp
+
+
+def _tp(cfg: TrainConfig) -> list[Comm]:
+    m, lay = cfg.model, cfg.layout
+    if lay.tp <= 1:
+        return []
+    tokens = _tokens(cfg)
+    act = tokens * m.d_model * cfg.act_bytes
+    dt = "fp32" if cfg.act_bytes == 4 else "bf16"
+    row, col = 2, (2 if cfg.fused_projections else 5)
+    fwd = 2 if cfg.remat == "full" else 1  # full recomputation runs the forward's collectives again
+
+    def on_act(kind: str, calls: float, per: str, what: str, hidden: str = "") -> Comm:
+        return Comm("tp", kind, act, calls, per, what, hidden, dt)
+
+    if not lay.sequence_parallel:
+        out = [on_act("all-reduce", row * fwd + col, "layer", f"TP AllReduces: {row} forward, {col} backward")]
+    else:
+        grads = (2 * m.layers / lay.pp + 1) * m.d_model * cfg.grad_reduce_bytes
+        out = [
+            on_act("all-gather", row * fwd + row, "layer", "SP AllGathers: forward, and the transposes"),
+            on_act("all-gather", row, "layer", "SP inputs gathered again for the weight gradients", "dgrad"),
+            on_act("reduce-scatter", row * fwd + col, "layer", f"SP ReduceScatters: {row} fwd, {col} bwd"),
+            on_act("all-gather", 2, "microbatch", "SP: the logits' input, the embedding's gradient"),
+            Comm(
+                "tp",
+                "all-reduce",
+                grads,
+                1,
+                "microbatch",
+                "norm-scale gradients, partial over the sequence shards",
+                dtype="fp32" if cfg.grad_reduce_bytes == 4 else "bf16",
+            ),
+        ]
+    out.append(on_act("all-reduce", 2, "microbatch", "vocab-parallel embedding (forward), logits (backward)"))
+    softmax = tokens * SOFTMAX_BYTES
+    out.append(
+        Comm(
+            "tp",
+            "all-reduce",
+            softmax,
+            3,
+            "microbatch",
+            "vocab-parallel softmax: max, sum, sum's backward",
+            dtype="fp32",
+        )
+    )
+    return out
+
+
+def _fsdp(cfg: TrainConfig) -> list[Comm]:
+    m, lay = cfg.model, cfg.layout
+    if lay.fsdp_eff <= 1:
+        return []
+    wdt = "fp32" if cfg.weight_bytes == 4 else "bf16"
+    gdt = "fp32" if cfg.grad_reduce_bytes == 4 else "bf16"
+    layer = layer_params_local(m, lay)
+    # A stage holds its share of the embeddings (the first stage the input table, the last the output one and the
+    # final norm), averaged over the stages as local_params averages them.
+    final = m.d_model * (2 if m.norm == "layernorm" else 1) / lay.pp
+    rest = local_params(m, lay) - m.layers / lay.pp * layer - final  # embeddings (and learned positions)
+    return [
+        Comm(
+            "fsdp",
+            "all-gather",
+            layer * cfg.weight_bytes,
+            2,
+            "layer",
+            "FSDP: each layer's weights, fwd and bwd",
+            "layer",
+            wdt,
+        ),
+        Comm(
+            "fsdp",
+            "reduce-scatter",
+            layer * cfg.grad_reduce_bytes,
+            1,
+            "layer",
+            "FSDP: each layer's gradients",
+            "layer",
+            gdt,
+        ),
+        Comm(
+            "fsdp", "all-gather", final * cfg.weight_bytes, 2, "microbatch", "FSDP: the final norm scale", "layer", wdt
+        ),
+        Comm("fsdp", "all-gather", rest * cfg.weight_bytes, 1, "microbatch", "FSDP: embeddings", "layer", wdt),
+        Comm(
+            "fsdp",
+            "reduce-scatter",
+            (rest + final) * cfg.grad_reduce_bytes,
+            1,
+            "microbatch",
+            "FSDP: their gradients",
+            "layer",
+            gdt,
+        ),
+    ]
+
+
+def _dp(cfg: TrainConfig) -> list[Comm]:
+    lay = cfg.layout
+    out = []
+    if lay.dp_eff > 1:
+        grads = local_params(cfg.model, lay) / lay.fsdp_eff * cfg.grad_reduce_bytes
+        dt = "fp32" if cfg.grad_reduce_bytes == 4 else "bf16"
+        out.append(Comm("dp", "all-reduce", grads, 1, "step", "DP gradient AllReduce", "backward", dt))
+    if lay.dp * lay.fsdp > 1:
+        out.append(Comm("batch", "all-reduce", LOSS_BYTES, 1, "step", "the loss mean over the batch", dtype="fp32"))
+    return out
+
+
+def _ep_cp_pp(cfg: TrainConfig) -> list[Comm]:
+    m, lay = cfg.model, cfg.layout
+    tokens = _tokens(cfg)
+    act = tokens * m.d_model * 2.0
+    directions = 3 if cfg.remat == "full" else 2
+    out = []
+    if lay.ep > 1:  # dispatch and combine per direction
+        a2a = lay.ep * act * m.experts_per_token
+        out.append(Comm("ep", "all-to-all", a2a, 2 * directions, "layer", "EP dispatch and combine"))
+    if lay.cp > 1:  # KV chunks around the ring: once forward, twice backward
+        kv_bytes = 2 * tokens * max(m.kv_heads / lay.tp, 1.0) * m.head_dim * 2.0
+        out.append(Comm("cp", "permute", kv_bytes, 3 * (lay.cp - 1), "layer", "CP ring passes of K and V", "attention"))
+    if lay.pp > 1:  # Megatron's scatter/gather: each TP rank sends 1/tp of the activation (Narayanan Sec. 4.1)
+        nbytes = cfg.microbatch * cfg.seq_len / lay.cp * m.d_model * 2.0 / lay.tp
+        out.append(Comm("pp", "permute", nbytes, 2 * lay.v, "microbatch", "pipeline sends: activations and gradients"))
+    return out
+
+
+def collectives(cfg: TrainConfig, roles: tuple[str, ...] = ROLES) -> list[Comm]:
+    """Every collective of one training step (see the module docstring), or those of ``roles``."""
+    out = []
+    if "tp" in roles:
+        out += _tp(cfg)
+    if {"ep", "cp", "pp"} & set(roles):
+        out += [c for c in _ep_cp_pp(cfg) if c.role in roles]
+    if "fsdp" in roles:
+        out += _fsdp(cfg)
+    if {"dp", "batch"} & set(roles):
+        out += [c for c in _dp(cfg) if c.role in roles]
+    return out
+
+
+def calls_per_step(cfg: TrainConfig, c: Comm) -> float:
+    """How many times a step issues ``c`` on one chip (its stage's layers, every microbatch)."""
+    if c.per == "step":
+        return c.calls
+    n = cfg.microbatches * c.calls
+    return n * cfg.model.layers / cfg.layout.pp if c.per == "layer" else n
+
+
+__all__ = ["ROLES", "Comm", "calls_per_step", "collectives", "group_size", "place", "placement"]

@@ -1,0 +1,157 @@
+"""Training memory per chip: weights, gradients, optimizer state and activations (Korthikanti et al. 2022)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lab.core.models import ModelConfig
+from lab.predict.train_config import GRAD_BYTES, Layout, TrainConfig
+
+
+@dataclass(frozen=True)
+class Memory:
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    activations_per_layer: float
+    hbm_bytes: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.hbm_bytes
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "activations_per_layer": self.activations_per_layer,
+            "total": self.total,
+            "hbm_bytes": self.hbm_bytes,
+        }
+
+
+# ----- memory -------------------------------------------------------------------------------
+
+
+def activation_bytes_per_layer(
+    model: ModelConfig,
+    layout: Layout,
+    seq_len: int,
+    microbatch: int,
+    remat: str,
+    flash_attention: bool,
+    checkpoints: float | None = None,
+) -> float:
+    """Stored activations of one layer for one microbatch on one chip (16-bit activations).
+
+    For a GPT-style layer (MHA, 4h GeLU MLP, dropout, unfused attention) this is Korthikanti et al.
+    Table 2: ``sbh(10 + 24/t + 5as/ht)``, ``sbh(34 + 5as/h)/t`` with SP, ``sbh(10 + 24/t)`` selective,
+    ``34 sbh/t`` selective + SP, and ``2 sbh`` under full recomputation.
+    """
+    t, s, b = layout.tp, seq_len / layout.cp, microbatch
+    h = model.d_model
+    sp = layout.sequence_parallel
+    if checkpoints is not None:  # the book's form: k saved [B, D] per layer
+        return checkpoints * 2.0 * s * b * h / (t if sp else 1)
+    if remat == "full":
+        return 2.0 * s * b * h / (t if sp else 1)
+    drop = 1.0 if model.dropout else 0.0
+    # With fused attention there is no score matrix for selective recomputation to drop; it then keeps
+    # matmul outputs only and recomputes the norms and the MLP activation (JAX's dots_saveable policy).
+    dots_only = remat == "selective" and flash_attention
+    # Replicated across TP unless SP: two norm inputs (4sbh), attention and MLP inputs (4sbh, the norm
+    # outputs, recomputed under dots_only), 2 dropout masks.
+    shared = ((4.0 if dots_only else 8.0) + 2.0 * drop) * s * b * h
+    kv_per_rank = max(model.kv_heads / t, 1.0) * model.head_dim
+    q_per_rank = model.q_dim / t
+    # Split by TP: Q, K, V, the attention output (out-projection input), and the MLP's internals.
+    attn = 2.0 * s * b * (2 * q_per_rank + 2 * kv_per_rank)
+    f_local = model.d_ff * model.experts_per_token / t
+    mlp = 2.0 * s * b * f_local * ((3 if model.gated_mlp else 2) - (1 if dots_only else 0))
+    scores = 0.0
+    if not flash_attention and remat == "none":
+        # softmax output (2 bytes), its dropout mask (1) and dropout output (2): 5 a s^2 b / t
+        scores = (2.0 + 3.0 * drop) * (model.heads / t) * s * seq_len * b  # local queries x all keys
+    return (shared / (t if sp else 1)) + attn + mlp + scores
+
+
+def layer_params_local(m: ModelConfig, lay: Layout) -> float:
+    """One layer's parameters on one tensor/expert-parallel rank (what FSDP gathers for that layer).
+
+    Megatron's split, which the lab's Transformer follows: the projections and the column-parallel biases are
+    split by tp (K and V replicated once tp exceeds the KV heads), experts also by ep; norms, the row-parallel
+    output biases and the router are whole on every rank.
+    """
+    t = lay.tp
+    kv_per_rank = max(m.kv_heads / t, 1.0) * m.head_dim
+    attn = 2 * m.d_model * m.q_dim / t + 2 * m.d_model * kv_per_rank
+    mlp = m.mlp_matrices * m.d_model * m.d_ff / t
+    if m.biases:  # Q, K, V and the MLP's first matrices' biases split; the two output biases whole
+        attn += m.q_dim / t + 2 * kv_per_rank + m.d_model
+        mlp += (m.mlp_matrices - 1) * m.d_ff / t + m.d_model
+    experts = m.experts / (lay.ep if m.is_moe else 1)
+    return attn + experts * mlp + m.norm_params_per_layer + m.router_params_per_layer
+
+
+def local_params(m: ModelConfig, lay: Layout) -> float:
+    """Parameters one chip owns before ZeRO/FSDP: its stage's layers on its tp/ep rank, and the (vocab-parallel)
+    embeddings, learned positions and final norm, averaged over the pipeline stages."""
+    emb = m.vocab * m.d_model * (1 if m.tied_embeddings else 2) / lay.tp
+    pos = m.max_seq_len * m.d_model if m.learned_positions else 0.0
+    final = m.d_model * (2 if m.norm == "layernorm" else 1)
+    return (m.layers * layer_params_local(m, lay) + emb + pos + final) / lay.pp
+
+
+def memory_per_chip(cfg: TrainConfig) -> Memory:
+    m, lay = cfg.model, cfg.layout
+    local = local_params(m, lay)
+    f = lay.fsdp_eff
+    zero_group = lay.dp * lay.fsdp
+    params = local * cfg.weight_bytes / f
+    if f > 1:  # the layer being computed (and the next, prefetched) are gathered whole
+        params += 2 * layer_params_local(m, lay) * cfg.weight_bytes
+    grads = local * GRAD_BYTES / (zero_group if lay.zero >= 2 else f)
+    opt = local * cfg.optimizer_bytes / (zero_group if lay.zero >= 1 else f)
+    per_layer = activation_bytes_per_layer(
+        m, lay, cfg.seq_len, cfg.microbatch, cfg.remat, cfg.flash_attention, cfg.checkpoints_per_layer
+    )
+    layers_per_stage = m.layers / lay.pp
+    if lay.pp == 1:
+        in_flight = 1.0
+    elif lay.pp_schedule == "gpipe":
+        in_flight = float(cfg.microbatches)
+    else:
+        in_flight = float(min(lay.pp, cfg.microbatches))
+        if lay.pp_schedule == "interleaved":
+            in_flight *= 1 + (lay.pp - 1) / (lay.pp * lay.v)
+    acts = per_layer * layers_per_stage * in_flight
+    # Korthikanti Sec. 4.3: embeddings and logits, 4 s b (h + V) / t on a single stage; s b h p / t otherwise.
+    s, b, h = cfg.seq_len / lay.cp, cfg.microbatch, m.d_model
+    acts += 4.0 * s * b * (h + m.vocab) / lay.tp if lay.pp == 1 else s * b * h * lay.pp / lay.tp
+    return Memory(
+        params=params,
+        grads=grads,
+        optimizer=opt,
+        activations=acts,
+        activations_per_layer=per_layer,
+        hbm_bytes=cfg.chip.hbm_bytes,
+    )
+
+
+def min_chips(cfg: TrainConfig, mem: Memory | None = None) -> int | None:
+    """Smallest chip count whose HBM holds the job with weights, gradients and optimizer state sharded over
+    every chip (ZeRO-3), at this config's per-chip activations. None if the activations alone overflow."""
+    mem = mem or memory_per_chip(cfg)
+    state = cfg.model.params * (cfg.weight_bytes + GRAD_BYTES + cfg.optimizer_bytes)
+    room = cfg.chip.hbm_bytes - mem.activations
+    if room <= 0:
+        return None
+    return max(1, math.ceil(state / room))
