@@ -300,15 +300,16 @@ def parse_replica_groups(value: str | None) -> list[list[int]] | None:
     if not value:
         return None
     value = value.strip()
-    if value.startswith("mesh["):  # mesh['a'=1,'b'=2,'c'=4] {'b'}: devices row-major over that mesh
-        m = re.match(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}", value)
+    if value.startswith("mesh["):  # mesh['a'=1,'b'=2] [, device_ids=([d0,d1]T(perm))] {'b'}: groups along 'b'
+        m = re.match(r"mesh\[([^\]]*)\](?:,\s*device_ids=\((\[[0-9,]+\](?:T\([0-9,]+\))?)\))?\s*\{([^}]*)\}", value)
         if not m:
             return None
         axes = re.findall(r"'([^']+)'\s*=\s*(\d+)", m.group(1))
         names = [a for a, _ in axes]
         shape = [int(n) for _, n in axes]
-        over = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(2)) if a in names]
-        ids = np.arange(math.prod(shape)).reshape(shape)
+        over = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(3)) if a in names]
+        ids = _iota(m.group(2), math.prod(shape)) if m.group(2) else np.arange(math.prod(shape))
+        ids = ids.reshape(shape)  # the device at each position of that mesh, row-major
         rest = [i for i in range(len(shape)) if i not in over]
         size = math.prod(shape[i] for i in over) if over else 1
         return np.transpose(ids, rest + over).reshape(-1, size).tolist()
@@ -324,6 +325,17 @@ def parse_replica_groups(value: str | None) -> list[list[int]] | None:
         return ids.reshape(shape).tolist() if len(shape) == 2 else [ids.reshape(-1).tolist()]
     groups = re.findall(r"\{([0-9,\s]*)\}", value[1:-1] if value.startswith("{{") else value)
     return [[int(x) for x in g.split(",") if x.strip()] for g in groups if g.strip()]
+
+
+def _iota(text: str, n: int) -> np.ndarray:
+    """Device ids of an iota list ``[d0,d1,...]T(perm)``: ``arange(n)`` reshaped, transposed and flattened."""
+    m = re.match(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text)
+    if not m:
+        return np.arange(n)
+    ids = np.arange(n).reshape([int(x) for x in m.group(1).split(",")])
+    if m.group(2):
+        ids = ids.transpose([int(x) for x in m.group(2).split(",")])
+    return ids.reshape(-1)
 
 
 def mesh_groups(mesh_shape: Sequence[int], axes: Sequence[int]) -> set[frozenset[int]]:
