@@ -15,7 +15,9 @@ computes the coverage: the share of measured time spent in ops the ledger predic
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,48 +143,56 @@ def predict_ops(hlo_text: str, chip: Chip, mesh: dict[str, int]) -> list[Predict
                 f, dtype = _dot_flops(module, d)
                 flops += f
             r = roofline(chip, flops, nbytes, _peak_dtype(chip, dtype), op=instr.name)
-            kind = "attention" if "attention" in scope and "scores" in scope else "matmul"
+            # A fusion's own metadata can be empty where its dot's is not (XLA:CPU's library fusions); some backward
+            # dots carry none at all, and a batched one of those is attention's (the only batched products here).
+            scope = scope or next((n for n in map(module.op_name, dots) if n), "")
+            batched = any(d.attr("lhs_batch_dims") for d in dots)
+            kind = "attention" if ("attention" in scope and "scores" in scope) or (not scope and batched) else "matmul"
             out.append(PredictedOp(instr.name, kind, r.time_s, flops, nbytes, 0.0, times, (), scope))
             continue
-        kind = (
-            "attention"
-            if "attention" in scope
-            else (
-                "elementwise"
-                if instr.opcode
-                in (
-                    "fusion",
-                    "add",
-                    "multiply",
-                    "subtract",
-                    "divide",
-                    "exponential",
-                    "convert",
-                    "copy",
-                    "select",
-                    "maximum",
-                    "minimum",
-                    "negate",
-                    "reduce",
-                    "broadcast",
-                    "transpose",
-                    "concatenate",
-                    "slice",
-                    "dynamic-slice",
-                    "dynamic-update-slice",
-                    "compare",
-                    "rsqrt",
-                    "tanh",
-                    "log",
-                    "pad",
-                    "iota",
-                    "reshape",
-                )
-                else "other"
-            )
-        )
+        kind = _kind(instr.opcode, scope)
         out.append(PredictedOp(instr.name, kind, nbytes / chip.hbm_bandwidth, 0.0, nbytes, 0.0, times, (), scope))
     return out
+
+
+_ELEMENTWISE = frozenset(
+    [
+        "fusion",
+        "add",
+        "multiply",
+        "subtract",
+        "divide",
+        "exponential",
+        "convert",
+        "copy",
+        "select",
+        "maximum",
+        "minimum",
+        "negate",
+        "reduce",
+        "broadcast",
+        "transpose",
+        "concatenate",
+        "slice",
+        "dynamic-slice",
+        "dynamic-update-slice",
+        "compare",
+        "rsqrt",
+        "tanh",
+        "log",
+        "pad",
+        "iota",
+        "reshape",
+    ]
+)
+
+
+def _kind(opcode: str, scope: str) -> str:
+    """A memory-bound op's kind: ``attention`` inside an attention scope, ``elementwise`` for data movement and
+    arithmetic, ``other`` for the rest (custom calls, sorts, ...)."""
+    if "attention" in scope:
+        return "attention"
+    return "elementwise" if opcode in _ELEMENTWISE else "other"
 
 
 def _is_loop_body(module: Module, comp: str) -> bool:
@@ -210,6 +220,7 @@ class LedgerRow:
     bytes: float
     collective_bytes: float
     scope: str = ""
+    estimate_op: str | None = None  # the estimator's named op this HLO op belongs to
 
     @property
     def ratio(self) -> float | None:
@@ -228,6 +239,7 @@ class LedgerRow:
             "bytes": self.bytes,
             "collective_bytes": self.collective_bytes,
             "scope": self.scope,
+            "estimate_op": self.estimate_op,
         }
 
 
@@ -257,3 +269,92 @@ def join(predicted: list[PredictedOp], measured: dict[str, float]) -> tuple[list
     covered = sum(r.measured_s for r in rows if r.measured_s and r.predicted_s is not None)
     coverage = covered / total if total else 0.0
     return rows, coverage
+
+
+# ----- the estimator's column -------------------------------------------------------------------------------------
+
+COLLECTIVE_ROWS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+
+def _segments(op_name: str) -> str:
+    """The name stack without JAX's transformation wrappers: ``jit(step)/transpose(jvp(logits))/dot_general`` ->
+    ``step/logits/dot_general`` (a scope outside a loop is wrapped, ``jvp(norm)``; one inside is not)."""
+    return "/".join(re.sub(r"^(?:[\w.]+\()+", "", seg).rstrip(")") for seg in op_name.split("/"))
+
+
+def _in_scope(scope: str, op_name: str) -> bool:
+    """``scope`` (``attention/qkv``) names consecutive segments of the HLO op's name stack."""
+    return re.search(rf"(^|/){re.escape(scope)}(/|$)", _segments(op_name)) is not None
+
+
+def _estimate_of(row: LedgerRow, scoped: list[Any], by_kind: dict[str, Any], entries: dict[str, str]) -> str | None:
+    """The estimator op an HLO row belongs to: collectives by the audit's matching, compute by named scope (the
+    longest that fits), else an unscoped op of the same kind."""
+    if row.kind in COLLECTIVE_ROWS:
+        return entries.get(row.name)
+    for op in scoped:  # longest scope first
+        if _in_scope(op.scope, row.scope):
+            return op.name
+    op = by_kind.get("matmul" if row.flops > 0 and row.kind != "attention" else row.kind)
+    if op is None and not row.scope:  # XLA kept no name stack: the one scoped op of its kind, if there is one
+        same = [o for o in scoped if o.kind == row.kind]
+        op = same[0] if len(same) == 1 else None
+    return op.name if op is not None else None
+
+
+def join_estimates(rows: list[LedgerRow], estimate, audit_entries: list[dict[str, Any]]) -> tuple[list, list, float]:
+    """Put the estimator's column beside the compiled and measured ones.
+
+    Args:
+        rows: the ledger's HLO rows (:func:`join`).
+        estimate: the :class:`lab.predict.program.ProgramEstimate` of the same Plan.
+        audit_entries: the audit's entries (``to_dict()``): which HLO collectives each expected collective matched.
+
+    Returns:
+        ``(rows, named, coverage)``: the rows with ``estimate_op`` set; one row per named op (estimated_s,
+        predicted_s and measured_s summed over its HLO ops, FLOPs estimated and compiled); and the share of
+        measured matmul and collective time that falls in ops with an estimate.
+    """
+    compute = [o for o in estimate.ops if not o.is_collective]
+    scoped = sorted((o for o in compute if o.scope), key=lambda o: -len(o.scope))
+    by_kind = {o.kind: o for o in compute if not o.scope}
+    entry_of = {name: e["op"] for e in audit_entries for name in e.get("instructions", ())}
+    out = [dataclasses.replace(r, estimate_op=_estimate_of(r, scoped, by_kind, entry_of)) for r in rows]
+    named: dict[str, dict[str, Any]] = {}
+    for o in compute:
+        named[o.name] = _named_row(o.name, o.kind, o.time_s, o.flops)
+        named[o.name]["bytes_estimated"] = o.bytes
+    for e in audit_entries:
+        named[e["op"]] = _named_row(e["op"], e["kind"], e.get("predicted_time_s") or 0.0, 0.0)
+        named[e["op"]]["bytes_estimated"] = e["predicted_bytes"]
+    for r in out:
+        if r.estimate_op in named:
+            n = named[r.estimate_op]
+            n["hlo_ops"] += 1
+            n["predicted_s"] += r.predicted_s or 0.0
+            n["flops_compiled"] += r.flops
+            n["bytes_compiled"] += r.collective_bytes or r.bytes
+            if r.measured_s is not None:
+                n["measured_s"] = (n["measured_s"] or 0.0) + r.measured_s
+    for n in named.values():
+        n["ratio"] = n["measured_s"] / n["estimated_s"] if n["measured_s"] and n["estimated_s"] else None
+    heavy = [r for r in out if r.measured_s and (r.flops > 0 or r.kind in COLLECTIVE_ROWS)]
+    total = sum(r.measured_s for r in heavy)
+    covered = sum(r.measured_s for r in heavy if r.estimate_op)
+    return out, list(named.values()), (covered / total if total else 0.0)
+
+
+def _named_row(name: str, kind: str, estimated_s: float, flops: float) -> dict[str, Any]:
+    return {
+        "name": name,
+        "kind": kind,
+        "estimated_s": estimated_s,
+        "predicted_s": 0.0,
+        "measured_s": None,
+        "ratio": None,
+        "flops_estimated": flops,
+        "flops_compiled": 0.0,
+        "bytes_estimated": 0.0,
+        "bytes_compiled": 0.0,
+        "hlo_ops": 0,
+    }

@@ -1,4 +1,9 @@
-"""Run reports: markdown, JSON, CSV and PNG plots of the ledger (predicted | compiled | measured per op)."""
+"""Run reports: markdown, JSON and CSV of the ledger (estimated | predicted | compiled | measured per op).
+
+Two tables: the **named ops** (the estimator's ops, each joined to the compiled and measured HLO ops of its named
+scope or, for collectives, of its audit entry) and the **HLO ops** (every executed op, its roofline and its
+measured time). The plots are in :mod:`lab.report.plots`.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +13,37 @@ from pathlib import Path
 from typing import Any
 
 from lab.core.table import dumps, render
-from lab.core.units import fmt_bytes, fmt_seconds
+from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
+from lab.report.ledger import COLLECTIVE_ROWS
+
+CSV_KEYS = (
+    "name",
+    "kind",
+    "estimate_op",
+    "predicted_s",
+    "measured_s",
+    "ratio",
+    "flops",
+    "bytes",
+    "collective_bytes",
+    "scope",
+)
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
-    keys = ["name", "kind", "predicted_s", "measured_s", "ratio", "flops", "bytes", "collective_bytes", "scope"]
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=list(CSV_KEYS), extrasaction="ignore")
         w.writeheader()
         for r in rows:
             w.writerow(r)
 
 
+def _s(x: float | None) -> str:
+    return fmt_seconds(x) if x is not None else "-"
+
+
 def ledger_table(rows: list[dict[str, Any]], limit: int = 25) -> str:
-    """The ledger's heaviest rows by measured time (then predicted)."""
+    """The ledger's heaviest HLO rows by measured time (then predicted)."""
 
     def key(r):
         return -(r["measured_s"] or 0.0), -(r["predicted_s"] or 0.0)
@@ -31,14 +53,39 @@ def ledger_table(rows: list[dict[str, Any]], limit: int = 25) -> str:
         [
             r["name"],
             r["kind"],
-            fmt_seconds(r["predicted_s"]) if r["predicted_s"] is not None else "-",
-            fmt_seconds(r["measured_s"]) if r["measured_s"] is not None else "-",
+            _s(r["predicted_s"]),
+            _s(r["measured_s"]),
             f"{r['ratio']:.2f}" if r["ratio"] is not None else "-",
             fmt_bytes(r["collective_bytes"] or r["bytes"]) if (r["collective_bytes"] or r["bytes"]) else "-",
         ]
         for r in shown
     ]
     return render(["op", "kind", "predicted", "measured", "measured/predicted", "bytes"], body)
+
+
+def named_table(named: list[dict[str, Any]], limit: int = 25) -> str:
+    """One row per estimator op: estimated, the roofline of its compiled ops, measured, and FLOPs both ways."""
+    shown = sorted(named, key=lambda n: -(n["measured_s"] or n["estimated_s"] or 0.0))[:limit]
+    body = []
+    for n in shown:
+        est_w = n["flops_estimated"] or n["bytes_estimated"]
+        got_w = n["flops_compiled"] if n["flops_estimated"] else n["bytes_compiled"]
+        unit = "" if n["flops_estimated"] else "B"
+        work = f"{fmt_count(est_w)}{unit} / {fmt_count(got_w)}{unit}" if est_w or got_w else "-"
+        body.append(
+            [
+                n["name"] if len(n["name"]) <= 48 else n["name"][:45] + "...",
+                n["kind"],
+                _s(n["estimated_s"]),
+                _s(n["predicted_s"]) if n["hlo_ops"] else "-",
+                _s(n["measured_s"]),
+                f"{n['ratio']:.2f}" if n["ratio"] is not None else "-",
+                work,
+                str(n["hlo_ops"]),
+            ]
+        )
+    headers = ["named op", "kind", "estimated", "predicted", "measured", "meas/est", "work est / compiled", "HLO ops"]
+    return render(headers, body)
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -51,17 +98,38 @@ def markdown(report: dict[str, Any]) -> str:
             f"compared against a spec {'calibrated on this host' if hw.get('calibrated') else 'NOT calibrated'}.",
             "",
         ]
+    audit = report["audit"].get("all_match")
     lines += [
         f"- backend: {report['backend']} ({report['devices']} devices), mesh "
         f"{','.join(f'{k}={v}' for k, v in report['mesh'].items())}",
         f"- hardware spec: {hw['name']} (calibrated: {hw.get('calibrated', False)})",
-        f"- step time: measured {fmt_seconds(report['step_time_measured_s'])}, predicted "
-        f"{fmt_seconds(report['step_time_predicted_s'])}",
-        f"- coverage: {100 * report['coverage']:.1f}% of measured op time is in predicted ops",
+        f"- step time: measured {_s(report['step_time_measured_s'])}, estimated "
+        f"{_s(report['step_time_estimated_s'])} (the estimator, from the Plan), predicted "
+        f"{_s(report['step_time_predicted_s'])} (roofline of the compiled ops)",
+        f"- coverage: {100 * report['coverage']:.1f}% of measured op time is in predicted ops"
+        + (
+            f"; {100 * report['estimate_coverage']:.1f}% of measured matmul and collective time in estimated ops"
+            if report.get("estimate_coverage") is not None
+            else ""
+        ),
         f"- ops of at least 1 MB: median measured/predicted {report['summary']['median_ratio_large']}",
-        f"- audit: {'all match' if report['audit']['all_match'] else 'MISMATCH'}",
+        f"- audit against the estimate: {'all match' if audit else ('MISMATCH' if audit is False else 'none')}",
         "",
-        "## Ledger",
+    ]
+    if report.get("estimated_ops"):
+        lines += [
+            "## Named ops: estimated | predicted | measured",
+            "",
+            "Each estimator op joined to the compiled ops of its named scope (collectives: the ones the audit "
+            "matched to it). Work: FLOPs (compute) or bytes (collectives), estimated / compiled.",
+            "",
+            "```",
+            named_table(report["estimated_ops"]),
+            "```",
+            "",
+        ]
+    lines += [
+        "## Ledger (HLO ops)",
         "",
         "Measured: each op's own time (rendezvous waits excluded) on its slowest device, median over the repeats.",
         "",
@@ -69,103 +137,30 @@ def markdown(report: dict[str, Any]) -> str:
         ledger_table(report["ops"]),
         "```",
         "",
-        "Plots: `roofline.png`, `predicted_vs_measured.png`, `breakdown.png`. Trace: `tensorboard --logdir "
-        f"{report['tensorboard']}`.",
+        "Plots: `roofline.png`, `predicted_vs_measured.png`, `breakdown.png`."
+        + (f" Trace: `tensorboard --logdir {report['tensorboard']}`." if report.get("tensorboard") else ""),
         "",
     ]
     return "\n".join(lines)
 
 
-def plots(report: dict[str, Any], out: Path) -> list[str]:
-    """Roofline chart, predicted vs measured (log-log), and the step breakdown bar."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ops = [r for r in report["ops"] if r["measured_s"]]
-    hw = report["hardware"]
-    peak = max(hw["peak_flops"].values())
-    bw = hw["hbm_bandwidth"]
-    written = []
-    tag = " (emulated)" if report["emulated"] else ""
-
-    fig, ax = plt.subplots(figsize=(7, 5))
-    crit = peak / bw
-    xs = [1e-2, crit, max(1e4, 10 * crit)]  # the ridge point is the critical intensity
-    ax.plot(xs, [min(peak, x * bw) for x in xs], color="black", lw=1.5, label=f"{hw['name']} roof")
-    ax.axvline(crit, color="gray", lw=0.8, ls=":")
-    for kind in sorted({r["kind"] for r in ops}):
-        pts = [
-            (r["flops"] / r["bytes"], r["flops"] / r["measured_s"])
-            for r in ops
-            if r["kind"] == kind and r["flops"] > 0 and r["bytes"] > 0
-        ]
-        if pts:
-            ax.scatter(*zip(*pts, strict=True), label=kind, s=30)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOPs / byte)")
-    ax.set_ylabel("achieved FLOP/s")
-    ax.set_title(f"Roofline: {report['experiment']}{tag}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "roofline.png", dpi=110)
-    plt.close(fig)
-    written.append("roofline.png")
-
-    fig, ax = plt.subplots(figsize=(6, 6))
-    pts = [r for r in ops if r["predicted_s"]]
-    if pts:
-        lo = min(min(r["predicted_s"], r["measured_s"]) for r in pts) / 2
-        hi = max(max(r["predicted_s"], r["measured_s"]) for r in pts) * 2
-        ax.plot([lo, hi], [lo, hi], color="gray", ls="--", label="measured = predicted")
-        for kind in sorted({r["kind"] for r in pts}):
-            sel = [r for r in pts if r["kind"] == kind]
-            ax.scatter([r["predicted_s"] for r in sel], [r["measured_s"] for r in sel], label=kind, s=30)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.legend(fontsize=8)
-    ax.set_xlabel("predicted (s)")
-    ax.set_ylabel("measured (s)")
-    ax.set_title(f"Per op: predicted vs measured{tag}")
-    fig.tight_layout()
-    fig.savefig(out / "predicted_vs_measured.png", dpi=110)
-    plt.close(fig)
-    written.append("predicted_vs_measured.png")
-
-    fig, ax = plt.subplots(figsize=(7, 3))
-    parts = report["breakdown"]
-    labels = ["measured", "predicted"]
-    left = [0.0, 0.0]
-    colors = {"compute": "#4c72b0", "communication": "#dd8452", "other": "#8c8c8c"}
-    for part in ("compute", "communication", "other"):
-        vals = [parts["measured"][part], parts["predicted"][part]]
-        ax.barh(labels, vals, left=left, color=colors[part], label=part)
-        left = [a + b for a, b in zip(left, vals, strict=True)]
-    ax.set_xlabel("seconds per step (sum of op times)")
-    ax.set_title(f"Step breakdown{tag}")
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(out / "breakdown.png", dpi=110)
-    plt.close(fig)
-    written.append("breakdown.png")
-    return written
+def _part(kind: str) -> str:
+    if kind in COLLECTIVE_ROWS or kind in ("permute",):
+        return "communication"
+    return "compute" if kind in ("matmul", "attention") else "other"
 
 
-def breakdown(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Sum of op times by compute (matmul, attention), communication (collectives), other."""
-    comm = {"all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute"}
-
-    def part(kind: str) -> str:
-        return "communication" if kind in comm else ("compute" if kind in ("matmul", "attention") else "other")
-
-    out = {s: {"compute": 0.0, "communication": 0.0, "other": 0.0} for s in ("measured", "predicted")}
+def breakdown(rows: list[dict[str, Any]], named: list[dict[str, Any]] | None = None) -> dict[str, dict[str, float]]:
+    """Sum of op times by compute (matmul, attention), communication (collectives), other: measured and predicted
+    per HLO op, estimated per named op."""
+    out = {s: {"compute": 0.0, "communication": 0.0, "other": 0.0} for s in ("measured", "predicted", "estimated")}
     for r in rows:
         if r["measured_s"]:
-            out["measured"][part(r["kind"])] += r["measured_s"]
+            out["measured"][_part(r["kind"])] += r["measured_s"]
         if r["predicted_s"]:
-            out["predicted"][part(r["kind"])] += r["predicted_s"]
+            out["predicted"][_part(r["kind"])] += r["predicted_s"]
+    for n in named or []:
+        out["estimated"][_part(n["kind"])] += n["estimated_s"] or 0.0
     return out
 
 
@@ -178,10 +173,12 @@ def median(xs: list[float]) -> float | None:
 
 
 def write_all(report: dict[str, Any], out: Path) -> list[str]:
+    from lab.report.plots import plots
+
     (out / "report.json").write_text(dumps(report))
     write_csv(report["ops"], out / "ops.csv")
     (out / "report.md").write_text(markdown(report))
     return ["report.json", "ops.csv", "report.md", *plots(report, out)]
 
 
-__all__ = ["breakdown", "ledger_table", "markdown", "median", "plots", "write_all"]
+__all__ = ["breakdown", "ledger_table", "markdown", "median", "named_table", "write_all"]

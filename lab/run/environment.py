@@ -1,0 +1,149 @@
+"""Where a run happens: the devices (emulated host devices before JAX starts), the backend's chip, and the
+record of versions, flags and device kinds each run keeps. One copy of each, for every command that runs JAX."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lab.core.errors import UserError
+from lab.core.hardware import Chip, default_catalog, specs_dir
+
+DEVICE_KIND_TO_CHIP = {
+    "h200": "h200",
+    "h100": "h100",
+    "a100": "a100-80gb",
+    "b200": "b200",
+    "tpu v5 lite": "tpu-v5e",
+    "tpu v5e": "tpu-v5e",
+    "tpu v5p": "tpu-v5p",
+    "tpu v5": "tpu-v5p",
+    "tpu v4": "tpu-v4",
+    "tpu v6": "tpu-v6e",
+    "tpu v3": "tpu-v3",
+}
+
+
+class Progress:
+    """One line per phase on stderr with the elapsed time (``quiet`` turns it off)."""
+
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+        self.t0 = time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        if not self.quiet:
+            print(f"[{time.perf_counter() - self.t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def ensure_devices(n: int) -> None:
+    """Emulate at least ``n`` (and at least 8) host devices when JAX has not started yet and the user set no
+    count; a count already in ``XLA_FLAGS`` is the user's and stays."""
+    if "jax" in sys.modules:
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(8, n)}".strip()
+
+
+def resolve_hardware(
+    name: str,
+    backend: str,
+    device_kind: str,
+    hardware_file: str | None,
+    progress: Callable[[str], None],
+    mesh: dict[str, int],
+) -> Chip:
+    """``calibrated`` (default): this backend's calibration (calibrating the host first on CPU when none
+    exists); otherwise a catalog name."""
+    catalog = default_catalog(hardware_file)
+    if name != "calibrated":
+        return catalog.get(name)
+    spec = specs_dir() / f"{backend}.json"
+    if backend == "cpu":
+        chip = catalog.get("cpu")
+        if chip.calibrated:
+            return chip
+        progress(f"no calibration for this host in {spec}: calibrating first (quick)")
+        from lab.measure.calibrate import calibrate, write_spec
+
+        cal = calibrate(mesh, quick=True, progress=progress)
+        path = write_spec(cal)
+        progress(f"wrote {path}")
+        return default_catalog(hardware_file).get("cpu")
+    if spec.is_file():
+        from lab.core.hardware import load_hardware_file
+
+        return load_hardware_file(spec, catalog)[0]
+    kind = device_kind.lower()
+    for key, chip_name in DEVICE_KIND_TO_CHIP.items():
+        if key in kind:
+            progress(
+                f"no calibration for {backend}; pricing with the catalog's {chip_name} (device kind {device_kind!r})"
+            )
+            return catalog.get(chip_name)
+    raise UserError(
+        f"no calibration for backend {backend!r} (device kind {device_kind!r}) and no catalog match; "
+        f'run `shardlab calibrate` or set hardware = "<catalog name>" in the experiment'
+    )
+
+
+def _git_commit() -> str | None:
+    try:
+        root = Path(__file__).resolve().parents[2]  # the checkout: lab/run/environment.py
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or None
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment() -> dict[str, Any]:
+    import jax
+    import jaxlib
+
+    devs = jax.devices()
+    import lab.measure.trace  # noqa: F401  (installs the filter for the profile plugin's import-time log line)
+
+    versions = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": platform.python_version()}
+    for mod in ("libtpu", "xprof", "tensorboard_plugin_profile"):
+        with contextlib.suppress(ImportError, AttributeError):
+            versions[mod] = __import__(mod).__version__
+    return {
+        "versions": versions,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "backend": devs[0].platform,
+        "device_kind": devs[0].device_kind,
+        "device_count": len(devs),
+        "host": platform.node(),
+        "lab_commit": _git_commit(),
+        "time": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def require_devices(mesh: dict[str, int]) -> None:
+    """The mesh's devices exist (after :func:`ensure_devices`), or a one-line error saying how to get them."""
+    import jax
+
+    need = 1
+    for v in mesh.values():
+        need *= v
+    if jax.device_count() < need:
+        raise UserError(
+            f"mesh {','.join(f'{k}={v}' for k, v in mesh.items())} needs {need} devices but "
+            f"{jax.device_count()} are available; on a host set XLA_FLAGS=--xla_force_host_platform_device_count={need}"
+        )
+
+
+__all__ = ["DEVICE_KIND_TO_CHIP", "Progress", "ensure_devices", "environment", "require_devices", "resolve_hardware"]
