@@ -6,7 +6,17 @@ import argparse
 import sys
 from typing import Any
 
-from lab.cli.train import _model, model_parent
+from lab.cli.args import (
+    Parser,
+    chip_of,
+    dtype_arg,
+    hardware_parent,
+    model_of,
+    model_parent,
+    ops_table,
+    plan_of,
+    positive_int,
+)
 from lab.core.errors import UserError
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
@@ -37,7 +47,7 @@ def _warn_context(model, context: int) -> None:
 
 
 def infer_config(args: argparse.Namespace, chip) -> InferConfig:
-    model = _model(args)
+    model = model_of(args)
     n = args.chips
     for name in ("tp", "dp", "ep"):
         v = getattr(args, name)
@@ -74,9 +84,31 @@ def infer_config(args: argparse.Namespace, chip) -> InferConfig:
     )
 
 
-def cmd_infer_estimate(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
-    cfg = infer_config(args, chip)
-    e = estimate_inference(cfg)
+def cmd_infer_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    plan = program = None
+    if args.plan:
+        from lab.predict.program import estimate_program
+
+        plan, chip = plan_of(args, "decode", "infer estimate")
+        program = estimate_program(plan, chip)
+        e = program.detail["infer"]
+        cfg = e.config
+    else:
+        missing = [
+            f
+            for f, v in (
+                ("--hardware", args.hardware),
+                ("--chips", args.chips),
+                ("--batch", args.batch),
+                ("--context", args.context),
+            )
+            if v is None
+        ]
+        if missing:
+            raise UserError(f"the following arguments are required: {', '.join(missing)} (or --plan FILE)")
+        chip = chip_of(args)
+        cfg = infer_config(args, chip)
+        e = estimate_inference(cfg)
     m = cfg.model
     rows = [
         [
@@ -114,7 +146,12 @@ def cmd_infer_estimate(args: argparse.Namespace, chip) -> tuple[dict[str, Any], 
         rows.append(["generate", f"{fmt_seconds(e.generate_s)} for {cfg.generate} tokens"])
     if e.cost_per_million_tokens_usd is not None:
         rows.append(["cost", f"${e.cost_per_million_tokens_usd:.3f} per million tokens"])
-    return e.to_dict(), render(["quantity", "value"], rows)
+    d = e.to_dict()
+    if program is None:
+        return d, render(["quantity", "value"], rows)
+    rows.append(["the Plan's program", f"{fmt_seconds(program.step_time_s)}: {program.notes[0]}"])
+    d |= {"program_s": program.step_time_s, "ops": [o.to_dict() for o in program.ops], "plan": plan.to_dict()}
+    return d, render(["quantity", "value"], rows, title=f"plan {plan.name} ({args.plan})") + "\n\n" + ops_table(program)
 
 
 def _png(path: str | None, default: str, draw) -> str:
@@ -140,7 +177,7 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
 def cmd_infer_sweep(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from lab.studies.serving import sweep
 
-    model = _model(args)
+    model = model_of(args)
     _warn_context(model, args.context)
     result = sweep(
         model,
@@ -161,7 +198,7 @@ def cmd_infer_sweep(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 def cmd_infer_topology(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from lab.studies.serving import topology, topology_table
 
-    model = _model(args)
+    model = model_of(args)
     _warn_context(model, args.context)
     rows = topology(model, args.hardware, context=args.context, hardware_file=args.hardware_file, scale=args.scale)
     data = {"model": model.name, "hardware": args.hardware, "context": args.context, "rows": [r.__dict__ for r in rows]}
@@ -217,25 +254,28 @@ def cmd_study_memtech(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, with_chip) -> dict[str, Any]:
     """Add ``infer estimate`` (and return the ``infer`` subparsers for the other inference commands)."""
-    from lab.cli.main import _dtype, _Parser, _positive_int
-
     ip = sub.add_parser("infer", help="serving estimates: decode, prefill, KV cache, topology")
-    isub = ip.add_subparsers(dest="infer_command", required=True, parser_class=_Parser, metavar="COMMAND")
+    isub = ip.add_subparsers(dest="infer_command", required=True, parser_class=Parser, metavar="COMMAND")
     ie = isub.add_parser(
         "estimate",
-        parents=[common, hw, model_parent(positional=False)],
+        parents=[common, hardware_parent(required=False), model_parent(positional=False)],
         help="decode step, prefill, memory and cost of one serving configuration",
     )
-    ie.add_argument("--chips", type=_positive_int("--chips"), required=True)
-    ie.add_argument("--batch", type=_positive_int("--batch"), required=True, help="concurrent sequences")
-    ie.add_argument("--context", type=_positive_int("--context"), required=True, help="tokens in each KV cache")
-    ie.add_argument("--prefill-len", type=_positive_int("--prefill-len"))
-    ie.add_argument("--generate", type=_positive_int("--generate"), help="tokens to generate (mean context priced)")
+    ie.add_argument(
+        "--plan",
+        metavar="FILE",
+        help="price exactly the decode this experiment file runs (its hardware unless --hardware), as named ops",
+    )
+    ie.add_argument("--chips", type=positive_int("--chips"), help="chips (required without --plan)")
+    ie.add_argument("--batch", type=positive_int("--batch"), help="concurrent sequences (required without --plan)")
+    ie.add_argument("--context", type=positive_int("--context"), help="tokens in each KV cache (required w/o --plan)")
+    ie.add_argument("--prefill-len", type=positive_int("--prefill-len"))
+    ie.add_argument("--generate", type=positive_int("--generate"), help="tokens to generate (mean context priced)")
     ie.add_argument("--weights", type=_storage_dtype, default="bf16", help="bf16, fp8, int8 or int4")
     ie.add_argument("--kv", type=_storage_dtype, default="bf16", help="bf16, fp8, int8 or int4")
     ie.add_argument(
         "--compute",
-        type=_dtype,
+        type=dtype_arg,
         choices=("bf16", "fp8", "int8"),
         default="bf16",
         help="matmul dtype (quantised weights still compute in bf16 unless this says otherwise)",
@@ -245,10 +285,10 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     ie.add_argument("--ep", type=int)
     ie.add_argument("--mfu", type=float, help="prefill at this MFU (2 N tokens FLOPs) instead of the roofline")
     ie.add_argument("--achievable", action="store_true", help="apply the efficiency model instead of ideal peaks")
-    ie.set_defaults(func=with_chip(cmd_infer_estimate))
+    ie.set_defaults(func=cmd_infer_estimate)
 
     def serving_args(p) -> None:
-        p.add_argument("--context", type=_positive_int("--context"), default=8192, help="tokens per KV cache")
+        p.add_argument("--context", type=positive_int("--context"), default=8192, help="tokens per KV cache")
         p.add_argument("--weights", type=_storage_dtype, default="bf16")
         p.add_argument("--kv", type=_storage_dtype, default="bf16")
 
@@ -273,7 +313,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     )
     tp_.add_argument("--hardware", required=True, metavar="NAME")
     tp_.add_argument("--scale", metavar="FIELD=X,...")
-    tp_.add_argument("--context", type=_positive_int("--context"), default=8192)
+    tp_.add_argument("--context", type=positive_int("--context"), default=8192)
     tp_.set_defaults(func=cmd_infer_topology)
 
     dg = isub.add_parser(

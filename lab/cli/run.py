@@ -1,15 +1,20 @@
-"""``shardlab run`` and ``shardlab calibrate`` (registered by :mod:`lab.cli.main`)."""
+"""``shardlab run``, ``shardlab calibrate`` and ``shardlab demo``: the commands that run programs."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
+from lab.cli.args import positive_int
 from lab.core.errors import UserError
+
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"  # the checkout's shipped experiments
 
 
 def cmd_run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    from lab.run.pipeline import ensure_devices, run_experiment
+    from lab.run.environment import ensure_devices
+    from lab.run.pipeline import run_experiment
 
     if args.devices is not None:
         ensure_devices(args.devices)
@@ -21,62 +26,86 @@ def cmd_run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         hardware=args.hardware,
         hardware_file=args.hardware_file,
         run_id=args.run_id,
+        compile_only=args.compile_only,
     )
     r = result.report
     if "points" in r:
-        from lab.core.table import render
-        from lab.core.units import fmt_seconds
-
-        rows = [
-            [
-                p["label"],
-                fmt_seconds(p["step_time_predicted_s"]),
-                fmt_seconds(p["step_time_measured_s"] or 0),
-                f"{100 * p['coverage']:.0f}%",
-                f"{p['median_ratio_large']:.2f}" if p["median_ratio_large"] else "-",
-                {True: "yes", False: "NO", None: "-"}[p["all_match"]],
-            ]
-            for p in r["points"]
-        ]
-        text = render(
-            ["point", "predicted step", "measured step", "coverage", "median ratio >= 1 MB", "audit"],
-            rows,
-            title=f"{r['experiment']}: {len(rows)} points" + (" (emulated)" if r["emulated"] else ""),
-        )
-        return r | {"run_dir": str(result.run_dir)}, text + f"\n\nreports under {result.run_dir}/points/"
+        return r | {"run_dir": str(result.run_dir)}, sweep_text(result)
     return r | {"run_dir": str(result.run_dir)}, run_text(result)
 
 
-def run_text(result) -> str:
-    """The ledger and where the files are, for one finished run."""
+def sweep_text(result) -> str:
+    """One line per point of a sweep, and where the reports are."""
+    from lab.core.table import render
     from lab.core.units import fmt_seconds
-    from lab.report.writer import ledger_table
+
+    r = result.report
+
+    def s(x):
+        return fmt_seconds(x) if x is not None else "-"
+
+    rows = [
+        [
+            p["label"],
+            s(p.get("step_time_estimated_s")),
+            s(p["step_time_predicted_s"]),
+            s(p["step_time_measured_s"]),
+            f"{100 * p['coverage']:.0f}%",
+            f"{p['median_ratio_large']:.2f}" if p["median_ratio_large"] else "-",
+            {True: "yes", False: "NO", None: "-"}[p["all_match"]],
+        ]
+        for p in r["points"]
+    ]
+    text = render(
+        ["point", "estimated", "predicted", "measured", "coverage", "median ratio >= 1 MB", "audit"],
+        rows,
+        title=f"{r['experiment']}: {len(rows)} points" + (" (emulated)" if r["emulated"] else ""),
+    )
+    return text + f"\n\nreports under {result.run_dir}/points/"
+
+
+def run_text(result) -> str:
+    """The three step times, the named ops and the heaviest HLO ops, and where the files are, for one run."""
+    from lab.core.units import fmt_seconds
+    from lab.report.writer import ledger_table, named_table
 
     r = result.report
     hw = r["hardware"]
     ratio = r["summary"]["median_ratio_large"]
     cal = "a host-calibrated spec" if hw.get("calibrated") else "an UNCALIBRATED spec"
     emulated = f" (EMULATED: timings vs {cal}, structure exact)" if r["emulated"] else ""
-    verdict = {True: "all match", False: "MISMATCH", None: "not predicted"}[r["audit"].get("all_match")]
+    verdict = {True: "all match", False: "MISMATCH", None: "not estimated"}[r["audit"].get("all_match")]
     large = f"median measured/predicted {ratio:.2f}" if ratio else "none"
+
+    def s(x):
+        return fmt_seconds(x) if x is not None else "-"
+
+    cover = r.get("estimate_coverage")
     lines = [
         f"{r['experiment']} on {r['devices']} {r['backend']} devices{emulated}",
-        f"spec {hw['name']} (calibrated: {hw.get('calibrated', False)}); audit: {verdict}",
-        f"step: measured {fmt_seconds(r['step_time_measured_s'] or 0)}, predicted "
-        f"{fmt_seconds(r['step_time_predicted_s'])}; coverage {100 * r['coverage']:.1f}%; ops of 1 MB or more: {large}",
-        "",
-        ledger_table(r["ops"], limit=15),
-        "",
-        f"report: {result.run_dir}/report.md (report.json, ops.csv, roofline.png, predicted_vs_measured.png, "
-        "breakdown.png)",
-        f"trace:  tensorboard --logdir {r['tensorboard']}",
+        f"spec {hw['name']} (calibrated: {hw.get('calibrated', False)}); audit against the estimate: {verdict}",
+        f"step: estimated {s(r['step_time_estimated_s'])}, predicted {s(r['step_time_predicted_s'])}, measured "
+        f"{s(r['step_time_measured_s'])}; coverage {100 * r['coverage']:.1f}%"
+        + (f" (estimated ops: {100 * cover:.0f}% of matmul and collective time)" if cover is not None else "")
+        + f"; ops of 1 MB or more: {large}",
     ]
+    if r.get("estimated_ops"):
+        lines += ["", named_table(r["estimated_ops"], limit=12)]
+    lines += ["", ledger_table(r["ops"], limit=10 if r.get("estimated_ops") else 15), ""]
+    if r.get("compile_only"):
+        lines.append(f"compiled only (no profile): {result.run_dir}/report.md, report.json, ops.csv, hlo.txt")
+    else:
+        lines += [
+            f"report: {result.run_dir}/report.md (report.json, ops.csv, roofline.png, predicted_vs_measured.png, "
+            "breakdown.png)",
+            f"trace:  tensorboard --logdir {r['tensorboard']}",
+        ]
     return "\n".join(lines)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from lab.core.notation import parse_mesh
-    from lab.run.pipeline import Progress, ensure_devices
+    from lab.run.environment import Progress, ensure_devices
 
     mesh = parse_mesh(args.mesh)
     n = 1
@@ -101,20 +130,38 @@ def cmd_calibrate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return cal.to_dict() | {"path": str(path)}, cal.table() + f"\n\nwrote {path}"
 
 
-def register(sub, common: argparse.ArgumentParser) -> None:
-    from lab.cli.main import _positive_int
+def cmd_demo(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from lab.run.demo import run_demo
 
+    report = run_demo(hardware=args.hardware, hardware_file=args.hardware_file)
+    if args.analytic_only:
+        return report.data, report.text
+    from lab.run.pipeline import run_experiment
+
+    experiment = EXPERIMENTS / "tp_mlp.toml"
+    result = run_experiment(str(experiment), args.out, quiet=args.json, hardware_file=args.hardware_file)
+    shown = experiment.relative_to(Path.cwd()) if experiment.is_relative_to(Path.cwd()) else experiment
+    head = f"\n\n5. The main job on the emulated mesh: shardlab run {shown}\n"
+    data = report.data | {"run": result.report | {"run_dir": str(result.run_dir)}}
+    return data, report.text + head + run_text(result)
+
+
+def register(sub, common: argparse.ArgumentParser) -> None:
+    """Add ``run``, ``calibrate`` and ``demo`` to the ``shardlab`` parser."""
     r = sub.add_parser(
-        "run", parents=[common], help="predict, compile+audit, profile, compare and report an experiment"
+        "run", parents=[common], help="estimate, compile+audit, profile, compare and report an experiment"
     )
     r.add_argument("experiment", metavar="EXPERIMENT", help="an experiments/*.toml file")
-    r.add_argument(
-        "--devices", type=_positive_int("--devices"), help="emulated host devices (CPU; default: the mesh's)"
-    )
+    r.add_argument("--devices", type=positive_int("--devices"), help="emulated host devices (CPU; default: the mesh's)")
     r.add_argument("--out", default="runs", help="parent folder of the run directory (default runs/)")
     r.add_argument("--run-id", help="name of the run directory (default: the experiment's name, or with a timestamp)")
     r.add_argument("--resume", action="store_true", help="continue an interrupted sweep in the same run directory")
     r.add_argument("--hardware", metavar="NAME", help="price with this catalog chip instead of the calibration")
+    r.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="estimate, compile and audit without profiling (a Plan that does not fit is a warning, not an error)",
+    )
     r.add_argument("--quiet", action="store_true", help="no progress lines")
     r.set_defaults(func=cmd_run)
 
@@ -124,3 +171,12 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     c.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about 15 s)")
     c.add_argument("--quiet", action="store_true")
     c.set_defaults(func=cmd_calibrate)
+
+    d = sub.add_parser("demo", parents=[common], help="the default scenario on 8 emulated devices")
+    d.add_argument("--hardware", default="tpu-v5e", metavar="NAME", help="target chip to predict for")
+    d.add_argument("--analytic-only", action="store_true", help="skip the run (compile, profile, ledger)")
+    d.add_argument("--out", default="runs", help="parent folder of the run directory (default runs/)")
+    d.set_defaults(func=cmd_demo)
+
+
+__all__ = ["cmd_calibrate", "cmd_demo", "cmd_run", "register", "run_text", "sweep_text"]

@@ -6,54 +6,24 @@ import argparse
 import math
 from typing import Any
 
+from lab.cli.args import (
+    Parser,
+    chip_of,
+    dtype_arg,
+    hardware_parent,
+    model_of,
+    model_parent,
+    ops_table,
+    plan_of,
+    positive_int,
+)
 from lab.core.errors import UserError
-from lab.core.models import CATALOG, ModelConfig, resolve_model
+from lab.core.models import CATALOG, resolve_model
 from lab.core.table import render
 from lab.core.units import canonical_dtype, fmt_bytes, fmt_count, fmt_seconds
 from lab.predict.training import OPTIMIZERS, REMAT, SCHEDULES, Layout, TrainConfig, estimate, limits
 
-MODEL_FLAGS = (
-    "layers",
-    "d_model",
-    "d_ff",
-    "heads",
-    "kv_heads",
-    "head_dim",
-    "vocab",
-    "tied_embeddings",
-    "experts",
-    "experts_per_token",
-    "gated_mlp",
-)
 GiB = 2**30
-
-
-def model_parent(positional: bool) -> argparse.ArgumentParser:
-    """--model NAME (or a positional NAME) plus the custom-model flags."""
-    p = argparse.ArgumentParser(add_help=False)
-    if positional:
-        p.add_argument("model", nargs="?", metavar="NAME", help="catalog model or a .toml file (see `model list`)")
-    else:
-        p.add_argument("--model", metavar="NAME", help="catalog model or a .toml file; flags below override it")
-    g = p.add_argument_group("custom model")
-    for flag in ("layers", "d-model", "d-ff", "heads", "kv-heads", "head-dim", "vocab", "experts", "experts-per-token"):
-        g.add_argument(f"--{flag}", type=int, metavar="N")
-    g.add_argument("--tied-embeddings", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument(
-        "--gated-mlp",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="SwiGLU MLP with 3 matrices (default for custom models) or a 2-matrix GeLU MLP",
-    )
-    return p
-
-
-def _model(args: argparse.Namespace) -> ModelConfig:
-    overrides = {k: getattr(args, k) for k in MODEL_FLAGS}
-    for k, v in overrides.items():
-        if isinstance(v, int) and not isinstance(v, bool) and v <= 0:
-            raise UserError(f"--{k.replace('_', '-')} must be a positive integer, got {v}")
-    return resolve_model(args.model, overrides)
 
 
 def cmd_model_list(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -77,7 +47,7 @@ def cmd_model_list(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 def cmd_model_show(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    m = _model(args)
+    m = model_of(args)
     kv = canonical_dtype(args.kv_dtype)
     d = m.to_dict(seq_len=args.seq_len, kv_dtype=kv)
     rows = [
@@ -134,7 +104,7 @@ def _layout(args: argparse.Namespace) -> Layout:
 
 
 def train_config(args: argparse.Namespace, chip) -> TrainConfig:
-    model = _model(args)
+    model = model_of(args)
     if args.chips < 1:
         raise UserError(f"--chips must be a positive integer, got {args.chips}")
     layout = _layout(args)
@@ -169,11 +139,60 @@ def train_config(args: argparse.Namespace, chip) -> TrainConfig:
     )
 
 
-def cmd_train_estimate(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
-    cfg = train_config(args, chip)
-    est = estimate(cfg)
-    m = cfg.model
+def _job(args: argparse.Namespace):
+    """``(estimate, plan, program estimate)``: from ``--plan FILE`` (the last two set), or from the flags."""
+    if args.plan:
+        from lab.predict.program import estimate_program
+
+        plan, chip = plan_of(args, "train_step", "train estimate")
+        program = estimate_program(plan, chip)
+        return program.detail["train"], plan, program
+    missing = [f for f, v in (("--hardware", args.hardware), ("--chips", args.chips)) if v is None]
+    if missing:
+        raise UserError(f"the following arguments are required: {', '.join(missing)} (or --plan FILE)")
+    return estimate(train_config(args, chip_of(args))), None, None
+
+
+def _step_rows(est) -> list[list[str]]:
+    """The estimate's table: the job, the step and its parts, throughput, memory and the verdicts."""
+    cfg, b, mem = est.config, est.breakdown, est.memory
+    m, chip = cfg.model, cfg.chip
+    comm = ", ".join(f"{k[5:-2]} {fmt_seconds(v)}" for k, v in b.items() if k.startswith("comm_") and v > 0)
+    return [
+        ["model / hardware", f"{m.name} ({fmt_count(m.params)} params) on {cfg.layout.chips} x {chip.name}"],
+        [
+            "layout",
+            f"{cfg.layout.describe()}, remat {cfg.remat}, microbatch {cfg.microbatch} x {cfg.microbatches} per step",
+        ],
+        ["batch", f"{cfg.global_batch} x {cfg.seq_len} = {fmt_count(cfg.batch_tokens)} tokens"],
+        ["step time", fmt_seconds(est.step_time_s)],
+        ["  compute", fmt_seconds(b["compute_s"])],
+        ["  exposed comm", fmt_seconds(b["exposed_comm_s"]) + f"  ({comm})"],
+        ["  pipeline bubble", fmt_seconds(b["bubble_s"])],
+        ["  optimizer", fmt_seconds(b["optimizer_s"])],
+        ["tokens/s", f"{fmt_count(est.tokens_per_s)} ({fmt_count(est.tokens_per_s / cfg.layout.chips)} per chip)"],
+        ["MFU / HFU", f"{100 * est.mfu:.1f}% / {100 * est.hfu:.1f}%"],
+        [
+            "memory per chip",
+            f"{mem.total / GiB:.1f} GiB of {mem.hbm_bytes / GiB:.1f} GiB: params "
+            f"{mem.params / GiB:.1f}, grads {mem.grads / GiB:.1f}, optimizer {mem.optimizer / GiB:.1f},"
+            f" activations {mem.activations / GiB:.1f}",
+        ],
+        ["fits", "yes" if mem.fits else f"NO: {est.overflow()} is the largest part"],
+        ["min chips (ZeRO-3)", str(est.min_chips) if est.min_chips else "none: activations alone overflow"],
+        ["bottleneck", est.bottleneck],
+    ]
+
+
+def cmd_train_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    est, plan, program = _job(args)
+    cfg = est.config
+    m, chip = cfg.model, cfg.chip
     d = est.to_dict()
+    if args.save_plan:
+        d["plan_file"] = save_plan(cfg, args.save_plan)
+    if program is not None:
+        d |= {"ops": [o.to_dict() for o in program.ops], "plan": plan.to_dict()}
     if args.tokens is not None and args.tokens <= 0:
         raise UserError(f"--tokens must be positive, got {args.tokens}")
     if args.mfu is not None and not 0 < args.mfu <= 1:
@@ -191,38 +210,7 @@ def cmd_train_estimate(args: argparse.Namespace, chip) -> tuple[dict[str, Any], 
         if chip.price_per_hour:
             cost = days * 24 * cfg.layout.chips * chip.price_per_hour
     d.update(total_flops=total_flops, days=days, cost_usd=cost, tokens=args.tokens, mfu_given=args.mfu)
-    b = est.breakdown
-    mem = est.memory
-    rows = [
-        ["model / hardware", f"{m.name} ({fmt_count(m.params)} params) on {cfg.layout.chips} x {chip.name}"],
-        [
-            "layout",
-            f"{cfg.layout.describe()}, remat {cfg.remat}, microbatch {cfg.microbatch} x {cfg.microbatches} per step",
-        ],
-        ["batch", f"{cfg.global_batch} x {cfg.seq_len} = {fmt_count(cfg.batch_tokens)} tokens"],
-        ["step time", fmt_seconds(est.step_time_s)],
-        ["  compute", fmt_seconds(b["compute_s"])],
-        [
-            "  exposed comm",
-            fmt_seconds(b["exposed_comm_s"])
-            + "  ("
-            + ", ".join(f"{k[5:-2]} {fmt_seconds(v)}" for k, v in b.items() if k.startswith("comm_") and v > 0)
-            + ")",
-        ],
-        ["  pipeline bubble", fmt_seconds(b["bubble_s"])],
-        ["  optimizer", fmt_seconds(b["optimizer_s"])],
-        ["tokens/s", f"{fmt_count(est.tokens_per_s)} ({fmt_count(est.tokens_per_s / cfg.layout.chips)} per chip)"],
-        ["MFU / HFU", f"{100 * est.mfu:.1f}% / {100 * est.hfu:.1f}%"],
-        [
-            "memory per chip",
-            f"{mem.total / GiB:.1f} GiB of {mem.hbm_bytes / GiB:.1f} GiB: params "
-            f"{mem.params / GiB:.1f}, grads {mem.grads / GiB:.1f}, optimizer {mem.optimizer / GiB:.1f},"
-            f" activations {mem.activations / GiB:.1f}",
-        ],
-        ["fits", "yes" if mem.fits else f"NO: {est.overflow()} is the largest part"],
-        ["min chips (ZeRO-3)", str(est.min_chips) if est.min_chips else "none: activations alone overflow"],
-        ["bottleneck", est.bottleneck],
-    ]
+    rows = _step_rows(est)
     if total_flops is not None:
         rows += [
             ["total FLOPs", f"{total_flops:.3g}" + (" (6N)" if args.seq_len is None else "")],
@@ -230,7 +218,49 @@ def cmd_train_estimate(args: argparse.Namespace, chip) -> tuple[dict[str, Any], 
         ]
         if cost is not None:
             rows.append(["cost", f"${cost:,.0f} at ${chip.price_per_hour:.2f}/chip-hour"])
-    return d, render(["quantity", "value"], rows)
+    text = render(["quantity", "value"], rows, title=f"plan {plan.name} ({args.plan})" if plan else None)
+    if program is not None:
+        text += "\n\n" + ops_table(program)
+    return d, text
+
+
+def save_plan(cfg: TrainConfig, path: str) -> str:
+    """Write the job as an experiment file (a Plan) that ``train estimate --plan`` prices the same way."""
+    from pathlib import Path
+
+    from lab.core.plan import Options, plan_from_degrees
+
+    lay = cfg.layout
+    options = Options(
+        microbatch=cfg.microbatch,
+        zero=lay.zero,
+        pp_schedule=lay.pp_schedule,
+        interleave=lay.interleave,
+        checkpoints_per_layer=cfg.checkpoints_per_layer,
+        flash_attention=cfg.flash_attention,
+        fused_projections=cfg.fused_projections,
+        causal=cfg.causal,
+    )
+    plan = plan_from_degrees(
+        cfg.model,
+        hardware=cfg.chip.name,
+        batch=cfg.global_batch,
+        seq_len=cfg.seq_len,
+        **{k: getattr(lay, k) for k in ("dp", "fsdp", "tp", "pp", "cp", "ep", "sequence_parallel")},
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        remat=cfg.remat,
+        optimizer=cfg.optimizer,
+        options=options,
+    )
+    text = plan.to_toml(
+        f"{cfg.model.name} on {lay.chips} x {cfg.chip.name}, {lay.describe()}: written by train estimate"
+    )
+    try:
+        Path(path).write_text(text)
+    except OSError as exc:
+        raise UserError(f"cannot write the plan to {path!r}: {exc.strerror}") from None
+    return path
 
 
 def cmd_train_limits(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
@@ -266,7 +296,7 @@ def cmd_train_limits(args: argparse.Namespace, chip) -> tuple[dict[str, Any], st
 def cmd_plan(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
     from lab.predict.planner import plan
 
-    model = _model(args)
+    model = model_of(args)
     seq = args.seq_len or model.max_seq_len
     result = plan(
         model, chip, args.chips, args.batch_tokens, seq, top=args.top, dtype=args.dtype, optimizer=args.optimizer
@@ -309,10 +339,8 @@ def cmd_validate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, with_chip) -> None:
     """Add ``model``, ``train`` and ``validate`` to the ``shardlab`` parser."""
-    from lab.cli.main import _dtype, _Parser, _positive_int
-
     mp = sub.add_parser("model", help="the model catalog and Transformer accounting")
-    msub = mp.add_subparsers(dest="model_command", required=True, parser_class=_Parser, metavar="list|show")
+    msub = mp.add_subparsers(dest="model_command", required=True, parser_class=Parser, metavar="list|show")
     ml = msub.add_parser("list", parents=[common], help="every catalog model")
     ml.set_defaults(func=cmd_model_list)
     ms = msub.add_parser(
@@ -320,32 +348,39 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
         parents=[common, model_parent(positional=True)],
         help="params, FLOPs per token, KV bytes of a catalog or custom model",
     )
-    ms.add_argument("--kv-dtype", type=_dtype, default="bf16")
-    ms.add_argument("--seq-len", type=_positive_int("--seq-len"), help="FLOPs per token at this context")
+    ms.add_argument("--kv-dtype", type=dtype_arg, default="bf16")
+    ms.add_argument("--seq-len", type=positive_int("--seq-len"), help="FLOPs per token at this context")
     ms.set_defaults(func=cmd_model_show)
 
     tp = sub.add_parser("train", help="training estimates")
-    tsub = tp.add_subparsers(dest="train_command", required=True, parser_class=_Parser, metavar="estimate|limits")
+    tsub = tp.add_subparsers(dest="train_command", required=True, parser_class=Parser, metavar="estimate|limits")
     te = tsub.add_parser(
         "estimate",
-        parents=[common, hw, model_parent(positional=False)],
+        parents=[common, hardware_parent(required=False), model_parent(positional=False)],
         help="step time, memory, MFU, days and cost of a training job",
     )
-    te.add_argument("--chips", type=_positive_int("--chips"), required=True)
+    te.add_argument(
+        "--plan",
+        metavar="FILE",
+        help="price exactly what this experiment file runs (its model, mesh, rules, sizes; its hardware unless "
+        "--hardware), as named ops",
+    )
+    te.add_argument("--chips", type=positive_int("--chips"), help="chips (required without --plan)")
+    te.add_argument("--save-plan", metavar="FILE", help="also write this job as an experiment file (a Plan)")
     te.add_argument("--tokens", type=float, help="training tokens, for total FLOPs, days and cost")
     te.add_argument("--mfu", type=float, help="take days at this MFU instead of the predicted step time")
     bg = te.add_mutually_exclusive_group()
-    bg.add_argument("--global-batch", type=_positive_int("--global-batch"), metavar="SEQS")
-    bg.add_argument("--batch-tokens", type=_positive_int("--batch-tokens"), metavar="B")
-    te.add_argument("--seq-len", type=_positive_int("--seq-len"), help="default: the model's context")
-    te.add_argument("--microbatch", type=_positive_int("--microbatch"), default=1)
+    bg.add_argument("--global-batch", type=positive_int("--global-batch"), metavar="SEQS")
+    bg.add_argument("--batch-tokens", type=positive_int("--batch-tokens"), metavar="B")
+    te.add_argument("--seq-len", type=positive_int("--seq-len"), help="default: the model's context")
+    te.add_argument("--microbatch", type=positive_int("--microbatch"), default=1)
     for k in ("dp", "fsdp", "tp", "pp", "cp"):
         te.add_argument(f"--{k}", type=int)
-    te.add_argument("--ep", type=_positive_int("--ep"), default=1)
+    te.add_argument("--ep", type=positive_int("--ep"), default=1)
     te.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     te.add_argument("--sequence-parallel", action="store_true")
     te.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b")
-    te.add_argument("--interleave", type=_positive_int("--interleave"), default=1)
+    te.add_argument("--interleave", type=positive_int("--interleave"), default=1)
     te.add_argument("--remat", choices=REMAT, default="selective")
     te.add_argument(
         "--checkpoints-per-layer",
@@ -356,16 +391,16 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     te.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
     te.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam")
     te.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=True)
-    te.set_defaults(func=with_chip(cmd_train_estimate))
+    te.set_defaults(func=cmd_train_estimate)
 
     tl = tsub.add_parser("limits", parents=[common, hw], help="the book's DP, TP and FSDP thresholds")
     tl.add_argument("--model", metavar="NAME", help="take --d-ff from this model")
-    tl.add_argument("--d-ff", type=_positive_int("--d-ff"))
-    tl.add_argument("--axes", type=_positive_int("--axes"), default=1, help="ICI axes the DP/FSDP group spans (M_X)")
-    tl.add_argument("--tp-axes", type=_positive_int("--tp-axes"), default=1, help="ICI axes of the TP group (M_Y)")
-    tl.add_argument("--chips", type=_positive_int("--chips"))
-    tl.add_argument("--batch-tokens", type=_positive_int("--batch-tokens"))
-    tl.add_argument("--dtype", type=_dtype, default="bf16")
+    tl.add_argument("--d-ff", type=positive_int("--d-ff"))
+    tl.add_argument("--axes", type=positive_int("--axes"), default=1, help="ICI axes the DP/FSDP group spans (M_X)")
+    tl.add_argument("--tp-axes", type=positive_int("--tp-axes"), default=1, help="ICI axes of the TP group (M_Y)")
+    tl.add_argument("--chips", type=positive_int("--chips"))
+    tl.add_argument("--batch-tokens", type=positive_int("--batch-tokens"))
+    tl.add_argument("--dtype", type=dtype_arg, default="bf16")
     tl.set_defaults(func=with_chip(cmd_train_limits))
 
     pl = sub.add_parser(
@@ -373,17 +408,17 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
         parents=[common, hw, model_parent(positional=False)],
         help="search every layout, remat policy and microbatch; rank by predicted step time",
     )
-    pl.add_argument("--chips", type=_positive_int("--chips"), required=True)
-    pl.add_argument("--batch-tokens", type=_positive_int("--batch-tokens"), required=True)
-    pl.add_argument("--seq-len", type=_positive_int("--seq-len"), help="default: the model's context")
-    pl.add_argument("--top", type=_positive_int("--top"), default=10)
+    pl.add_argument("--chips", type=positive_int("--chips"), required=True)
+    pl.add_argument("--batch-tokens", type=positive_int("--batch-tokens"), required=True)
+    pl.add_argument("--seq-len", type=positive_int("--seq-len"), help="default: the model's context")
+    pl.add_argument("--top", type=positive_int("--top"), default=10)
     pl.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
     pl.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam")
     pl.set_defaults(func=with_chip(cmd_plan))
 
     st = sub.add_parser("study", help="studies across hardware generations and technologies")
     ssub = st.add_subparsers(
-        dest="study_command", required=True, parser_class=_Parser, metavar="generations|memory-tech"
+        dest="study_command", required=True, parser_class=Parser, metavar="generations|memory-tech"
     )
     sg = ssub.add_parser(
         "generations",
@@ -391,10 +426,10 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
         help="one model's training time on A100, H100, H200 and B200 systems of one size",
     )
     sg.add_argument("--model", default="gpt3-175b", metavar="NAME")
-    sg.add_argument("--chips", type=_positive_int("--chips"), default=1024)
+    sg.add_argument("--chips", type=positive_int("--chips"), default=1024)
     sg.add_argument("--tokens", type=float, default=300e9)
-    sg.add_argument("--seq-len", type=_positive_int("--seq-len"), default=2048)
-    sg.add_argument("--global-batch", type=_positive_int("--global-batch"), default=1536)
+    sg.add_argument("--seq-len", type=positive_int("--seq-len"), default=2048)
+    sg.add_argument("--global-batch", type=positive_int("--global-batch"), default=1536)
     sg.add_argument("--png", metavar="PATH", help="bar chart (default: runs/study/generations_<model>.png)")
     sg.set_defaults(func=cmd_study_generations)
     sm = ssub.add_parser(
@@ -405,10 +440,10 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     sm.add_argument("--model", default="llama3-70b", metavar="NAME")
     sm.add_argument("--hardware", default="h100", metavar="NAME")
     sm.add_argument("--scale", metavar="FIELD=X,...")
-    sm.add_argument("--stacks", type=_positive_int("--stacks"), help="HBM stacks (default: the chip's own)")
-    sm.add_argument("--context", type=_positive_int("--context"), default=8192)
-    sm.add_argument("--batch", type=_positive_int("--batch"), help="fixed batch (default: the largest that fits)")
-    sm.add_argument("--tp", type=_positive_int("--tp"), default=8)
+    sm.add_argument("--stacks", type=positive_int("--stacks"), help="HBM stacks (default: the chip's own)")
+    sm.add_argument("--context", type=positive_int("--context"), default=8192)
+    sm.add_argument("--batch", type=positive_int("--batch"), help="fixed batch (default: the largest that fits)")
+    sm.add_argument("--tp", type=positive_int("--tp"), default=8)
     sm.add_argument("--weights", choices=("bf16", "fp8", "int8", "int4"), default="bf16")
     sm.add_argument("--kv", choices=("bf16", "fp8", "int8", "int4"), default="bf16")
     sm.add_argument("--png", metavar="PATH")
