@@ -66,8 +66,10 @@ def test_a_forced_reshard_is_reported_with_its_source_line(jax_devices):
     from jax.sharding import PartitionSpec as P
 
     from kernels.mesh import make_mesh
-    from kernels.registry import get_kernel
-    from lab.compile.audit import audit_compiled, predict
+    from lab.compile.audit import audit_compiled
+    from lab.core.hardware import get_chip
+    from lab.core.plan import kernel_plan
+    from lab.predict.program import estimate_program
 
     mesh = {"X": 2, "Y": 4}
     jmesh = make_mesh(mesh)
@@ -75,9 +77,10 @@ def test_a_forced_reshard_is_reported_with_its_source_line(jax_devices):
     b = jax.device_put(np.ones((88, 104), np.float32), NamedSharding(jmesh, P(None, "Y")))
     wrong = NamedSharding(jmesh, P("Y", "X"))  # C[I_Y, K_X] instead of the natural C[I_X, K_Y]
     fn = jax.jit(lambda a, b: jnp.einsum("ij,jk->ik", a, b), out_shardings=wrong)
-    predicted, flops = predict(get_kernel("sharded_matmul_case1"), mesh, MATMUL_SIZES, "fp32")
-    assert predicted == []
-    r = audit_compiled("case1-misharded", fn.lower(a, b).compile(), predicted, flops, mesh, MATMUL_SIZES, "fp32", "cpu")
+    plan = kernel_plan("sharded_matmul_case1", mesh, MATMUL_SIZES, "fp32", name="case1-misharded")
+    est = estimate_program(plan, get_chip("cpu"))
+    assert est.collectives() == []
+    r = audit_compiled(plan, fn.lower(a, b).compile(), est, "cpu")
     assert not r.all_match and r.unexpected
     assert all("test_audit.py" in u["source"] for u in r.unexpected), r.unexpected
     assert "UNEXPECTED" in r.table()
@@ -98,16 +101,17 @@ def test_bf16_collectives_on_cpu_are_named_not_hidden(jax_devices):
     "path", sorted(p for p in os.listdir(os.path.join(REPO, "experiments")) if p.endswith(".toml"))
 )
 def test_shipped_experiments_load_and_match(jax_devices, path):
-    from lab.compile.audit import audit_kernel
+    """Every shipped experiment, the Transformer's train steps and decode included, compiles to exactly the
+    collectives and FLOPs the estimate of its Plan says, and nothing else."""
+    from lab.compile.audit import audit_plan
+    from lab.core.hardware import get_chip
 
     exp = load_experiment(os.path.join(REPO, "experiments", path))
-    if exp.kernel in ("train_step", "decode"):  # the Transformer's experiments: tests/test_model_audit.py
-        return
     assert exp.name == path.removesuffix(".toml") and exp.devices <= 8
     with open(os.path.join(REPO, "experiments", path)) as f:
         assert f.readline().startswith("# ")  # each file says in a comment what question it answers
-    r = audit_kernel(exp.kernel, exp.mesh, exp.sizes, exp.dtype, exp.axes)
-    assert r.all_match, r.table()
+    r = audit_plan(exp.plan, get_chip("cpu"))
+    assert r.all_match and not r.unexpected and r.flops_match, r.table()
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from lab.cli.main import main, parse_bytes
+from lab.cli.args import parse_bytes
+from lab.cli.main import main
 
 
 def run_json(capsys, *argv):

@@ -723,3 +723,15 @@ def test_real_shard_map_program(jax_devices):
     line = next(i for i, s in enumerate(Path(__file__).read_text().splitlines(), 1) if s.endswith("# marker: ppermute"))
     assert cp.source.startswith(f"{__file__}:{line} (") and cp.source.endswith("step)")
     assert "ppermute" in cp.op_name
+
+
+def test_mesh_replica_groups_with_device_ids():
+    """XLA prints some groups over a reshaped mesh of permuted device ids (jax 0.10 decode's embedding AllReduce):
+    ``mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}`` is the model axis of
+    data=2 x model=4, not every device."""
+    text = "mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}"
+    groups = parse_replica_groups(text)
+    assert groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert axes_of_groups(groups, {"data": 2, "model": 4}) == ("model",)
+    over_data = parse_replica_groups("mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_2'}")
+    assert axes_of_groups(over_data, {"data": 2, "model": 4}) == ("data",)

@@ -15,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from lab.core.errors import UserError
+from lab.core.plan import Plan, make_mesh_axes
+from lab.core.rules import PRESETS, get_rules
 
 B, T = 8, 20  # batch divides data x model = 8; T = 5 x 4 divides the model axis (sequence parallelism)
 PROMPT, STEPS = 8, 6
@@ -49,6 +50,20 @@ def _mesh(name: str) -> dict[str, int]:
     return SINGLE if name == "single" else MESHES[name]
 
 
+def _plan(program: str, rules: str, mesh: dict[str, int], sizes: dict[str, int], model=None, **kw) -> Plan:
+    from kernels.transformer import TINY
+
+    return Plan(program, make_mesh_axes(mesh), sizes, model=model or TINY, rules=get_rules(rules), **kw)
+
+
+def _train_plan(rules: str, mesh: dict[str, int], batch: int = B, seq: int = T, model=None, **kw) -> Plan:
+    return _plan("train_step", rules, mesh, {"batch": batch, "seq": seq}, model, **kw)
+
+
+def _decode_plan(rules: str, mesh: dict[str, int], batch: int = B, model=None) -> Plan:
+    return _plan("decode", rules, mesh, {"batch": batch, "prompt_len": PROMPT, "steps": STEPS}, model)
+
+
 @functools.cache
 def _grads(rules: str, mesh: str, remat: str = "none", dtype: str = "float32"):
     """Loss, gradients (host) and compiled temp bytes of one configuration; params from key 0 on its layout."""
@@ -56,13 +71,13 @@ def _grads(rules: str, mesh: str, remat: str = "none", dtype: str = "float32"):
 
     from kernels import transformer as tr
 
-    cfg = dataclasses.replace(tr.TINY, compute_dtype=dtype)
+    cfg = tr.TINY
     r = tr.get_rules(rules)
     m = tr.transformer_mesh(_mesh(mesh))
     tr.validate(cfg, r, m, batch=B, seq=T)
     params = tr.init_params(cfg, r, m, jax.random.key(0))
-    tokens = jax.device_put(tr.synthetic_tokens(cfg, B, T), tr.NamedSharding(m, r.logical_to_physical(("batch", None))))
-    compiled = tr.make_grads_fn(cfg, r, m, remat).lower(params, tokens).compile()
+    tokens = jax.device_put(tr.synthetic_tokens(cfg, B, T), tr.token_sharding(r, m))
+    compiled = tr.make_grads_fn(cfg, r, m, remat, dtype).lower(params, tokens).compile()
     loss, grads = compiled(params, tokens)
     shardings = jax.tree.map(lambda g: g.sharding, grads)
     return float(loss), jax.device_get(grads), compiled.memory_analysis().temp_size_in_bytes, shardings
@@ -75,12 +90,14 @@ def _train(rules: str, mesh: str):
 
     from kernels import transformer as tr
 
-    step, (params, opt_state, tokens) = tr.build_train(tr.TINY, rules, _mesh(mesh), B, T, remat="selective")
-    compiled = step.lower(params, opt_state, tokens).compile()
-    losses = []
+    built = tr.build_train(_train_plan(rules, _mesh(mesh), remat="selective"))
+    compiled = built.fn.lower(*built.abstract).compile()  # from abstract arguments: nothing allocated yet
+    run = built.runner(compiled)  # carries the donated parameters and optimizer state from step to step
+    losses, out = [], None
     for _ in range(TRAIN_STEPS):
-        params, opt_state, loss = compiled(params, opt_state, tokens)
-        losses.append(float(loss))
+        out = run()
+        losses.append(float(out[2]))
+    params, opt_state = out[0], out[1]
     shard = lambda t: jax.tree.map(lambda a: a.sharding, t)  # noqa: E731
     return losses, shard(params), shard(opt_state), compiled.as_text()
 
@@ -89,8 +106,14 @@ def _train(rules: str, mesh: str):
 def _generate(rules: str, mesh: str) -> np.ndarray:
     from kernels import transformer as tr
 
-    fn, args = tr.build_decode(tr.TINY, rules, _mesh(mesh), B, PROMPT, STEPS)
-    return np.asarray(fn(*args))
+    built = tr.build_decode(_decode_plan(rules, _mesh(mesh)))
+    return np.asarray(built.fn(*built.args))
+
+
+def _P(*axes):
+    from jax.sharding import PartitionSpec
+
+    return PartitionSpec(*axes)
 
 
 def _assert_tree_close(got, want, rtol, atol):
@@ -103,54 +126,52 @@ def _assert_tree_close(got, want, rtol, atol):
 # ----- config and rules ---------------------------------------------------------------------------------------
 
 
-def test_tiny_param_count_matches_model_accounting(tr):
-    from lab.core.models import ModelConfig
+def test_the_kernel_params_are_the_model_configs(tr):
+    # one model description: the kernel's declared arrays hold exactly ModelConfig.params parameters
+    import math
 
-    c = tr.TINY
-    m = ModelConfig("tiny", c.layers, c.d_model, c.d_ff, c.heads, c.kv_heads, c.head_dim, c.vocab)
-    assert c.params == m.params
+    import jax
+
+    leaves = jax.tree.leaves(tr.param_info(tr.TINY), is_leaf=lambda x: isinstance(x, tr.ArrayInfo))
+    assert sum(math.prod(i.shape) for i in leaves) == tr.TINY.params == 77336
 
 
-def test_from_model(tr):
+def test_a_catalog_model_runs_with_overrides_and_unsupported_ones_are_refused(tr, no_compile):
     from lab.core.models import get_model
 
-    cfg = tr.TransformerConfig.from_model(get_model("llama3-8b"), layers=2)
-    assert (cfg.d_model, cfg.d_ff, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.layers) == (4096, 14336, 32, 8, 128, 2)
+    llama = dataclasses.replace(get_model("llama3-8b"), layers=2, vocab=1024, max_seq_len=64)
+    _train_plan("tp", MESHES["d2m4"], model=llama).validate()  # heads 32, kv 8, ffw 14336 divide model=4
     with pytest.raises(UserError, match="tied embeddings"):
-        tr.TransformerConfig.from_model(get_model("gpt3-175b"))
+        _train_plan("tp", MESHES["d2m4"], model=get_model("gpt3-175b")).validate()
 
 
 def test_rules_table(tr):
-    P = tr.P
+    P = _P
     wq = ("layers", "embed", "heads", "head_dim")
-    assert tr.RULES["single"].logical_to_physical(wq) == P(None, None, None, None)
-    assert tr.RULES["fsdp"].logical_to_physical(wq) == P(None, ("data", "model"), None, None)
-    assert tr.RULES["tp"].logical_to_physical(wq) == P(None, None, "model", None)
-    assert tr.RULES["fsdp_tp"].logical_to_physical(wq) == P(None, "data", "model", None)
-    assert tr.RULES["tp_sp"].logical_to_physical(("batch", "sequence", "act_embed")) == P("data", "model", None)
-    assert tr.RULES["dp"].logical_to_physical(("batch", None)) == P(("data", "model"), None)
+    assert tr.partition_spec(PRESETS["single"], wq) == P(None, None, None, None)
+    assert tr.partition_spec(PRESETS["fsdp"], wq) == P(None, ("data", "model"), None, None)
+    assert tr.partition_spec(PRESETS["tp"], wq) == P(None, None, "model", None)
+    assert tr.partition_spec(PRESETS["fsdp_tp"], wq) == P(None, "data", "model", None)
+    assert tr.partition_spec(PRESETS["tp_sp"], ("batch", "sequence", "act_embed")) == P("data", "model", None)
+    assert tr.partition_spec(PRESETS["dp"], ("batch", None)) == P(("data", "model"), None)
 
 
 def test_param_bytes_per_device(tr):
     total = 4 * tr.TINY.params
     mesh = MESHES["d2m4"]
-    assert tr.param_bytes_per_device(tr.TINY, tr.RULES["dp"], mesh) == total
-    assert tr.param_bytes_per_device(tr.TINY, tr.RULES["fsdp"], mesh) == total / 8
+    assert tr.param_bytes_per_device(tr.TINY, PRESETS["dp"], mesh) == total
+    assert tr.param_bytes_per_device(tr.TINY, PRESETS["fsdp"], mesh) == total / 8
 
 
 def test_experiment_files_describe_valid_layouts(tr):
+    from lab.run.experiment import load_experiment
+
     for name in ("train_fsdp_tp", "train_dp", "decode_tp"):
         path = ROOT / "experiments" / f"{name}.toml"
-        text = path.read_text()
-        assert text.startswith("# "), f"{path} must open with its question"
-        doc = tomllib.loads(text)
-        exp, run, sizes = doc["experiment"], doc["run"], doc["sizes"]
-        cfg = tr.TransformerConfig(**doc["model"], compute_dtype=exp["dtype"])
-        assert exp["kernel"] in ("train_step", "decode")
-        decode = exp["kernel"] == "decode"
-        seq = sizes["prompt_len"] if decode else sizes["seq"]
-        tr.validate(cfg, tr.get_rules(run["rules"]), doc["mesh"], batch=sizes["batch"], seq=seq, decode=decode)
-        assert run.get("remat", "none") in tr.REMAT
+        assert path.read_text().startswith("# "), f"{path} must open with its question"
+        plan = load_experiment(path).plan  # validated: the model's, activations' and cache's dims divide
+        assert plan.program in ("train_step", "decode") and plan.model.params == tr.TINY.params
+        assert plan.remat in tr.REMAT
 
 
 # ----- bad input: refused before anything compiles --------------------------------------------------------------
@@ -169,7 +190,7 @@ def no_compile(tr, monkeypatch):
 def test_one_mesh_axis_on_two_dims(tr, no_compile):
     bad = tr.ShardingRules(embed=tr.MODEL, heads=tr.MODEL)
     with pytest.raises(UserError, match=r"mesh axis 'model' to both 'embed' and 'heads'"):
-        bad.logical_to_physical(("layers", "embed", "heads", "head_dim"))
+        tr.partition_spec(bad, ("layers", "embed", "heads", "head_dim"))
     with pytest.raises(UserError, match=r"'model' to both '(embed|heads)' and '(heads|embed)' of layers/w"):
         tr.validate(tr.TINY, bad, MESHES["d2m4"])
     # an activation conflict: q[B, T, N, H] with batch and heads both on data
@@ -181,7 +202,7 @@ def test_one_mesh_axis_on_two_dims(tr, no_compile):
 def test_heads_not_divisible(tr, no_compile):
     cfg = dataclasses.replace(tr.TINY, heads=6, kv_heads=6)
     with pytest.raises(UserError, match=r"heads=6 .* not divisible by mesh axis 'model' of size 4"):
-        tr.build_train(cfg, "tp", MESHES["d2m4"], B, T)
+        tr.build_train(_train_plan("tp", MESHES["d2m4"], model=cfg))
     cfg = dataclasses.replace(tr.TINY, d_ff=100)  # 100 = 4 x 25: divides model=4, not model=8
     with pytest.raises(UserError, match=r"ffw=100 .* mesh axis 'model' of size 8"):
         tr.validate(cfg, tr.ShardingRules(ffw=tr.MODEL), {"data": 1, "model": 8})
@@ -189,13 +210,13 @@ def test_heads_not_divisible(tr, no_compile):
 
 def test_batch_not_divisible(tr, no_compile):
     with pytest.raises(UserError, match=r"batch=6 .* mesh axes \('data', 'model'\) of size 8"):
-        tr.build_train(tr.TINY, "dp", MESHES["d2m4"], 6, T)
+        tr.build_train(_train_plan("dp", MESHES["d2m4"], batch=6))
     with pytest.raises(UserError, match=r"batch=6 .* mesh axis 'data' of size 4"):
-        tr.build_decode(tr.TINY, "tp", MESHES["d4m2"], 6, PROMPT, STEPS)
+        tr.build_decode(_decode_plan("tp", MESHES["d4m2"], batch=6))
     with pytest.raises(UserError, match=r"sequence=18 .* mesh axis 'model' of size 4"):
-        tr.build_train(tr.TINY, "tp_sp", MESHES["d2m4"], B, 18)
+        tr.build_train(_train_plan("tp_sp", MESHES["d2m4"], seq=18))
     with pytest.raises(UserError, match="unknown sharding rules 'zero3'"):
-        tr.build_train(tr.TINY, "zero3", MESHES["d2m4"], B, T)
+        get_rules("zero3")
 
 
 # ----- numerics: sharded equals single-device -----------------------------------------------------------------
@@ -261,20 +282,20 @@ def test_fsdp_optimizer_state_sharded_like_params(tr):
 
     # declared (fsdp: ZeRO-3 over all 8 devices): every moment like its parameter, a wq shard is [L, D/8, N, H]
     mesh = tr.transformer_mesh(MESHES["d2m4"])
-    rules = tr.RULES["fsdp"]
+    rules = PRESETS["fsdp"]
     p_sh = tr.shardings(tr.param_info(tr.TINY), rules, mesh)
     o_sh = tr.opt_state_shardings(tr.optimizer(), tr.TINY, rules, mesh)
     for moment in _moments(tr, o_sh):
         assert jax.tree.leaves(moment) == jax.tree.leaves(p_sh)
     wq = p_sh["layers"]["wq"]
-    assert wq.spec == tr.P(None, ("data", "model"), None, None)
+    assert wq.spec == _P(None, ("data", "model"), None, None)
     assert wq.shard_shape((2, 56, 8, 12)) == (2, 56 // 8, 8, 12)
     # allocated and stepped (fsdp_tp): the donated state comes back with the parameters' layout
     _, p_sh, o_sh, _ = _train("fsdp_tp", "d2m4")
     for moment in _moments(tr, o_sh):
         for p, m in zip(jax.tree.leaves(p_sh), jax.tree.leaves(moment), strict=True):
             assert m == p
-    assert p_sh["layers"]["wq"].spec == tr.P(None, "data", "model", None)
+    assert p_sh["layers"]["wq"].spec == _P(None, "data", "model", None)
 
 
 def test_train_step_hlo_has_named_scopes(tr):
@@ -309,7 +330,7 @@ def test_decode_after_prefill_matches_full_forward(tr):
 
     cfg = tr.TINY
     seq = tr.synthetic_tokens(cfg, B, PROMPT + STEPS, seed=1)
-    params = tr.init_params(cfg, tr.RULES["single"], tr.transformer_mesh(SINGLE), jax.random.key(0))
+    params = tr.init_params(cfg, PRESETS["single"], tr.transformer_mesh(SINGLE), jax.random.key(0))
     full = np.asarray(jax.jit(tr.forward, static_argnums=2)(params, seq, cfg))  # [B, T, V]
     logits, cache = jax.jit(tr.prefill, static_argnums=2)(params, seq[:, :PROMPT], cfg)
     np.testing.assert_allclose(logits, full[:, :PROMPT], rtol=LOGIT_RTOL, atol=LOGIT_ATOL)
@@ -325,12 +346,14 @@ def test_kv_cache_sharding(tr):
     import jax
 
     cfg = tr.TINY
-    rules = tr.RULES["tp"]
+    rules = PRESETS["tp"]
     mesh = tr.transformer_mesh(MESHES["d2m4"])
     params = tr.init_params(cfg, rules, mesh, jax.random.key(0))
     prompt = tr.synthetic_tokens(cfg, B, PROMPT)
     _, cache = jax.jit(lambda p, t: tr.prefill(p, t, cfg, rules, mesh))(params, prompt)
-    want = tr.NamedSharding(mesh, tr.P(None, "data", None, "model", None))
+    from jax.sharding import NamedSharding
+
+    want = NamedSharding(mesh, _P(None, "data", None, "model", None))
     assert cache["k"].sharding.is_equivalent_to(want, 5), cache["k"].sharding
     # one device holds [L, B/2, S, K/4, H]
     assert cache["k"].addressable_shards[0].data.shape == (cfg.layers, B // 2, cfg.max_seq_len, 1, cfg.head_dim)
