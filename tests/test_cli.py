@@ -225,3 +225,33 @@ def test_python_dash_m_lab_and_version():
 )
 def test_parse_bytes(text, n):
     assert parse_bytes(text) == n
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["roofline", "matmul", "--hardware", "v5e", "--b", "1e999", "--d", "8", "--f", "8"], "'1e999' is too large"),
+        (
+            ["train", "estimate", "--model", "llama3-8b", "--hardware", "h100", "--chips", "8", "--tokens", "nan"],
+            "--tokens must be a positive, finite number",
+        ),
+    ],
+)
+def test_overflowing_and_non_finite_numbers_are_refused(capsys, argv, match):
+    assert _exit_code(argv) == 2
+    assert match in capsys.readouterr().err
+
+
+def _exit_code(argv) -> int:
+    """main's return code, or argparse's exit code for a value its type check refuses."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+def test_a_hardware_file_that_is_not_utf8_is_named(tmp_path, capsys):
+    bad = tmp_path / "chips.toml"
+    bad.write_bytes(b"\xff\xfe\x00")
+    assert main(["hardware", "list", "--hardware-file", str(bad)]) == 2
+    assert "is not UTF-8 text" in capsys.readouterr().err

@@ -193,8 +193,8 @@ def cmd_train_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         d["plan_file"] = save_plan(cfg, args.save_plan)
     if program is not None:
         d |= {"ops": [o.to_dict() for o in program.ops], "plan": plan.to_dict()}
-    if args.tokens is not None and args.tokens <= 0:
-        raise UserError(f"--tokens must be positive, got {args.tokens}")
+    if args.tokens is not None and not 0 < args.tokens < math.inf:
+        raise UserError(f"--tokens must be a positive, finite number of tokens (e.g. 1e12), got {args.tokens}")
     if args.mfu is not None and not 0 < args.mfu <= 1:
         raise UserError(f"--mfu must be in (0, 1], got {args.mfu}")
     total_flops = days = cost = None
@@ -309,8 +309,8 @@ def cmd_study_generations(args: argparse.Namespace) -> tuple[dict[str, Any], str
 
     from lab.studies.generations import generations
 
-    if not args.tokens > 0:
-        raise UserError(f"--tokens must be positive, got {args.tokens}")
+    if not 0 < args.tokens < math.inf:
+        raise UserError(f"--tokens must be a positive, finite number of tokens (e.g. 3e11), got {args.tokens}")
     study = generations(
         args.model, chips=args.chips, tokens=args.tokens, seq_len=args.seq_len, global_batch=args.global_batch
     )

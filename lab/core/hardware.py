@@ -648,7 +648,10 @@ def load_hardware_file(path: str | os.PathLike, catalog: Catalog | None = None) 
     p = Path(path)
     if not p.is_file():
         raise UserError(f"hardware file {str(p)!r} does not exist; pass a .toml or .json file")
-    text = p.read_text()
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"hardware file {str(p)!r} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     try:
         doc = json.loads(text) if p.suffix.lower() == ".json" else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:

@@ -372,7 +372,9 @@ def load_model_file(path: str | os.PathLike) -> ModelConfig:
     if not p.is_file():
         raise UserError(f"model file {str(p)!r} does not exist")
     try:
-        doc = tomllib.loads(p.read_text())
+        doc = tomllib.loads(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise UserError(f"model file {str(p)!r} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"model file {str(p)!r} is not valid TOML: {exc}") from None
     return model_from_fields(doc, where=str(p))

@@ -311,6 +311,8 @@ def parse_positive_int(val: str | int, what: str) -> int:
         x = float(m.group(1)) * _SUFFIX.get(m.group(2) or "", 1)
     except ValueError:
         raise UserError(f"{what}: {val!r} is not a number; use a positive integer like 4096 or 8k") from None
+    if not math.isfinite(x) or x >= 2**63:
+        raise UserError(f"{what}: {val!r} is too large; use a positive integer like 4096 or 8k")
     if x <= 0 or x != int(x):
         raise UserError(f"{what}: {val!r} must be a positive integer, e.g. 4096")
     return int(x)
