@@ -40,22 +40,25 @@ def optimizer(learning_rate: float = 1e-2) -> optax.GradientTransformation:
     return optax.adamw(learning_rate)
 
 
+def _opt_shapes(tx: optax.GradientTransformation, cfg: ModelConfig):
+    """The optimizer state's shapes and dtypes, from the parameters' declarations (nothing allocated)."""
+    params = jax.tree.map(lambda i: jax.ShapeDtypeStruct(i.shape, i.dtype), param_info(cfg), is_leaf=_is_info)
+    return jax.eval_shape(tx.init, params)
+
+
 def opt_state_shardings(tx: optax.GradientTransformation, cfg: ModelConfig, rules: ShardingRules, mesh: Mesh):
     """Shardings of the optimizer state: every moment like its parameter (FSDP shards it); scalars replicated."""
     p_sh = shardings(param_info(cfg), rules, mesh)
-    abstract_params = jax.tree.map(lambda i: jax.ShapeDtypeStruct(i.shape, i.dtype), param_info(cfg), is_leaf=_is_info)
-    shapes = jax.eval_shape(tx.init, abstract_params)
+    replicated = NamedSharding(mesh, P())
     return optax.tree_map_params(
-        tx, lambda _, s: s, shapes, p_sh, transform_non_params=lambda _: NamedSharding(mesh, P())
+        tx, lambda _, s: s, _opt_shapes(tx, cfg), p_sh, transform_non_params=lambda _: replicated
     )
 
 
 def abstract_opt_state(tx: optax.GradientTransformation, cfg: ModelConfig, rules: ShardingRules, mesh: Mesh):
     """The optimizer state as ``ShapeDtypeStruct`` s with shardings (nothing allocated)."""
-    abstract_params = jax.tree.map(lambda i: jax.ShapeDtypeStruct(i.shape, i.dtype), param_info(cfg), is_leaf=_is_info)
-    shapes = jax.eval_shape(tx.init, abstract_params)
     sh = opt_state_shardings(tx, cfg, rules, mesh)
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, sh)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), _opt_shapes(tx, cfg), sh)
 
 
 def init_opt_state(params, cfg: ModelConfig, rules: ShardingRules, mesh: Mesh, learning_rate=1e-2):

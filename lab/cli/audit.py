@@ -21,7 +21,7 @@ DEFAULT_BLOCK_SIZES = {"B": 512, "D": 1024, "F": 4096}
 DEFAULT_COLLECTIVE_SIZES = {"N": 262144}
 
 
-def _kernel_plan(name: str, args: argparse.Namespace) -> Plan:
+def _kernel_plan(name: str) -> Plan:
     spec = get_program(name)
     if spec.needs_model:
         raise UserError(
@@ -63,7 +63,7 @@ def cmd_audit(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
         plan = load_experiment(target).plan
     else:
-        plan = _kernel_plan(target, args)
+        plan = _kernel_plan(target)
     plan = _with_flags(plan, args)
     ensure_devices(plan.devices)
     require_devices(plan.shape)

@@ -34,7 +34,6 @@ from lab.predict.program import ExpectedCollective, ProgramEstimate, estimate_pr
 
 FLOP_TOLERANCE = 0.01
 HLO_TO_LAB = {"f32": "fp32", "bf16": "bf16", "f16": "fp16", "s8": "int8", "f8e4m3fn": "fp8", "f8e5m2": "fp8"}
-Predicted = ExpectedCollective  # the name earlier code used
 Key = tuple[str, tuple[str, ...]]
 
 
@@ -73,6 +72,7 @@ class AuditResult:
     hardware: str | None = None
     memory: dict[str, float] = field(default_factory=dict)
     source: str = ""
+    layout: dict[str, Any] = field(default_factory=dict)  # the Transformer's rules, batch, seq and remat
 
     @property
     def flops_match(self) -> bool:
@@ -103,7 +103,7 @@ class AuditResult:
             "cost_analysis": self.cost_analysis,
             "memory_analysis": self.memory_analysis,
             "memory": self.memory,
-        }
+        } | self.layout
 
     def table(self) -> str:
         mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
@@ -355,7 +355,16 @@ def audit_compiled(plan: Plan, compiled, est: ProgramEstimate, backend: str) -> 
         hardware=est.hardware,
         memory=_memory(est, mem),
         source=est.source,
+        layout=_layout(plan),
     )
+
+
+def _layout(plan: Plan) -> dict[str, Any]:
+    """The keys the Transformer's audit has always reported: its rules (preset, else per dim) and sizes."""
+    if not plan.is_transformer:
+        return {}
+    rules = plan.rules_preset or (plan.rules.to_dict() if plan.rules else None)
+    return {"rules": rules, "remat": plan.remat} | {k: v for k, v in plan.sizes.items() if k in ("batch", "seq")}
 
 
 def compile_plan(plan: Plan):
@@ -401,7 +410,6 @@ def audit_kernel(
 __all__ = [
     "AuditEntry",
     "AuditResult",
-    "Predicted",
     "audit_compiled",
     "audit_kernel",
     "audit_plan",

@@ -358,7 +358,7 @@ def plan_from_degrees(
     from_fsdp = ep > 1 and fsdp % ep == 0
     carved = {"data": dp // ep if ep > 1 and not from_fsdp else dp, "fsdp": fsdp // ep if from_fsdp else fsdp}
     order = (("pipe", pp), ("data", carved["data"]), ("expert", ep), ("fsdp", carved["fsdp"]), ("context", cp))
-    shape = {name: size for name, size in (*order, ("model", tp)) if size > 1}
+    shape = {axis: size for axis, size in (*order, ("model", tp)) if size > 1}
     expert = ("expert",) if ep > 1 else ()
     in_shape = [a for a in ("data", "expert", "fsdp") if a in shape]
     fsdp_axes = [a for a in (("expert", "fsdp") if from_fsdp else ("fsdp",)) if a in shape]

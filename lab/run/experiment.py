@@ -225,7 +225,7 @@ def _sizes(r: _Reader, dims: tuple[str, ...], program: str) -> dict[str, int]:
     return sizes
 
 
-def _model(r: _Reader, exp: dict[str, Any], needed: bool) -> ModelConfig | None:
+def _model(r: _Reader, exp: dict[str, Any]) -> ModelConfig | None:
     table = r.table("model", MODEL)
     base = exp.get("model")
     if not table and base is None:
@@ -234,12 +234,7 @@ def _model(r: _Reader, exp: dict[str, Any], needed: bool) -> ModelConfig | None:
         raise r.error("model", "base", "and [experiment].model both name a base model; keep one")
     fields = dict(table) | ({"base": base} if base is not None else {})
     fields.setdefault("name", base or "custom")
-    try:
-        return model_from_fields(fields, where=f"{r.path}: [model]")
-    except UserError as exc:
-        if not needed:
-            raise
-        raise UserError(str(exc)) from None
+    return model_from_fields(fields, where=f"{r.path}: [model]")
 
 
 def _sweep(r: _Reader, sizes: dict[str, int]) -> dict[str, tuple[int, ...]]:
@@ -280,7 +275,7 @@ def load_experiment(path: str | Path) -> Experiment:
     except UserError as exc:
         raise r.error("experiment", "program" if "program" in exp else "kernel", str(exc)) from None
     sizes = _sizes(r, spec.dims, spec.name)
-    model = _model(r, exp, spec.needs_model)
+    model = _model(r, exp)
     shape = complete_mesh(spec, {a.name: a.size for a in mesh})
     mesh = mesh + tuple(MeshAxis(a, 1) for a in shape if a not in {m.name for m in mesh})
     for key, axes in rules_table.items():
