@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from lab import __version__
 from lab.cli import analytic, audit, infer, run, train
 from lab.cli.args import Parser, common_parent, hardware_parent, with_chip
-from lab.core.errors import UserError
+from lab.core.errors import Interrupted, UserError
 from lab.core.table import dumps
 
 
@@ -23,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     common, hw = common_parent(), hardware_parent()
     p = Parser(prog="shardlab", description="Predict, compile and measure sharded JAX Transformer workloads.")
     p.add_argument("--version", action="version", version=f"shardlab {__version__}")
+    p.add_argument(
+        "--debug", action="store_true", help="show the traceback of an internal error (anywhere on the line)"
+    )
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND")
     analytic.register(sub, common, hw)
     train.register(sub, common, hw, with_chip)
@@ -33,15 +36,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run one command: exit 0, 2 for a user mistake, 130 on Ctrl-C, 1 for a bug (traceback with --debug)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     try:
+        args = build_parser().parse_args(argv)
         data, text = args.func(args)
+        out = dumps(data) if args.json else text
     except UserError as exc:
         print(f"shardlab: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C: what was kept, never a traceback
+        kept = str(exc) if isinstance(exc, Interrupted) else "nothing was being written"
+        print(f"shardlab: interrupted: {kept}", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if debug:
+            raise
+        print(
+            f"shardlab: internal error: {type(exc).__name__}: {exc} (a bug in shardlab; rerun with --debug for the "
+            "traceback and report it)",
+            file=sys.stderr,
+        )
+        return 1
     with contextlib.suppress(BrokenPipeError):  # `shardlab ... | head`
-        print(dumps(data) if args.json else text)
+        print(out)
     return getattr(args, "_exit_code", 0)
 
 
