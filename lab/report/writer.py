@@ -172,13 +172,19 @@ def median(xs: list[float]) -> float | None:
     return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
-def write_all(report: dict[str, Any], out: Path) -> list[str]:
-    from lab.report.plots import plots
-
+def write_reports(report: dict[str, Any], out: Path) -> list[str]:
+    """The text reports: ``report.json``, ``ops.csv`` and ``report.md``."""
     (out / "report.json").write_text(dumps(report))
     write_csv(report["ops"], out / "ops.csv")
     (out / "report.md").write_text(markdown(report))
-    return ["report.json", "ops.csv", "report.md", *plots(report, out)]
+    return ["report.json", "ops.csv", "report.md"]
 
 
-__all__ = ["breakdown", "ledger_table", "markdown", "median", "named_table", "write_all"]
+def write_all(report: dict[str, Any], out: Path) -> list[str]:
+    """The text reports, then the plots."""
+    from lab.report.plots import plots
+
+    return [*write_reports(report, out), *plots(report, out)]
+
+
+__all__ = ["breakdown", "ledger_table", "markdown", "median", "named_table", "write_all", "write_reports"]

@@ -17,8 +17,8 @@ chip's memory from an error into a warning.
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import json
+import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -26,13 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lab.core.errors import UserError
+from lab.core.errors import Interrupted, UserError
 from lab.core.hardware import Chip
 from lab.core.plan import Plan
 from lab.core.table import dumps
 from lab.predict.program import ProgramEstimate, estimate_program, memory_warning
+from lab.run import store
 from lab.run.environment import Progress, ensure_devices, environment, require_devices, resolve_hardware
 from lab.run.experiment import WARMUP, Experiment, load_experiment
+from lab.run.store import plain_name
 
 LARGE_BYTES = 1_000_000  # the "ops of at least 1 MB" the acceptance criteria talk about
 
@@ -101,8 +103,13 @@ def run_point(
     env: dict[str, Any],
     *,
     compile_only: bool = False,
+    final_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Estimate, compile + audit, profile, parse and join one Plan; write its report."""
+    """Estimate, compile + audit, profile, parse and join one Plan; write its report into ``out_dir``.
+
+    ``final_dir`` is where ``out_dir`` will be moved when it is complete (its paths are the ones the report names).
+    """
+    final_dir = final_dir or out_dir
     from lab.measure import trace
     from lab.report import ledger
     from lab.report import writer as report
@@ -130,7 +137,7 @@ def run_point(
     row_dicts = [r.to_dict() for r in rows]
     data = {
         "experiment": exp.name,
-        "run_id": out_dir.name if out_dir.parent.name != "points" else f"{out_dir.parent.parent.name}/{out_dir.name}",
+        "run_id": _run_id(final_dir),
         "kernel": plan.program,
         "mesh": plan.shape,
         "sizes": dict(plan.sizes),
@@ -152,19 +159,18 @@ def run_point(
         "breakdown": report.breakdown(row_dicts, named),
         "summary": _summary(row_dicts, exp.warmup, exp.repeats),
         "audit": audit,
-        "tensorboard": str(out_dir / "tensorboard") if files else None,
-        "perfetto_trace": files.perfetto if files else None,
+        "tensorboard": str(final_dir / "tensorboard") if files else None,
+        "perfetto_trace": str(final_dir / Path(files.perfetto).relative_to(out_dir))
+        if files and files.perfetto
+        else None,
     }
     written = report.write_all(data, out_dir)
-    progress(f"wrote {', '.join(written)} to {out_dir}")
+    progress(f"wrote {', '.join(written)}")
     return data
 
 
-def _run_dir(base: Path, name: str, run_id: str | None, resume: bool) -> Path:
-    run_dir = base / (run_id or name)
-    if run_dir.exists() and not resume:
-        run_dir = base / f"{name}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    return run_dir
+def _run_id(point_dir: Path) -> str:
+    return point_dir.name if point_dir.parent.name != "points" else f"{point_dir.parent.parent.name}/{point_dir.name}"
 
 
 def _point_summary(exp: Experiment, rid: str, points, reports, emulated: bool) -> dict[str, Any]:
@@ -199,46 +205,172 @@ def run_experiment(
     run_id: str | None = None,
     compile_only: bool = False,
 ) -> RunResult:
-    """Run one experiment file (every sweep point) and write its reports."""
+    """Run one experiment file (every sweep point) and write its reports; nothing half-written is left behind.
+
+    Raises:
+        UserError: a bad experiment, option or run directory (before anything is written where possible).
+        Interrupted: Ctrl-C, saying what was kept and how to resume.
+    """
     progress = Progress(quiet)
     exp = load_experiment(path)
     if hardware:
         exp = dataclasses.replace(exp, plan=dataclasses.replace(exp.plan, hardware=hardware))
+    name = plain_name(run_id) if run_id else plain_name(exp.name, "[experiment].name")
     points = exp.points()
     for label, plan in points:  # every point checked for what the kernels need, before JAX starts
         try:
             plan.validate()
         except UserError as exc:
             raise UserError(f"{exp.path}: {label + ': ' if label else ''}{exc}") from None
+    base = Path(out)
+    if resume:
+        _check_resumable(base, name, path, bool(exp.sweep))
     ensure_devices(exp.devices)
     require_devices(exp.mesh)
     env = environment()
     chip = resolve_hardware(exp.plan.hardware, env["backend"], env["device_kind"], hardware_file, progress, exp.mesh)
     for _, plan in points:  # a Plan that does not fit is refused before anything compiles
         _estimate(plan, chip, compile_only)
-    run_dir = _run_dir(Path(out), exp.name, run_id, resume)
+    ctx = _Context(exp, path, chip, env, progress, compile_only)
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, run_dir / "experiment.toml")
-        (run_dir / "env.json").write_text(json.dumps(env, indent=2))
-        (run_dir / "spec.json").write_text(dumps(chip.to_dict()))
+        if not exp.sweep:
+            return _run_single(ctx, base, name, resume)
+        return _run_sweep(ctx, base, name, points, resume)
     except OSError as exc:
-        raise UserError(f"cannot write the run directory {str(run_dir)!r}: {exc.strerror}; pass --out DIR") from None
-    reports = []
-    for label, plan in points:
-        point_dir = run_dir / "points" / label if label else run_dir
-        done = point_dir / "report.json"
-        if label and resume and done.is_file():
-            progress(f"{label}: already done, skipped (--resume)")
-            reports.append(json.loads(done.read_text()))
-            continue
-        point_dir.mkdir(parents=True, exist_ok=True)
-        reports.append(run_point(exp, plan, point_dir, chip, progress, env, compile_only=compile_only))
-    if len(points) == 1 and not points[0][0]:
-        return RunResult(run_dir, reports[0], tuple(sorted(p.name for p in run_dir.iterdir())))
-    summary = _point_summary(exp, run_dir.name, points, reports, env["backend"] == "cpu")
-    (run_dir / "sweep.json").write_text(dumps(summary))
-    return RunResult(run_dir, summary, tuple(sorted(p.name for p in run_dir.iterdir())))
+        raise UserError(
+            f"cannot write the run directory under {str(base)!r}: {exc.strerror} ({exc.filename}); pass --out DIR"
+        ) from None
+
+
+@dataclass(frozen=True)
+class _Context:
+    exp: Experiment
+    path: str
+    chip: Chip
+    env: dict[str, Any]
+    progress: Callable[[str], None]
+    compile_only: bool
+
+
+def _check_resumable(base: Path, name: str, path: str, sweep: bool) -> None:
+    run_dir = base / name
+    if not run_dir.is_dir():
+        raise UserError(f"no run {name!r} under {str(base)!r} to resume; start it without --resume (or pass --run-id)")
+    kept = run_dir / "experiment.toml"
+    if kept.is_file() and kept.read_bytes() != Path(path).read_bytes():
+        raise UserError(
+            f"run {str(run_dir)!r} was started from another version of {path}; resume with the same file, or start "
+            "a new run without --resume"
+        )
+    if not sweep and not store.is_complete(run_dir):
+        raise UserError(f"{str(run_dir)!r} is not a finished run of {path}; start it again without --resume")
+
+
+def _provenance(ctx: _Context, directory: Path) -> None:
+    shutil.copyfile(ctx.path, directory / "experiment.toml")
+    (directory / "env.json").write_text(json.dumps(ctx.env, indent=2))
+    (directory / "spec.json").write_text(dumps(ctx.chip.to_dict()))
+
+
+def _run_single(ctx: _Context, base: Path, name: str, resume: bool) -> RunResult:
+    """One point: staged in a hidden directory and moved into place, complete, at the end."""
+    if resume:  # _check_resumable found it complete
+        ctx.progress(f"{base / name} is complete already: nothing to do")
+        report = json.loads((base / name / "report.json").read_text())
+        return RunResult(base / name, report, tuple(sorted(p.name for p in (base / name).iterdir())))
+    final = base / store.free_name(base, name)
+    tmp = store.staging(final)
+    try:
+        _provenance(ctx, tmp)
+        report = run_point(
+            ctx.exp, ctx.exp.plan, tmp, ctx.chip, ctx.progress, ctx.env, compile_only=ctx.compile_only, final_dir=final
+        )
+        store.mark_complete(tmp)
+        final = _commit_run(tmp, final, report)
+    except KeyboardInterrupt:
+        store.discard(tmp)
+        raise Interrupted(f"the run had not finished and nothing was kept; run {ctx.path} again") from None
+    except BaseException:
+        store.discard(tmp)
+        raise
+    return RunResult(final, report, tuple(sorted(p.name for p in final.iterdir())))
+
+
+def _commit_run(tmp: Path, final: Path, report: dict[str, Any]) -> Path:
+    """Move a finished run into place under a name nobody took meanwhile (a run started at the same moment)."""
+    from lab.report import writer
+
+    while True:
+        try:
+            os.rename(tmp, final)
+            return final
+        except OSError:
+            if not final.exists():
+                raise
+            moved = final.parent / store.free_name(final.parent, final.name)
+            for key in ("tensorboard", "perfetto_trace"):
+                if report.get(key):
+                    report[key] = str(moved / Path(report[key]).relative_to(final))
+            report["run_id"] = moved.name
+            writer.write_reports(report, tmp)
+            final = moved
+
+
+def _run_sweep(ctx: _Context, base: Path, name: str, points, resume: bool) -> RunResult:
+    """Every point staged and moved into ``points/<label>/`` when complete, under the run's lock."""
+    run_dir = base / name if resume else store.reserve(base, name)
+    created = not resume
+    if (
+        resume
+        and (run_dir / "sweep.json").is_file()
+        and all(store.is_complete(run_dir / "points" / lb) for lb, _ in points)
+    ):
+        ctx.progress(f"{run_dir} is complete already: nothing to do")
+        summary = json.loads((run_dir / "sweep.json").read_text())
+        return RunResult(
+            run_dir, summary, tuple(sorted(p.name for p in run_dir.iterdir() if not p.name.startswith(".")))
+        )
+    reports: dict[str, dict[str, Any]] = {}
+    try:
+        with store.RunLock(run_dir):
+            if created:
+                _provenance(ctx, run_dir)
+            for label, plan in points:
+                point = run_dir / "points" / label
+                if store.is_complete(point):
+                    ctx.progress(f"{label}: done already, kept")
+                    reports[label] = json.loads((point / "report.json").read_text())
+                    continue
+                tmp = store.staging(point)
+                try:
+                    reports[label] = run_point(
+                        ctx.exp,
+                        plan,
+                        tmp,
+                        ctx.chip,
+                        ctx.progress,
+                        ctx.env,
+                        compile_only=ctx.compile_only,
+                        final_dir=point,
+                    )
+                    store.mark_complete(tmp)
+                    store.commit(tmp, point)
+                finally:
+                    store.discard(tmp if tmp.exists() else None)
+            summary = _point_summary(
+                ctx.exp, run_dir.name, points, [reports[label] for label, _ in points], ctx.env["backend"] == "cpu"
+            )
+            store.write_atomic(run_dir / "sweep.json", dumps(summary))
+    except KeyboardInterrupt:
+        raise Interrupted(
+            f"{len(reports)} of {len(points)} points are complete in {run_dir}; continue with "
+            f"`shardlab run {ctx.path} --resume --run-id {run_dir.name}` (with the same --out)"
+        ) from None
+    except UserError:
+        if created and not reports:  # a run that fails before any point finished leaves nothing behind
+            store.discard(run_dir)
+        raise
+    return RunResult(run_dir, summary, tuple(sorted(p.name for p in run_dir.iterdir() if not p.name.startswith("."))))
 
 
 __all__ = ["LARGE_BYTES", "WARMUP", "RunResult", "ensure_devices", "run_experiment", "run_point"]

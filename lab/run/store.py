@@ -1,0 +1,186 @@
+"""Run directories that lose nothing: unique names, staged writes, a completion marker, a lock per run.
+
+* A run's name is a plain name inside ``--out`` (:func:`plain_name`); a directory is reserved with an atomic
+  ``mkdir`` (:func:`reserve`), so two runs started at the same moment get two directories.
+* Everything a run or sweep point writes goes to a hidden staging directory first (:func:`staging`); the
+  marker :data:`MARKER` is written last, after the plots, and the directory is renamed into place
+  (:func:`commit`). A point is done only when its directory exists with the marker: one interrupted between
+  its report and its plots is not, and ``--resume`` runs it again.
+* A sweep holds :class:`RunLock` while it writes (a file with the owner's pid, taken with ``O_EXCL``); a second
+  ``--resume`` of the same run is refused while the owner lives, and a lock whose owner died (``kill -9``) is
+  taken over, as are staging directories such an owner left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+from lab.core.errors import UserError
+
+MARKER = ".complete"
+LOCK = ".lock"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def plain_name(name: str, flag: str = "--run-id") -> str:
+    """``name`` if it is one path component of letters, digits, ``.``, ``_`` and ``-`` (so it stays in --out)."""
+    if not _NAME.fullmatch(name) or name in (".", ".."):
+        raise UserError(
+            f"{flag} {name!r} must be a plain name inside --out (letters, digits, '.', '_', '-'; no '/' or '..'), "
+            "e.g. my-run"
+        )
+    return name
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: readers see the old or the new file."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def is_complete(directory: Path) -> bool:
+    """The run or point finished: its marker exists and its report parses."""
+    if not (directory / MARKER).is_file():
+        return False
+    try:
+        json.loads((directory / "report.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def mark_complete(directory: Path) -> None:
+    write_atomic(directory / MARKER, dt.datetime.now(dt.UTC).isoformat(timespec="seconds") + "\n")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def _owner(name: str) -> int | None:
+    m = re.search(r"\.pid(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def staging(final: Path) -> Path:
+    """A fresh hidden directory beside ``final`` to write into; stale ones of dead owners are removed first."""
+    parent = final.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    for old in parent.glob(f".{final.name}.pid*.tmp"):
+        owner = _owner(old.name)
+        if owner is not None and not _alive(owner):
+            shutil.rmtree(old, ignore_errors=True)
+    tmp = parent / f".{final.name}.pid{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    tmp.mkdir()
+    return tmp
+
+
+def commit(tmp: Path, final: Path) -> None:
+    """Move a staged directory into place (atomic); a half-written one with the same name is replaced."""
+    if final.exists() and not is_complete(final):
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+
+
+def discard(path: Path | None) -> None:
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def free_name(base: Path, name: str) -> str:
+    """``name``, or ``name-<timestamp>[-k]`` when a run of that name exists already."""
+    if not (base / name).exists():
+        return name
+    stamp = f"{name}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    k = 1
+    candidate = stamp
+    while (base / candidate).exists():
+        k += 1
+        candidate = f"{stamp}-{k}"
+    return candidate
+
+
+def reserve(base: Path, name: str) -> Path:
+    """Create a run directory under ``base`` with a name nobody else has, atomically (``name``, or with a
+    timestamp when it is taken; safe when two runs start at the same moment)."""
+    base.mkdir(parents=True, exist_ok=True)
+    for _ in range(1000):
+        path = base / free_name(base, name)
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise UserError(f"cannot find a free run name like {name!r} under {str(base)!r}; pass --run-id")
+
+
+class RunLock:
+    """Exclusive ownership of a run directory while a process writes it (see the module docstring)."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / LOCK
+
+    def __enter__(self) -> RunLock:
+        # The lock appears with its pid already in it (a hard link of a written file), so a reader never sees an
+        # empty lock and takes it for a dead owner's.
+        mine = self.path.with_name(f"{LOCK}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        mine.write_text(f"{os.getpid()}\n")
+        try:
+            for _ in range(3):
+                try:
+                    os.link(mine, self.path)
+                    return self
+                except FileExistsError:
+                    owner = self._holder()
+                    if owner is not None and _alive(owner) and owner != os.getpid():
+                        raise UserError(
+                            f"run {str(self.path.parent)!r} is being written by another shardlab (pid {owner}); "
+                            "wait for it to finish, then --resume if anything is left"
+                        ) from None
+                    if self._holder() == owner:  # still the dead owner's (or our own stale) lock: take it over
+                        with contextlib.suppress(FileNotFoundError):
+                            self.path.unlink()
+        finally:
+            mine.unlink()
+        raise UserError(f"cannot take the lock {str(self.path)!r}; remove it if no shardlab is running")
+
+    def _holder(self) -> int | None:
+        try:
+            return int(self.path.read_text().strip() or 0) or None
+        except (OSError, ValueError):
+            return None
+
+    def __exit__(self, *exc) -> None:
+        if self._holder() == os.getpid():
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+
+__all__ = [
+    "LOCK",
+    "MARKER",
+    "RunLock",
+    "commit",
+    "discard",
+    "free_name",
+    "is_complete",
+    "mark_complete",
+    "plain_name",
+    "reserve",
+    "staging",
+    "write_atomic",
+]
