@@ -24,7 +24,8 @@ MEASURED = (
 @pytest.fixture(scope="module")
 def cal(jax_devices):
     lines = []
-    result = calibrate(quick=True, progress=lines.append)
+    # force: this fixture checks what a calibration records; refusing a busy host is tested on its own below
+    result = calibrate(quick=True, progress=lines.append, force=True)
     assert lines, "progress is called once per phase"
     return result
 
@@ -162,3 +163,38 @@ def test_line_fit():
     assert (a, b, r2) == pytest.approx((1.0, 2.0, 1.0))
     a, b, r2 = _line([1.0, 2.0], [2.0, 3.0], intercept=1.0)
     assert a == 1.0 and b == pytest.approx(1.0) and r2 == pytest.approx(1.0)
+
+
+def test_the_host_load_is_recorded(cal):
+    load = cal.chip.calibration["host"]["load"]
+    assert set(load) == {"before", "after", "threshold", "busy"} and load["threshold"] == 0.25
+
+
+def test_a_busy_host_is_refused_before_measuring_and_kept_with_a_warning_when_forced(jax_devices, monkeypatch):
+    from lab.measure import calibrate as cal_module
+    from lab.measure import microbench
+
+    calls = []
+    monkeypatch.setattr(microbench, "host_busy", lambda seconds=1.0: calls.append(1) or 0.9)
+    with pytest.raises(UserError, match=r"host is busy before calibrating: 90% .* nothing saved"):
+        calibrate(quick=True)
+    assert len(calls) == 1  # refused at once, nothing measured
+
+    def measured_nothing(*_a, **_k):
+        raise AssertionError("a refused calibration measured")
+
+    monkeypatch.setattr(cal_module.mb, "matmuls", measured_nothing)
+    with pytest.raises(UserError, match="--force"):
+        calibrate({"X": 2, "Y": 4}, quick=True)
+    said = []
+    assert cal_module._busy("after calibrating", True, said.append) == 0.9
+    assert said and said[0].startswith("warning: the host is busy after calibrating") and "marked" in said[0]
+
+
+def test_an_unwritable_spec_path_fails_before_measuring(tmp_path, capsys):
+    from lab.cli.main import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert main(["calibrate", "--quick", "--out", str(blocker / "cpu.json")]) == 2
+    assert "cannot write the spec" in capsys.readouterr().err

@@ -123,9 +123,11 @@ def cmd_calibrate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         )
     if jax.device_count() < n:
         raise UserError(f"--mesh {args.mesh} needs {n} devices but {jax.device_count()} are available")
-    from lab.measure.calibrate import calibrate, write_spec
+    from lab.measure.calibrate import calibrate, check_writable, write_spec
 
-    cal = calibrate(mesh, quick=args.quick, progress=None if (args.quiet or args.json) else Progress())
+    check_writable(args.out)  # before a minute of measuring, not after
+    say = None if (args.quiet or args.json) else Progress()
+    cal = calibrate(mesh, quick=args.quick, progress=say, force=args.force)
     path = write_spec(cal, args.out)
     return cal.to_dict() | {"path": str(path)}, cal.table() + f"\n\nwrote {path}"
 
@@ -169,6 +171,9 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     c.add_argument("--out", metavar="PATH", help="where to write the spec (default specs/<backend>.json)")
     c.add_argument("--mesh", default="X=2,Y=4", help="mesh for the collective fits (default X=2,Y=4)")
     c.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about 15 s)")
+    c.add_argument(
+        "--force", action="store_true", help="keep a calibration taken on a busy host (marked so in the spec)"
+    )
     c.add_argument("--quiet", action="store_true")
     c.set_defaults(func=cmd_calibrate)
 

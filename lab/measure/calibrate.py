@@ -60,6 +60,9 @@ from lab.predict.collectives import KINDS as MODEL_KINDS
 from lab.predict.collectives import collective_time
 
 DEFAULT_MESH = {"X": 2, "Y": 4}
+# A calibration is refused when other work took more than this share of the host's CPU time in the second
+# before or after measuring: on the 2-core hosts this lab is measured on, a busy host measured peak fp32 4-5x low.
+BUSY = 0.25
 
 
 # Sweep settings: (full, quick).
@@ -187,6 +190,7 @@ class _Measured:
     points: dict[str, list]  # per kind: [V, seconds] over every axis
     group_points: dict[str, dict[str, list]]  # per kind and str(G): [V, seconds]
     checks: dict[str, Any]
+    load: dict[str, Any] = dataclasses.field(default_factory=dict)  # the host's load before and after
 
 
 @dataclass(frozen=True)
@@ -400,6 +404,12 @@ def _notes(today: str, run: _Run, m: _Measured, cpu: str, jax_version: str) -> s
         f"copies between threads of one host, and every timing is emulated, not an accelerator's. peak_flops and "
         f"hbm_bandwidth are per device with all {m.checks['concurrent']['devices']} devices busy at once (how "
         f"sharded programs run); one device alone reaches more (calibration.checks.single_device)."
+        + (
+            " TAKEN ON A BUSY HOST (--force): other work held the CPUs before or after measuring "
+            "(calibration.host.load); its numbers are likely too slow."
+            if m.load.get("busy")
+            else ""
+        )
     )
 
 
@@ -449,7 +459,7 @@ def _describe(today: str, run: _Run, base: Chip, m: _Measured, f: _Fitted, secon
         notes=_notes(today, run, m, cpu, jax.__version__),
     )
     _model_checks(m.checks, dataclasses.replace(base, **fields, calibration={"collective_factor": f.factors}))
-    host = {"cpu": cpu, "logical_cpus": os.cpu_count(), "jax": jax.__version__, "devices": m.devices}
+    host = {"cpu": cpu, "logical_cpus": os.cpu_count(), "jax": jax.__version__, "devices": m.devices, "load": m.load}
     calibration = _record(today, run, m, f, seconds, host)
     return dataclasses.replace(base, **fields, calibration=_plain(calibration))
 
@@ -457,8 +467,26 @@ def _describe(today: str, run: _Run, base: Chip, m: _Measured, f: _Fitted, secon
 # ----- calibration -----------------------------------------------------------------------------------------------
 
 
+def _busy(stage: str, force: bool, say: Callable[[str], None]) -> float | None:
+    """The host's load now; a UserError when it is busy (other work would slow every number), unless ``force``."""
+    load = mb.host_busy()
+    if load is not None and load > BUSY:
+        what = (
+            f"the host is busy {stage}: {100 * load:.0f}% of its CPU time went to other work while calibration "
+            f"waited (above {100 * BUSY:.0f}%), which would make every measured number too slow"
+        )
+        if not force:
+            raise UserError(f"{what}; nothing saved: calibrate on an idle host, or --force to keep it marked as busy")
+        say(f"warning: {what}; kept (--force) and marked in the spec")
+    return load
+
+
 def calibrate(
-    mesh: dict[str, int] | None = None, *, quick: bool = False, progress: Callable[[str], None] | None = None
+    mesh: dict[str, int] | None = None,
+    *,
+    quick: bool = False,
+    progress: Callable[[str], None] | None = None,
+    force: bool = False,
 ) -> Calibration:
     """Measure this host's emulated devices and fit a calibrated ``cpu`` chip (see the module docstring).
 
@@ -467,14 +495,19 @@ def calibrate(
             every axis; single axes give the latency regime's smaller groups.
         quick: fewer and smaller sizes and repeats (about 15 s instead of about 60 s on 2 cores).
         progress: called with one line per phase.
+        force: keep a calibration taken on a busy host (load before or after above :data:`BUSY`), marked so.
+
+    Raises:
+        UserError: the host is busy before or after measuring (without ``force``), or the mesh does not fit.
     """
     import jax
 
     from kernels.mesh import make_mesh
 
-    start = time.perf_counter()
     say = progress or (lambda _text: None)
     mesh = _checked_mesh(mesh)
+    before = _busy("before calibrating", force, say)
+    start = time.perf_counter()
     run = _Run(mesh, make_mesh(mesh), quick, say)  # make_mesh: UserError when the host emulates too few devices
     today = datetime.date.today().isoformat()
     base = Catalog().get("cpu")  # the built-in placeholder, whatever specs/ holds
@@ -509,6 +542,8 @@ def calibrate(
         checks["single_device"] = {"peak_flops": dict(peaks), "hbm_bandwidth": hbm.value}
 
     seconds = time.perf_counter() - start
+    after = _busy("after calibrating", force, say)
+    busy = any(x is not None and x > BUSY for x in (before, after))
     measured = _Measured(
         matmul=matmul,
         copies=copies,
@@ -520,6 +555,7 @@ def calibrate(
         points=points,
         group_points=group_points,
         checks=checks,
+        load={"before": before, "after": after, "threshold": BUSY, "busy": busy},
     )
     fitted = _Fitted(
         single_device=fits,
@@ -551,12 +587,33 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
-def write_spec(cal: Calibration, path: str | os.PathLike | None = None) -> Path:
-    """Write the calibrated chip in the hardware-file format (default ``specs_dir()/cpu.json``)."""
-    p = Path(path) if path is not None else specs_dir() / "cpu.json"
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(cal.chip.fields(), indent=2, allow_nan=False) + "\n")
+def _spec_path(path: str | os.PathLike | None) -> Path:
+    return Path(path) if path is not None else specs_dir() / "cpu.json"
+
+
+def check_writable(path: str | os.PathLike | None = None) -> Path:
+    """The spec's path, once its folder exists and takes a file (a UserError naming the path otherwise)."""
+    p = _spec_path(path)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        probe = p.parent / f".{p.name}.probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"cannot write the spec to {str(p)!r}: {exc.strerror}; pass --out PATH") from None
+    if p.is_dir():
+        raise UserError(f"--out {str(p)!r} is a folder; give a file path such as specs/cpu.json")
     return p
 
 
-__all__ = ["Calibration", "Fit", "calibrate", "write_spec"]
+def write_spec(cal: Calibration, path: str | os.PathLike | None = None) -> Path:
+    """Write the calibrated chip in the hardware-file format (default ``specs_dir()/cpu.json``), atomically: a
+    reader sees the old spec or the new one, never half of one."""
+    p = check_writable(path)
+    tmp = p.parent / f".{p.name}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(cal.chip.fields(), indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, p)
+    return p
+
+
+__all__ = ["BUSY", "Calibration", "Fit", "calibrate", "check_writable", "write_spec"]

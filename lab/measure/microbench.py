@@ -251,3 +251,25 @@ def collective_points(mesh, kind: str, axes: tuple[str, ...] | None, sizes: Sequ
         rows.append([model_bytes(kind, n, g), sum(st.median_self_s for st in stats.values())])
         del built
     return rows
+
+
+def _cpu_times() -> tuple[float, float] | None:
+    """(busy, total) jiffies of all cores since boot, from ``/proc/stat``; None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def host_busy(seconds: float = 1.0) -> float | None:
+    """Fraction of the host's CPU time (all cores) that went to work during the next ``seconds``, while this
+    process sleeps: what other processes take from a measurement. None where the kernel does not say."""
+    first = _cpu_times()
+    time.sleep(seconds)
+    last = _cpu_times()
+    if first is None or last is None or last[1] <= first[1]:
+        return None
+    return (last[0] - first[0]) / (last[1] - first[1])

@@ -75,7 +75,7 @@ def resolve_hardware(
         progress(f"no calibration for this host in {spec}: calibrating first (quick)")
         from lab.measure.calibrate import calibrate, write_spec
 
-        cal = calibrate(mesh, quick=True, progress=progress)
+        cal = calibrate(mesh, quick=True, progress=progress, force=True)  # marked, with a warning, if the host is busy
         path = write_spec(cal)
         progress(f"wrote {path}")
         return default_catalog(hardware_file).get("cpu")
