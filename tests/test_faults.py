@@ -188,3 +188,10 @@ def test_a_run_id_cannot_leave_out(tmp_path, sweep, run_id):
     code, _, err = _run([str(sweep), "--out", str(out), "--run-id", run_id], _env(log))
     assert code == 2 and "must be a plain name inside --out" in err
     assert not (tmp_path / "x").exists() and not out.exists() and not _started(log)
+
+
+def test_devices_fewer_than_the_mesh_is_refused(tmp_path):
+    exp = tmp_path / "one.toml"
+    exp.write_text(SWEEP[: SWEEP.index("[sweep]")])
+    code, _, err = _run([str(exp), "--out", str(tmp_path / "runs"), "--devices", "3"], _env(tmp_path / "log"))
+    assert code == 2 and "--devices 3 is fewer than the 8 devices" in err and not (tmp_path / "runs").exists()

@@ -13,11 +13,8 @@ EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"  # the checkou
 
 
 def cmd_run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    from lab.run.environment import ensure_devices
     from lab.run.pipeline import run_experiment
 
-    if args.devices is not None:
-        ensure_devices(args.devices)
     result = run_experiment(
         args.experiment,
         args.out,
@@ -27,6 +24,7 @@ def cmd_run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         hardware_file=args.hardware_file,
         run_id=args.run_id,
         compile_only=args.compile_only,
+        devices=args.devices,
     )
     r = result.report
     if "points" in r:

@@ -44,14 +44,15 @@ class Progress:
             print(f"[{time.perf_counter() - self.t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
-def ensure_devices(n: int) -> None:
+def ensure_devices(n: int, *, exact: bool = False) -> None:
     """Emulate at least ``n`` (and at least 8) host devices when JAX has not started yet and the user set no
-    count; a count already in ``XLA_FLAGS`` is the user's and stays."""
+    count; ``exact`` emulates exactly ``n`` (``--devices N``). A count already in ``XLA_FLAGS`` is the user's."""
     if "jax" in sys.modules:
         return
     flags = os.environ.get("XLA_FLAGS", "")
     if "--xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(8, n)}".strip()
+        count = n if exact else max(8, n)
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
 def resolve_hardware(

@@ -204,6 +204,7 @@ def run_experiment(
     hardware_file: str | None = None,
     run_id: str | None = None,
     compile_only: bool = False,
+    devices: int | None = None,
 ) -> RunResult:
     """Run one experiment file (every sweep point) and write its reports; nothing half-written is left behind.
 
@@ -225,7 +226,12 @@ def run_experiment(
     base = Path(out)
     if resume:
         _check_resumable(base, name, path, bool(exp.sweep))
-    ensure_devices(exp.devices)
+    if devices is not None and devices < exp.devices:
+        raise UserError(
+            f"--devices {devices} is fewer than the {exp.devices} devices of the mesh {exp.mesh}; "
+            f"give --devices {exp.devices} or more, or leave it out"
+        )
+    ensure_devices(devices or exp.devices, exact=devices is not None)
     require_devices(exp.mesh)
     env = environment()
     chip = resolve_hardware(exp.plan.hardware, env["backend"], env["device_kind"], hardware_file, progress, exp.mesh)
