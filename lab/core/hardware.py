@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tomllib
 from collections.abc import Iterable, Mapping
@@ -30,11 +31,73 @@ from types import MappingProxyType
 from typing import Any
 
 from lab.core.errors import UserError
+from lab.core.schema import parse_positive_float
 from lab.core.units import canonical_dtype
 
 KINDS = ("tpu", "gpu", "cpu")
 TOPOLOGIES = ("torus", "switch")
 WRAPAROUND_RULES = ("full-axis", "cube", "always", "never")
+
+
+def _real(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_types(c: Chip) -> None:
+    """Every field has its type and a finite value (the ranges are checked in ``__post_init__``)."""
+    where = f"hardware {c.name!r}"
+
+    def bad(fname: str, what: str) -> UserError:
+        return UserError(f"{where}: {fname} = {getattr(c, fname)!r} must be {what}")
+
+    if not isinstance(c.name, str) or not c.name:
+        raise UserError(f"hardware {c.name!r}: name must be a non-empty string")
+    for fname in ("kind", "topology", "wraparound_rule", "notes"):
+        if not isinstance(getattr(c, fname), str):
+            raise bad(fname, "a string")
+    if not isinstance(c.peak_flops, Mapping):
+        raise bad("peak_flops", "a table of dtype = FLOP/s, e.g. bf16 = 9.89e14")
+    for dt, v in c.peak_flops.items():
+        if not _real(v):
+            raise UserError(f"{where}: peak_flops.{dt} = {v!r} must be a finite number of FLOP/s")
+    for fname in (
+        "hbm_bytes",
+        "hbm_bandwidth",
+        "link_bandwidth",
+        "hop_latency_s",
+        "scaleout_bandwidth",
+        "scaleout_latency_s",
+        "launch_latency_s",
+    ):
+        if not _real(getattr(c, fname)):
+            raise bad(fname, "a finite number")
+    if c.price_per_hour is not None and not (_real(c.price_per_hour) and c.price_per_hour >= 0):
+        raise bad("price_per_hour", "a finite number >= 0 (US dollars per chip-hour)")
+    for fname in ("torus_dims", "wraparound_size", "node_size"):
+        v = getattr(c, fname)
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            raise bad(fname, "a positive integer")
+    if c.pod_shape is not None and not (
+        isinstance(c.pod_shape, list | tuple)
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in c.pod_shape)
+    ):
+        raise bad("pod_shape", "a list of positive integers, e.g. [16, 16]")
+    if not isinstance(c.aliases, list | tuple) or not all(isinstance(a, str) for a in c.aliases):
+        raise bad("aliases", "a list of names")
+    if not isinstance(c.sources, Mapping):
+        raise bad("sources", "a table of field = source")
+    if not isinstance(c.calibrated, bool):
+        raise bad("calibrated", "true or false")
+    if not isinstance(c.calibration, Mapping):
+        raise bad("calibration", "a table")
+    factors = c.calibration.get("collective_factor", {})
+    by_group = c.calibration.get("collective_factor_by_group", {})
+    tables = [factors] + (list(by_group.values()) if isinstance(by_group, Mapping) else [None])
+    for t in tables:
+        if not isinstance(t, Mapping) or not all(_real(v) and v > 0 for v in t.values()):
+            raise UserError(
+                f"{where}: calibration.collective_factor(_by_group) must map collective kinds to positive numbers"
+            )
 
 
 @dataclass(frozen=True)
@@ -96,6 +159,7 @@ class Chip:
     calibration: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _check_types(self)  # a hand-written or corrupt file gives any JSON value: refused by name, not a crash
         # Freeze the mappings so a catalog entry cannot be mutated by a caller.
         object.__setattr__(
             self,
@@ -564,12 +628,23 @@ class Catalog:
 
     def __init__(self, chips: Iterable[Chip] = CATALOG):
         self._chips: dict[str, Chip] = {}
+        self._broken: dict[str, str] = {}
         for chip in chips:
             self.add(chip)
 
     def add(self, chip: Chip) -> None:
         """Add or replace a chip (a later file overrides an earlier entry of the same name)."""
         self._chips[chip.name] = chip
+        self._broken.pop(chip.name, None)
+
+    def mark_broken(self, name: str, message: str) -> None:
+        """Keep ``name`` listed (its built-in entry) but refuse to price with it: :meth:`get` raises ``message``."""
+        self._broken[self.resolve(name)] = message
+
+    @property
+    def broken(self) -> dict[str, str]:
+        """Chips whose file could not be read, with the error :meth:`get` raises for them."""
+        return dict(self._broken)
 
     @property
     def names(self) -> list[str]:
@@ -592,17 +667,25 @@ class Catalog:
         raise UserError(f"unknown hardware {name!r}; valid: {', '.join(self._chips)}")
 
     def get(self, name: str) -> Chip:
-        return self._chips[self.resolve(name)]
+        key = self.resolve(name)
+        if key in self._broken:
+            raise UserError(self._broken[key])
+        return self._chips[key]
 
 
 def _coerce_chip(entry: Mapping[str, Any], base: Chip | None, where: str) -> Chip:
     known = {f.name for f in dataclasses.fields(Chip)}
+    if not isinstance(entry, Mapping):
+        raise UserError(f"{where}: expected a table of chip fields, got {type(entry).__name__} {entry!r:.60}")
     data = dict(entry)
     data.pop("base", None)
     data.pop("derived", None)  # files written by to_dict() carry derived figures; they are recomputed
     unknown = sorted(set(data) - known)
     if unknown:
         raise UserError(f"{where}: unknown field {unknown[0]!r}; valid fields: {', '.join(sorted(known))}")
+    for key in ("peak_flops", "sources", "calibration"):
+        if key in data and not isinstance(data[key], Mapping):
+            raise UserError(f"{where}: {key} = {data[key]!r:.60} must be a table")
     if base is not None:
         merged = base.fields()
         merged["peak_flops"] = {**base.peak_flops, **dict(data.pop("peak_flops", {}))}
@@ -628,7 +711,9 @@ def _coerce_chip(entry: Mapping[str, Any], base: Chip | None, where: str) -> Chi
             data[key] = tuple(data[key])
     try:
         return Chip(**data)
-    except TypeError as exc:  # wrong value types in the file
+    except UserError as exc:
+        raise UserError(f"{where}: {exc}") from None
+    except (TypeError, ValueError) as exc:  # wrong value types in the file
         raise UserError(f"{where}: {exc}") from None
 
 
@@ -647,16 +732,19 @@ def load_hardware_file(path: str | os.PathLike, catalog: Catalog | None = None) 
     catalog = catalog if catalog is not None else Catalog()
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"hardware file {str(p)!r} does not exist; pass a .toml or .json file")
+        raise UserError(f"hardware file {str(p)!r} does not exist (or is not a file); pass a .toml or .json file")
     try:
         text = p.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UserError(f"hardware file {str(p)!r} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    except OSError as exc:
+        raise UserError(f"cannot read hardware file {str(p)!r}: {exc.strerror}") from None
     try:
         doc = json.loads(text) if p.suffix.lower() == ".json" else tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise UserError(
-            f"hardware file {str(p)!r} is not valid {p.suffix.lstrip('.').upper() or 'TOML'}: {exc}"
+            f"hardware file {str(p)!r} is not valid {p.suffix.lstrip('.').upper() or 'TOML'}: {reason}"
         ) from None
     if not isinstance(doc, dict):
         raise UserError(f"hardware file {str(p)!r}: expected a table of chip fields at the top level")
@@ -665,11 +753,13 @@ def load_hardware_file(path: str | os.PathLike, catalog: Catalog | None = None) 
         entries = [doc]
     elif isinstance(entries, dict):
         entries = [entries]
+    elif not isinstance(entries, list) or not entries:
+        raise UserError(f"hardware file {str(p)!r}: 'chip' (or 'chips') must be a table or a non-empty list of tables")
     out = []
     for i, entry in enumerate(entries):
         where = f"{p}: chip #{i + 1}"
         base = None
-        if "base" in entry:
+        if isinstance(entry, Mapping) and "base" in entry:
             base = catalog.get(entry["base"])
         chip = _coerce_chip(entry, base, where)
         catalog.add(chip)
@@ -678,11 +768,31 @@ def load_hardware_file(path: str | os.PathLike, catalog: Catalog | None = None) 
 
 
 def default_catalog(hardware_file: str | os.PathLike | None = None) -> Catalog:
-    """The built-in catalog, with this host's calibration and a user file layered on top."""
+    """The built-in catalog, with this host's calibration and a user file layered on top.
+
+    The host calibration (``cpu.json`` in :func:`specs_dir`) is read when it exists. One that cannot be read
+    (binary garbage, truncated, a field of the wrong type) does not break the commands that never price the host:
+    the catalog keeps its placeholder ``cpu`` entry, marked broken, so ``hardware list`` and every other chip
+    work, and whatever asks for ``cpu`` (or ``calibrated``, which means it) gets a :class:`UserError` naming the
+    file and the fix: run ``shardlab calibrate`` again, or delete the file. A ``--hardware-file`` is the user's
+    own and any error in it is raised at once.
+    """
     catalog = Catalog()
     calibrated = specs_dir() / "cpu.json"
     if calibrated.is_file():
-        load_hardware_file(calibrated, catalog)
+        try:
+            chips = load_hardware_file(calibrated, Catalog())  # all or nothing: a half-read file adds no chip
+        except UserError as exc:
+            reason = str(exc).replace(f"hardware file {str(calibrated)!r} ", "").replace(f"{calibrated}: ", "")
+            reason = reason.removeprefix("is ").split("; save it as", 1)[0]
+            catalog.mark_broken(
+                "cpu",
+                f"the host calibration {calibrated} is corrupt ({reason}); run `shardlab calibrate` again, "
+                f"or delete {calibrated}",
+            )
+        else:
+            for chip in chips:
+                catalog.add(chip)
     if hardware_file:
         load_hardware_file(hardware_file, catalog)
     return catalog
@@ -707,13 +817,24 @@ SCALE_ALIASES = {
 }
 
 
+# A what-if factor outside this range is a typo (or an attempt to make a term vanish): refused, like inf and nan.
+SCALE_RANGE = (1e-6, 1e6)
+
+
 def parse_scale(text: str) -> dict[str, float]:
-    """``"hbm_bandwidth=2,flops=1.5"`` -> ``{"hbm_bandwidth": 2.0, "peak_flops": 1.5}``."""
+    """``"hbm_bandwidth=2,flops=1.5"`` -> ``{"hbm_bandwidth": 2.0, "peak_flops": 1.5}``.
+
+    Each factor is a positive, finite number in :data:`SCALE_RANGE`: ``inf``, ``nan``, 0, negatives and
+    ``1e999`` are refused (an infinite bandwidth would price memory time at zero). A field given twice
+    multiplies.
+    """
     out: dict[str, float] = {}
     scalable = {f.name for f in dataclasses.fields(Chip) if f.type in ("float", "float | None")} | {"peak_flops"}
+    if not str(text).strip():
+        raise UserError("--scale is empty; give FIELD=FACTOR pairs, e.g. hbm_bandwidth=2,flops=1.5")
     for part in str(text).split(","):
         if not part.strip():
-            continue
+            raise UserError(f"--scale: {text!r} has an empty item; example: hbm_bandwidth=2,flops=1.5")
         if "=" not in part:
             raise UserError(f"--scale: {part.strip()!r} is not FIELD=FACTOR; example: hbm_bandwidth=2,flops=1.5")
         key, val = (x.strip() for x in part.split("=", 1))
@@ -723,12 +844,12 @@ def parse_scale(text: str) -> dict[str, float]:
                 f"--scale: unknown field {key!r}; valid: flops, {', '.join(sorted(scalable - {'peak_flops'}))}"
                 f", ici_bandwidth"
             )
-        try:
-            factor = float(val)
-        except ValueError:
-            raise UserError(f"--scale: factor {val!r} for {key} is not a number") from None
-        if not factor > 0:
-            raise UserError(f"--scale: factor for {key} must be > 0, got {val}")
+        factor = parse_positive_float(val, f"--scale {key}", example="2 or 0.5")
+        if not SCALE_RANGE[0] <= factor <= SCALE_RANGE[1]:
+            raise UserError(
+                f"--scale {key}: factor {val} is outside {SCALE_RANGE[0]:g}..{SCALE_RANGE[1]:g}; a what-if "
+                "multiplies a field by a realistic factor, e.g. 2 or 0.5"
+            )
         out[field_name] = out.get(field_name, 1.0) * factor
     return out
 
@@ -742,8 +863,13 @@ def scale_chip(chip: Chip, factors: dict[str, float] | str) -> Chip:
     for name, f in factors.items():
         if name == "peak_flops":
             data["peak_flops"] = {k: v * f for k, v in chip.peak_flops.items()}
+        elif getattr(chip, name) is None:
+            raise UserError(f"--scale {name}: {chip.name} has no {name} to scale; scale another field")
         else:
             data[name] = getattr(chip, name) * f
+        values = data["peak_flops"].values() if name == "peak_flops" else [data[name]]
+        if not all(math.isfinite(v) for v in values):
+            raise UserError(f"--scale {name}={f:g} overflows {chip.name}'s {name}; use a smaller factor")
     label = ",".join(f"{k}x{v:g}" for k, v in factors.items())
     data["name"] = f"{chip.name}[{label}]"
     data["aliases"] = ()

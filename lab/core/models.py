@@ -18,6 +18,7 @@ KV-cache bytes per token: ``2 * L * K * H * bytes`` (inference.md).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from dataclasses import dataclass
@@ -103,6 +104,12 @@ class ModelConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < float("inf"):
                 raise UserError(f"{where}: {f.replace('_', '-')} must be a positive number, got {v!r}")
+        for f in ("tied_embeddings", "gated_mlp", "learned_positions", "biases", "dropout"):
+            if not isinstance(getattr(self, f), bool):
+                raise UserError(f"{where}: {f.replace('_', '-')} must be true or false, got {getattr(self, f)!r}")
+        for f in ("name", "source"):
+            if not isinstance(getattr(self, f), str):
+                raise UserError(f"{where}: {f} must be a string, got {getattr(self, f)!r}")
         if self.norm not in ("layernorm", "rmsnorm"):
             raise UserError(f"{where}: norm {self.norm!r} is not one of layernorm, rmsnorm")
 
@@ -375,13 +382,24 @@ def load_model_file(path: str | os.PathLike) -> ModelConfig:
         doc = tomllib.loads(p.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise UserError(f"model file {str(p)!r} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"model file {str(p)!r} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise UserError(f"cannot read model file {str(p)!r}: {exc.strerror}") from None
+    except (tomllib.TOMLDecodeError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise UserError(f"model file {str(p)!r} is not valid TOML: {reason}") from None
     return model_from_fields(doc, where=str(p))
 
 
+def _is_pos_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
 def model_from_fields(fields: dict[str, Any], where: str = "model") -> ModelConfig:
-    """Build a model from field values; ``base`` names a catalog model to start from."""
+    """Build a model from field values; ``base`` names a catalog model to start from.
+
+    Without ``head_dim``, it is ``d_model / heads``, which must be whole: a ``d_model`` that ``heads`` does not
+    divide is refused (give ``head_dim`` explicitly for models whose heads are not ``d_model / heads`` wide).
+    """
     data = {k.replace("-", "_"): v for k, v in fields.items() if v is not None}
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     base = data.pop("base", None)
@@ -392,7 +410,16 @@ def model_from_fields(fields: dict[str, Any], where: str = "model") -> ModelConf
         data = dataclasses.asdict(get_model(base)) | {"source": where} | data
     data.setdefault("name", "custom")
     if "head_dim" not in data and "d_model" in data and "heads" in data:
-        data["head_dim"] = data["d_model"] // data["heads"]
+        d, n = data["d_model"], data["heads"]
+        if _is_pos_int(d) and _is_pos_int(n):  # anything else is refused by ModelConfig with its name
+            if d % n:
+                close = [k for k in range(max(1, n - 64), n + 65) if d % k == 0]  # bounded: n may be huge
+                near = min(close, key=lambda k: (abs(k - n), k)) if close else math.gcd(d, n)
+                raise UserError(
+                    f"{where}: d-model={d} is not a multiple of heads={n}, so head-dim = d-model / heads is not "
+                    f"whole; give --head-dim explicitly (head_dim in a file), or use heads={near}"
+                )
+            data["head_dim"] = d // n
     data.setdefault("kv_heads", data.get("heads"))
     missing = [
         f.name for f in dataclasses.fields(ModelConfig) if f.default is dataclasses.MISSING and f.name not in data

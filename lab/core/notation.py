@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from lab.core.errors import UserError
+from lab.core.schema import parse_positive_int
 from lab.core.units import dtype_bytes
 
 EXAMPLE = "A[I_X,J] * B[J,K_Y]"
@@ -296,26 +297,6 @@ def parse_assignments(text: str, what: str, example: str) -> dict[str, int]:
             raise UserError(f"{what}: {key!r} is given twice; example: {example}")
         out[key] = parse_positive_int(val, f"{what} {key}")
     return out
-
-
-_SUFFIX = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
-
-
-def parse_positive_int(val: str | int, what: str) -> int:
-    """An integer > 0 from ``"8192"``, ``"8k"``, ``"2Mi"`` or ``"1e6"``."""
-    s = str(val).strip().lower()
-    m = re.fullmatch(r"([0-9.e+]+)\s*(ki|mi|gi|k|m|g)?", s)
-    try:
-        if not m:
-            raise ValueError
-        x = float(m.group(1)) * _SUFFIX.get(m.group(2) or "", 1)
-    except ValueError:
-        raise UserError(f"{what}: {val!r} is not a number; use a positive integer like 4096 or 8k") from None
-    if not math.isfinite(x) or x >= 2**63:
-        raise UserError(f"{what}: {val!r} is too large; use a positive integer like 4096 or 8k")
-    if x <= 0 or x != int(x):
-        raise UserError(f"{what}: {val!r} must be a positive integer, e.g. 4096")
-    return int(x)
 
 
 def parse_mesh(text: str) -> dict[str, int]:

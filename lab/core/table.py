@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 
@@ -34,8 +34,35 @@ def _is_number(s: str) -> bool:
     return True
 
 
+def non_finite(
+    obj: Any, allowed: Callable[[str, Mapping[str, Any]], bool] | None = None, path: str = ""
+) -> tuple[str, float] | None:
+    """The first ``inf`` or ``nan`` in a result, as ``(path, value)`` (``rows[3].decode_step_s``), or None.
+
+    A result that is not finite has overflowed (or divided by an input of zero): the command line refuses it
+    instead of printing ``inf`` or a JSON null. ``allowed(key, table)`` names the values whose infinity means
+    something (a roofline's ``critical_batch`` of ``inf``: never compute-bound); those are skipped.
+    """
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return path or "result", obj
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            if isinstance(v, float) and not math.isfinite(v) and allowed is not None and allowed(str(k), obj):
+                continue
+            found = non_finite(v, allowed, f"{path}.{k}" if path else str(k))
+            if found:
+                return found
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            found = non_finite(v, allowed, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
 def _finite(obj: Any) -> Any:
-    """JSON has no Infinity or NaN: they become null."""
+    """JSON has no Infinity or NaN: they become null (the command line has refused any but the documented
+    infinities, see :func:`non_finite`, before it prints)."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, dict):
