@@ -194,7 +194,10 @@ def test_human_tables(capsys):
             "--mesh X=2,Y=4 has 8 devices but --chips is 16",
         ),
         (["hardware", "list", "--hardware-file", "/nonexistent/chips.toml"], "does not exist"),
-        (["roofline", "op", "--hardware", "h100", "--bytes", "1Mi", "--flops", "-5"], "--flops must be a number >= 0"),
+        (
+            ["roofline", "op", "--hardware", "h100", "--bytes", "1Mi", "--flops", "-5"],
+            "argument --flops: '-5' must be a finite number >= 0",
+        ),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
     ],
 )
@@ -233,7 +236,7 @@ def test_parse_bytes(text, n):
         (["roofline", "matmul", "--hardware", "v5e", "--b", "1e999", "--d", "8", "--f", "8"], "'1e999' is too large"),
         (
             ["train", "estimate", "--model", "llama3-8b", "--hardware", "h100", "--chips", "8", "--tokens", "nan"],
-            "--tokens must be a positive, finite number",
+            "argument --tokens: 'nan' is not a number; use a positive, finite number",
         ),
     ],
 )

@@ -265,7 +265,7 @@ def test_validate_command(capsys):
             ],
             "--batch-tokens 1000 is not a multiple of --seq-len 4096",
         ),
-        (["model", "show", "--layers", "-2", "--d-model", "64"], "--layers must be a positive integer"),
+        (["model", "show", "--layers", "-2", "--d-model", "64"], "argument --layers: '-2' is not a number >= 1"),
         (
             [
                 "plan",

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from lab.cli.args import (
     Parser,
     axis_sizes,
     chip_of,
+    command,
     dtype_arg,
+    nonneg_float,
     parse_bytes,
     positive_int,
 )
@@ -25,7 +28,10 @@ from lab.predict.sharded_matmul import plan_sharded_matmul
 
 
 def cmd_hardware_list(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    chips = default_catalog(args.hardware_file).chips()
+    catalog = default_catalog(args.hardware_file)
+    chips = catalog.chips()
+    for message in catalog.broken.values():  # listed as the placeholder; pricing with it is refused
+        print(f"shardlab: warning: {message}", file=sys.stderr)
     data = {
         "hardware": [
             {
@@ -243,10 +249,10 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser) 
     h = sub.add_parser("hardware", help="the hardware catalog")
     hsub = h.add_subparsers(dest="hw_command", required=True, parser_class=Parser, metavar="list|show")
     hl = hsub.add_parser("list", parents=[common], help="every chip with its headline numbers")
-    hl.set_defaults(func=cmd_hardware_list)
+    command(hl, cmd_hardware_list)
     hs = hsub.add_parser("show", parents=[common], help="one chip, every number with its source")
     hs.add_argument("hardware", metavar="NAME")
-    hs.set_defaults(func=cmd_hardware_show)
+    command(hs, cmd_hardware_show)
 
     r = sub.add_parser("roofline", help="roofline costs")
     rsub = r.add_subparsers(dest="rf_command", required=True, parser_class=Parser, metavar="matmul|op")
@@ -262,12 +268,14 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser) 
         type=dtype_arg,
         help="dtype whose peak applies (default: the wider of --dtype and --weight-dtype)",
     )
-    rm.set_defaults(func=cmd_roofline_matmul)
+    command(rm, cmd_roofline_matmul, allowed=lambda key, _: key == "critical_batch")  # inf: never
     ro = rsub.add_parser("op", parents=[common, hw], help="any op given its FLOPs and HBM bytes")
-    ro.add_argument("--flops", type=float, default=0.0, help="floating-point operations (default 0: a pure copy)")
+    ro.add_argument(
+        "--flops", type=nonneg_float("--flops"), default=0.0, help="floating-point operations (default 0: a pure copy)"
+    )
     ro.add_argument("--bytes", required=True, metavar="V", help="HBM bytes read plus written: 1048576, 1Mi, fp32[1024]")
     ro.add_argument("--dtype", type=dtype_arg, default="bf16", help="dtype whose peak applies (default bf16)")
-    ro.set_defaults(func=cmd_roofline_op)
+    command(ro, cmd_roofline_op)
 
     c = sub.add_parser("collective", parents=[common, hw], help="one collective over one or more mesh axes")
     c.add_argument("kind", metavar="KIND", help=f"one of {', '.join(COLLECTIVE_KINDS)}")
@@ -288,7 +296,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser) 
         default="node",
         help="node: one ICI slice or NVLink node; cross-node: DCN or the scale-out network",
     )
-    c.set_defaults(func=cmd_collective)
+    command(c, cmd_collective)
 
     s = sub.add_parser(
         "sharded-matmul",
@@ -302,7 +310,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser) 
     s.add_argument("--dtype", type=dtype_arg, default="bf16")
     s.add_argument("--no-wraparound", action="store_true")
     s.add_argument("--scope", choices=SCOPES, default="node")
-    s.set_defaults(func=cmd_sharded_matmul)
+    command(s, cmd_sharded_matmul)
 
 
 __all__ = ["register"]

@@ -8,13 +8,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
-from typing import NoReturn
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
 
 from lab.core.errors import UserError
 from lab.core.hardware import Chip, default_catalog, scale_chip
 from lab.core.models import ModelConfig, resolve_model
-from lab.core.notation import parse_positive_int
+from lab.core.schema import (
+    INT_LIMIT,
+    parse_fraction,
+    parse_nonneg_float,
+    parse_nonneg_int,
+    parse_positive_float,
+    parse_positive_int,
+    parse_positive_ints,
+)
+from lab.core.table import non_finite
 from lab.core.units import canonical_dtype, dtype_bytes
 
 
@@ -28,15 +39,47 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}{hint}\n")
 
 
-def positive_int(what: str):
-    def conv(s: str) -> int:
+def _arg_type(parse, what: str, **kw):
+    """An argparse ``type`` from a :mod:`lab.core.schema` parser: argparse names the flag, the message the rest."""
+
+    def conv(s: str):
         try:
-            return parse_positive_int(s, what)
+            return parse(s, "", **kw)
         except UserError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     conv.__name__ = what
     return conv
+
+
+def positive_int(what: str):
+    """``type=`` of an integer flag > 0 (``8192``, ``8k``, ``2Mi``, ``1e6``)."""
+    return _arg_type(parse_positive_int, what)
+
+
+def nonneg_int(what: str):
+    """``type=`` of an integer flag >= 0."""
+    return _arg_type(parse_nonneg_int, what)
+
+
+def positive_float(what: str, example: str = "2.5 or 1e12"):
+    """``type=`` of a positive, finite number."""
+    return _arg_type(parse_positive_float, what, example=example)
+
+
+def nonneg_float(what: str, example: str = "0 or 1e12"):
+    """``type=`` of a finite number >= 0."""
+    return _arg_type(parse_nonneg_float, what, example=example)
+
+
+def fraction(what: str):
+    """``type=`` of a fraction in (0, 1] (an MFU)."""
+    return _arg_type(parse_fraction, what)
+
+
+def positive_ints(what: str):
+    """``type=`` of a comma-separated list of positive integers (``1,2,4,8``; no empty items)."""
+    return _arg_type(parse_positive_ints, what)
 
 
 def dtype_arg(s: str) -> str:
@@ -47,15 +90,14 @@ def dtype_arg(s: str) -> str:
 
 
 def parse_bytes(text: str) -> float:
-    """``33554432``, ``32Mi``, ``1e6`` or an array such as ``bf16[2048,8192]`` -> bytes."""
+    """``33554432``, ``32Mi``, ``1e6`` or an array such as ``bf16[2048,8192]`` -> bytes (below 2**63)."""
     s = str(text).strip()
-    m = re.fullmatch(r"([A-Za-z0-9_]+)\[([0-9,\s]+)\]", s)
+    m = re.fullmatch(r"([A-Za-z0-9_]+)\[([^\]]*)\]", s)
     if m:
         dt = canonical_dtype(m.group(1))
-        dims = [parse_positive_int(x, "--bytes dim") for x in m.group(2).split(",") if x.strip()]
-        n = 1
-        for d in dims:
-            n *= d
+        n = math.prod(parse_positive_ints(m.group(2), f"--bytes {text}: dims"))
+        if n >= INT_LIMIT or n * dtype_bytes(dt) >= INT_LIMIT:  # ints first: a float of n may overflow
+            raise UserError(f"--bytes: {text!r} is too large; use an array of fewer than 2**63 bytes")
         return n * dtype_bytes(dt)
     try:
         return float(parse_positive_int(s, "--bytes"))
@@ -66,7 +108,7 @@ def parse_bytes(text: str) -> float:
 
 
 def axis_sizes(text: str) -> tuple[int, ...]:
-    return tuple(parse_positive_int(x, "--axis-size") for x in str(text).split(","))
+    return parse_positive_ints(text, "--axis-size")
 
 
 def chip_of(args: argparse.Namespace) -> Chip:
@@ -82,6 +124,48 @@ def with_chip(fn):
         return fn(args, chip_of(args))
 
     return run
+
+
+def _given_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """The numeric flags set away from their defaults, as ``--tokens 1e+300, --chips 8``."""
+    out = []
+    for a in parser._actions:
+        v = getattr(args, a.dest, None)
+        if a.option_strings and isinstance(v, int | float) and not isinstance(v, bool) and v != a.default:
+            out.append(f"{a.option_strings[0]} {v:g}" if isinstance(v, float) else f"{a.option_strings[0]} {v}")
+        elif a.option_strings and isinstance(v, tuple) and v and all(isinstance(x, int) for x in v):
+            out.append(f"{a.option_strings[0]} {','.join(map(str, v))}")
+    return ", ".join(out) or "the defaults"
+
+
+def command(
+    parser: argparse.ArgumentParser,
+    fn: Callable[[argparse.Namespace], tuple[dict[str, Any], str]],
+    allowed: Callable[[str, Mapping[str, Any]], bool] | None = None,
+) -> None:
+    """Make ``fn`` the command of ``parser``, with the two checks every command shares.
+
+    * ``--hardware-file`` is read before anything else, whether or not the command prices a chip: a missing or
+      broken file is an error everywhere, never silently ignored.
+    * The result must be finite: an ``inf`` or ``nan`` (an input so large the arithmetic overflowed) is a
+      :class:`UserError` naming the value and the numbers given, not a JSON null with exit 0. ``allowed(key,
+      table)`` names the infinities that mean something (see :func:`lab.core.table.non_finite`).
+    """
+
+    def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+        if getattr(args, "hardware_file", None):
+            default_catalog(args.hardware_file)
+        data, text = fn(args)
+        bad = non_finite(data, allowed)
+        if bad is not None:
+            path, value = bad
+            raise UserError(
+                f"the result's {path} came out {value}: an input is too large or too small for the arithmetic "
+                f"(given: {_given_numbers(parser, args)}); use values in a realistic range"
+            )
+        return data, text
+
+    parser.set_defaults(func=run)
 
 
 MODEL_FLAGS = (
@@ -108,7 +192,7 @@ def model_parent(positional: bool) -> argparse.ArgumentParser:
         p.add_argument("--model", metavar="NAME", help="catalog model or a .toml file; flags below override it")
     g = p.add_argument_group("custom model")
     for flag in ("layers", "d-model", "d-ff", "heads", "kv-heads", "head-dim", "vocab", "experts", "experts-per-token"):
-        g.add_argument(f"--{flag}", type=int, metavar="N")
+        g.add_argument(f"--{flag}", type=positive_int(f"--{flag}"), metavar="N")
     g.add_argument("--tied-embeddings", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument(
         "--gated-mlp",
@@ -119,21 +203,9 @@ def model_parent(positional: bool) -> argparse.ArgumentParser:
     return p
 
 
-def _model(args: argparse.Namespace) -> ModelConfig:
-    overrides = {k: getattr(args, k) for k in MODEL_FLAGS}
-    for k, v in overrides.items():
-        if isinstance(v, int) and not isinstance(v, bool) and v <= 0:
-            raise UserError(f"--{k.replace('_', '-')} must be a positive integer, got {v}")
-    return resolve_model(args.model, overrides)
-
-
 def model_of(args: argparse.Namespace) -> ModelConfig:
-    """The model a command's ``--model`` and custom-model flags describe."""
-    overrides = {k: getattr(args, k) for k in MODEL_FLAGS}
-    for k, v in overrides.items():
-        if isinstance(v, int) and not isinstance(v, bool) and v <= 0:
-            raise UserError(f"--{k.replace('_', '-')} must be a positive integer, got {v}")
-    return resolve_model(args.model, overrides)
+    """The model a command's ``--model`` and custom-model flags describe (each flag checked by its type)."""
+    return resolve_model(args.model, {k: getattr(args, k) for k in MODEL_FLAGS})
 
 
 PLAN_CONFLICTS = (
@@ -240,14 +312,20 @@ __all__ = [
     "Parser",
     "axis_sizes",
     "chip_of",
+    "command",
     "common_parent",
     "dtype_arg",
+    "fraction",
     "hardware_parent",
     "model_of",
     "model_parent",
+    "nonneg_float",
+    "nonneg_int",
     "ops_table",
     "parse_bytes",
     "plan_of",
+    "positive_float",
     "positive_int",
+    "positive_ints",
     "with_chip",
 ]

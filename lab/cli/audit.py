@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from lab.cli.args import command
 from lab.core.errors import UserError
 from lab.core.notation import parse_mesh, parse_sizes
 from lab.core.plan import Plan, kernel_plan, make_mesh_axes
@@ -125,7 +126,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     a.add_argument("--hardware", metavar="NAME", help="chip to price expected collectives for (default cpu)")
     a.add_argument("--hlo", metavar="PATH", help="also write the optimized HLO text here")
     a.add_argument("--strict", action="store_true", help="exit 1 when anything does not match")
-    a.set_defaults(func=_dispatch)
+    command(a, _dispatch)
 
 
 def _dispatch(args: argparse.Namespace) -> tuple[dict[str, Any], str]:

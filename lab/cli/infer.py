@@ -9,13 +9,16 @@ from typing import Any
 from lab.cli.args import (
     Parser,
     chip_of,
+    command,
     dtype_arg,
+    fraction,
     hardware_parent,
     model_of,
     model_parent,
     ops_table,
     plan_of,
     positive_int,
+    positive_ints,
 )
 from lab.core.errors import UserError
 from lab.core.table import render
@@ -49,10 +52,6 @@ def _warn_context(model, context: int) -> None:
 def infer_config(args: argparse.Namespace, chip) -> InferConfig:
     model = model_of(args)
     n = args.chips
-    for name in ("tp", "dp", "ep"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise UserError(f"--{name} must be a positive integer, got {v}")
     tp, dp, ep = args.tp, args.dp, args.ep or 1
     if tp is None and dp is None:
         tp = n // ep  # generation shards the model, not the batch (inference.md)
@@ -166,14 +165,6 @@ def _png(path: str | None, default: str, draw) -> str:
     return str(png)
 
 
-def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
-    from lab.core.notation import parse_positive_int
-
-    if text is None:
-        return None
-    return tuple(parse_positive_int(x, flag) for x in text.split(",") if x.strip())
-
-
 def cmd_infer_sweep(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from lab.studies.serving import sweep
 
@@ -185,8 +176,8 @@ def cmd_infer_sweep(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         context=args.context,
         weights=args.weights,
         kv=args.kv,
-        chips=_ints(args.chips, "--chips"),
-        batches=_ints(args.batches, "--batches"),
+        chips=args.chips,
+        batches=args.batches,
         achievable=args.achievable,
         hardware_file=args.hardware_file,
         scale=args.scale,
@@ -280,12 +271,14 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
         default="bf16",
         help="matmul dtype (quantised weights still compute in bf16 unless this says otherwise)",
     )
-    ie.add_argument("--tp", type=int)
-    ie.add_argument("--dp", type=int)
-    ie.add_argument("--ep", type=int)
-    ie.add_argument("--mfu", type=float, help="prefill at this MFU (2 N tokens FLOPs) instead of the roofline")
+    ie.add_argument("--tp", type=positive_int("--tp"))
+    ie.add_argument("--dp", type=positive_int("--dp"))
+    ie.add_argument("--ep", type=positive_int("--ep"))
+    ie.add_argument(
+        "--mfu", type=fraction("--mfu"), help="prefill at this MFU (2 N tokens FLOPs) instead of the roofline"
+    )
     ie.add_argument("--achievable", action="store_true", help="apply the efficiency model instead of ideal peaks")
-    ie.set_defaults(func=cmd_infer_estimate)
+    command(ie, cmd_infer_estimate)
 
     def serving_args(p) -> None:
         p.add_argument("--context", type=positive_int("--context"), default=8192, help="tokens per KV cache")
@@ -300,11 +293,18 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     sw.add_argument("--hardware", required=True, metavar="NAME")
     sw.add_argument("--scale", metavar="FIELD=X,...")
     serving_args(sw)
-    sw.add_argument("--chips", metavar="N,N,...", help="topologies (tensor-parallel degrees) to try")
-    sw.add_argument("--batches", metavar="B,B,...", help="batch sizes to try (default powers of two and the max)")
+    sw.add_argument(
+        "--chips", type=positive_ints("--chips"), metavar="N,N,...", help="topologies (tensor-parallel degrees) to try"
+    )
+    sw.add_argument(
+        "--batches",
+        type=positive_ints("--batches"),
+        metavar="B,B,...",
+        help="batch sizes to try (default powers of two and the max)",
+    )
     sw.add_argument("--achievable", action="store_true")
     sw.add_argument("--png", metavar="PATH")
-    sw.set_defaults(func=cmd_infer_sweep)
+    command(sw, cmd_infer_sweep)
 
     tp_ = isub.add_parser(
         "topology",
@@ -314,7 +314,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     tp_.add_argument("--hardware", required=True, metavar="NAME")
     tp_.add_argument("--scale", metavar="FIELD=X,...")
     tp_.add_argument("--context", type=positive_int("--context"), default=8192)
-    tp_.set_defaults(func=cmd_infer_topology)
+    command(tp_, cmd_infer_topology)
 
     dg = isub.add_parser(
         "disaggregate",
@@ -338,5 +338,5 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
             "achievable",
         ):
             dg._add_action(action)
-    dg.set_defaults(func=with_chip(cmd_infer_disaggregate))
+    command(dg, with_chip(cmd_infer_disaggregate))
     return {"infer": isub}

@@ -9,12 +9,16 @@ from typing import Any
 from lab.cli.args import (
     Parser,
     chip_of,
+    command,
     dtype_arg,
+    fraction,
     hardware_parent,
     model_of,
     model_parent,
+    nonneg_int,
     ops_table,
     plan_of,
+    positive_float,
     positive_int,
 )
 from lab.core.errors import UserError
@@ -73,9 +77,11 @@ def cmd_model_show(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 def _layout(args: argparse.Namespace) -> Layout:
     chips = args.chips
     given = {k: getattr(args, k) for k in ("dp", "fsdp", "tp", "pp", "cp")}
-    for k, v in given.items():
-        if v is not None and v < 1:
-            raise UserError(f"--{k} must be a positive integer, got {v}")
+    if args.interleave != 1 and args.pp_schedule != "interleaved":
+        raise UserError(
+            f"--interleave {args.interleave} only applies to --pp-schedule interleaved (got {args.pp_schedule}); "
+            "add --pp-schedule interleaved, or drop --interleave"
+        )
     if all(v is None for v in given.values()):
         given["fsdp"] = chips  # default: weights, gradients and optimizer sharded over every chip
     known = math.prod(v for v in given.values() if v is not None)
@@ -105,8 +111,6 @@ def _layout(args: argparse.Namespace) -> Layout:
 
 def train_config(args: argparse.Namespace, chip) -> TrainConfig:
     model = model_of(args)
-    if args.chips < 1:
-        raise UserError(f"--chips must be a positive integer, got {args.chips}")
     layout = _layout(args)
     seq = args.seq_len or model.max_seq_len
     replicas = layout.dp * layout.fsdp
@@ -193,10 +197,6 @@ def cmd_train_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         d["plan_file"] = save_plan(cfg, args.save_plan)
     if program is not None:
         d |= {"ops": [o.to_dict() for o in program.ops], "plan": plan.to_dict()}
-    if args.tokens is not None and not 0 < args.tokens < math.inf:
-        raise UserError(f"--tokens must be a positive, finite number of tokens (e.g. 1e12), got {args.tokens}")
-    if args.mfu is not None and not 0 < args.mfu <= 1:
-        raise UserError(f"--mfu must be in (0, 1], got {args.mfu}")
     total_flops = days = cost = None
     if args.tokens is not None:
         if args.seq_len is None:
@@ -309,8 +309,6 @@ def cmd_study_generations(args: argparse.Namespace) -> tuple[dict[str, Any], str
 
     from lab.studies.generations import generations
 
-    if not 0 < args.tokens < math.inf:
-        raise UserError(f"--tokens must be a positive, finite number of tokens (e.g. 3e11), got {args.tokens}")
     study = generations(
         args.model, chips=args.chips, tokens=args.tokens, seq_len=args.seq_len, global_batch=args.global_batch
     )
@@ -330,6 +328,11 @@ def _study_memtech(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return cmd_study_memtech(args)
 
 
+def _unfit_row(key: str, row) -> bool:
+    """A memory-tech row where the model does not fit has no step time (``inf``) and no speed-up."""
+    return row.get("fits") is False and key in ("decode_step_s", "speedup_vs_first", "efficiency")
+
+
 def cmd_validate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from lab.studies.validate import run_validation
 
@@ -342,7 +345,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     mp = sub.add_parser("model", help="the model catalog and Transformer accounting")
     msub = mp.add_subparsers(dest="model_command", required=True, parser_class=Parser, metavar="list|show")
     ml = msub.add_parser("list", parents=[common], help="every catalog model")
-    ml.set_defaults(func=cmd_model_list)
+    command(ml, cmd_model_list)
     ms = msub.add_parser(
         "show",
         parents=[common, model_parent(positional=True)],
@@ -350,7 +353,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     )
     ms.add_argument("--kv-dtype", type=dtype_arg, default="bf16")
     ms.add_argument("--seq-len", type=positive_int("--seq-len"), help="FLOPs per token at this context")
-    ms.set_defaults(func=cmd_model_show)
+    command(ms, cmd_model_show)
 
     tp = sub.add_parser("train", help="training estimates")
     tsub = tp.add_subparsers(dest="train_command", required=True, parser_class=Parser, metavar="estimate|limits")
@@ -367,31 +370,33 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     )
     te.add_argument("--chips", type=positive_int("--chips"), help="chips (required without --plan)")
     te.add_argument("--save-plan", metavar="FILE", help="also write this job as an experiment file (a Plan)")
-    te.add_argument("--tokens", type=float, help="training tokens, for total FLOPs, days and cost")
-    te.add_argument("--mfu", type=float, help="take days at this MFU instead of the predicted step time")
+    te.add_argument(
+        "--tokens", type=positive_float("--tokens", "1e12"), help="training tokens, for total FLOPs, days and cost"
+    )
+    te.add_argument("--mfu", type=fraction("--mfu"), help="take days at this MFU instead of the predicted step time")
     bg = te.add_mutually_exclusive_group()
     bg.add_argument("--global-batch", type=positive_int("--global-batch"), metavar="SEQS")
     bg.add_argument("--batch-tokens", type=positive_int("--batch-tokens"), metavar="B")
     te.add_argument("--seq-len", type=positive_int("--seq-len"), help="default: the model's context")
     te.add_argument("--microbatch", type=positive_int("--microbatch"), default=1)
     for k in ("dp", "fsdp", "tp", "pp", "cp"):
-        te.add_argument(f"--{k}", type=int)
+        te.add_argument(f"--{k}", type=positive_int(f"--{k}"))
     te.add_argument("--ep", type=positive_int("--ep"), default=1)
-    te.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
+    te.add_argument("--zero", type=nonneg_int("--zero"), choices=(0, 1, 2, 3), default=0)
     te.add_argument("--sequence-parallel", action="store_true")
     te.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b")
     te.add_argument("--interleave", type=positive_int("--interleave"), default=1)
     te.add_argument("--remat", choices=REMAT, default="selective")
     te.add_argument(
         "--checkpoints-per-layer",
-        type=float,
+        type=positive_float("--checkpoints-per-layer", "2 or 4.5"),
         metavar="K",
         help="the book's k saved [B, D] tensors per layer (sets activation memory)",
     )
     te.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
     te.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam")
     te.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=True)
-    te.set_defaults(func=cmd_train_estimate)
+    command(te, cmd_train_estimate)
 
     tl = tsub.add_parser("limits", parents=[common, hw], help="the book's DP, TP and FSDP thresholds")
     tl.add_argument("--model", metavar="NAME", help="take --d-ff from this model")
@@ -401,7 +406,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     tl.add_argument("--chips", type=positive_int("--chips"))
     tl.add_argument("--batch-tokens", type=positive_int("--batch-tokens"))
     tl.add_argument("--dtype", type=dtype_arg, default="bf16")
-    tl.set_defaults(func=with_chip(cmd_train_limits))
+    command(tl, with_chip(cmd_train_limits))
 
     pl = sub.add_parser(
         "plan",
@@ -414,7 +419,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     pl.add_argument("--top", type=positive_int("--top"), default=10)
     pl.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
     pl.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam")
-    pl.set_defaults(func=with_chip(cmd_plan))
+    command(pl, with_chip(cmd_plan))
 
     st = sub.add_parser("study", help="studies across hardware generations and technologies")
     ssub = st.add_subparsers(
@@ -427,11 +432,11 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     )
     sg.add_argument("--model", default="gpt3-175b", metavar="NAME")
     sg.add_argument("--chips", type=positive_int("--chips"), default=1024)
-    sg.add_argument("--tokens", type=float, default=300e9)
+    sg.add_argument("--tokens", type=positive_float("--tokens", "3e11"), default=300e9)
     sg.add_argument("--seq-len", type=positive_int("--seq-len"), default=2048)
     sg.add_argument("--global-batch", type=positive_int("--global-batch"), default=1536)
     sg.add_argument("--png", metavar="PATH", help="bar chart (default: runs/study/generations_<model>.png)")
-    sg.set_defaults(func=cmd_study_generations)
+    command(sg, cmd_study_generations)
     sm = ssub.add_parser(
         "memory-tech",
         parents=[common],
@@ -447,10 +452,10 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     sm.add_argument("--weights", choices=("bf16", "fp8", "int8", "int4"), default="bf16")
     sm.add_argument("--kv", choices=("bf16", "fp8", "int8", "int4"), default="bf16")
     sm.add_argument("--png", metavar="PATH")
-    sm.set_defaults(func=_study_memtech)
+    command(sm, _study_memtech, allowed=_unfit_row)
 
     v = sub.add_parser("validate", parents=[common], help="replay the published calibration runs")
-    v.set_defaults(func=cmd_validate)
+    command(v, cmd_validate)
 
 
 __all__ = ["register"]
