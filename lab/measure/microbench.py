@@ -8,6 +8,7 @@ repeats interleaved round-robin when programs are compared, medians); each bench
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -273,3 +274,23 @@ def host_busy(seconds: float = 1.0) -> float | None:
     if first is None or last is None or last[1] <= first[1]:
         return None
     return (last[0] - first[0]) / (last[1] - first[1])
+
+
+class HostLoad:
+    """The share of the host's CPU time that other processes took while a block ran (this process's own time
+    taken out): ``with HostLoad() as load: ...; load.others``. None where ``/proc`` does not say."""
+
+    def __enter__(self) -> HostLoad:
+        self.others: float | None = None
+        self._start, self._own = _cpu_times(), os.times()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        end, own = _cpu_times(), os.times()
+        if self._start is None or end is None:
+            return
+        ticks = os.sysconf("SC_CLK_TCK")
+        busy, total = end[0] - self._start[0], end[1] - self._start[1]
+        mine = (own.user + own.system - self._own.user - self._own.system) * ticks
+        if total > 0:
+            self.others = min(1.0, max(0.0, (busy - mine) / total))

@@ -108,8 +108,9 @@ class OpStats:
 
     ``median_s`` is the median over steps of the slowest device's time in the op during that step (summed over
     the op's executions in the step, e.g. inside a loop); ``median_self_s`` and ``median_wait_s`` take the same
-    statistic of self and wait time, each on its own slowest device. ``count`` is the number of events (all
-    steps, all devices); ``devices`` the number of distinct devices that ran it.
+    statistic of self and wait time, each on its own slowest device. ``spread`` is the largest of those per-step
+    self times over the smallest (1 with one step): how far one trace's repeats of the op disagree. ``count`` is
+    the number of events (all steps, all devices); ``devices`` the number of distinct devices that ran it.
     """
 
     name: str
@@ -118,6 +119,7 @@ class OpStats:
     median_wait_s: float
     count: int
     devices: int
+    spread: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -161,13 +163,15 @@ class Trace:
                 w = worst.setdefault(step, [0.0, 0.0, 0.0])
                 w[0], w[1], w[2] = max(w[0], dur), max(w[1], own), max(w[2], wait)
             rows = list(worst.values())
+            own = [r[1] for r in rows]
             out[name] = OpStats(
                 name=name,
                 median_s=statistics.median(r[0] for r in rows) * 1e-6,
-                median_self_s=statistics.median(r[1] for r in rows) * 1e-6,
+                median_self_s=statistics.median(own) * 1e-6,
                 median_wait_s=statistics.median(r[2] for r in rows) * 1e-6,
                 count=len(evs),
                 devices=len({e.device for e in evs}),
+                spread=max(own) / min(own) if min(own) > 0 else 1.0,
             )
         return out
 

@@ -221,6 +221,7 @@ class LedgerRow:
     collective_bytes: float
     scope: str = ""
     estimate_op: str | None = None  # the estimator's named op this HLO op belongs to
+    spread: float | None = None  # the slowest of its traced repeats over the fastest
 
     @property
     def ratio(self) -> float | None:
@@ -240,31 +241,35 @@ class LedgerRow:
             "collective_bytes": self.collective_bytes,
             "scope": self.scope,
             "estimate_op": self.estimate_op,
+            "spread": self.spread,
         }
 
 
-def join(predicted: list[PredictedOp], measured: dict[str, float]) -> tuple[list[LedgerRow], float]:
+def join(
+    predicted: list[PredictedOp], measured: dict[str, float], spreads: dict[str, float] | None = None
+) -> tuple[list[LedgerRow], float]:
     """Rows by HLO name (predicted per execution times its count), and the coverage of measured time."""
     rows = []
     seen = set()
+    spreads = spreads or {}
     for p in predicted:
-        m = measured.get(p.name)
         seen.add(p.name)
         rows.append(
             LedgerRow(
                 p.name,
                 p.kind,
                 p.predicted_s * p.times,
-                m,
+                measured.get(p.name),
                 p.flops * p.times,
                 p.bytes * p.times,
                 p.collective_bytes * p.times,
                 p.scope,
+                spread=spreads.get(p.name),
             )
         )
     for name, m in measured.items():
         if name not in seen:
-            rows.append(LedgerRow(name, "other", None, m, 0.0, 0.0, 0.0))
+            rows.append(LedgerRow(name, "other", None, m, 0.0, 0.0, 0.0, spread=spreads.get(name)))
     total = sum(m for m in measured.values() if m)
     covered = sum(r.measured_s for r in rows if r.measured_s and r.predicted_s is not None)
     coverage = covered / total if total else 0.0

@@ -15,6 +15,9 @@ from typing import Any
 from lab.core.table import dumps, render
 from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
 from lab.report.ledger import COLLECTIVE_ROWS
+from lab.report.plots import BAND
+
+BAND_WIDTH = BAND[1] / BAND[0]
 
 CSV_KEYS = (
     "name",
@@ -88,18 +91,17 @@ def named_table(named: list[dict[str, Any]], limit: int = 25) -> str:
     return render(headers, body)
 
 
-def markdown(report: dict[str, Any]) -> str:
-    hw = report["hardware"]
-    lines = [f"# {report['experiment']} ({report['run_id']})", ""]
-    if report["emulated"]:
-        lines += [
-            "**Emulated**: these timings come from CPU devices emulated on one host; the interconnect is memory "
-            "copies between threads. Structure (shardings, collectives, bytes, FLOPs) is exact; timings are "
-            f"compared against a spec {'calibrated on this host' if hw.get('calibrated') else 'NOT calibrated'}.",
-            "",
-        ]
+FAR = 3.0  # an elementwise op measured this many times its roofline or more gets the note below
+LEDGER_ROWS = 25
+
+
+def _facts(report: dict[str, Any]) -> list[str]:
+    """The run in bullets: where, which spec, the three step times, coverage, ratios, trust, the audit."""
+    hw, summary = report["hardware"], report["summary"]
     audit = report["audit"].get("all_match")
-    lines += [
+    ratio = summary["median_ratio_large"]
+    spread, load = summary.get("spread_large"), summary.get("host_load")
+    lines = [
         f"- backend: {report['backend']} ({report['devices']} devices), mesh "
         f"{','.join(f'{k}={v}' for k, v in report['mesh'].items())}",
         f"- hardware spec: {hw['name']} (calibrated: {hw.get('calibrated', False)})",
@@ -112,10 +114,57 @@ def markdown(report: dict[str, Any]) -> str:
             if report.get("estimate_coverage") is not None
             else ""
         ),
-        f"- ops of at least 1 MB: median measured/predicted {report['summary']['median_ratio_large']}",
-        f"- audit against the estimate: {'all match' if audit else ('MISMATCH' if audit is False else 'none')}",
+        f"- ops of at least 1 MB: median measured/predicted {f'{ratio:.2f}' if ratio is not None else 'none'} "
+        f"over {summary['ops_large']} ops",
+    ]
+    if spread is not None or load is not None:
+        trust = (
+            f"- trust: the repeats of one op differ by {spread:.2f}x (median over those ops)" if spread else "- trust:"
+        )
+        if load is not None:
+            trust += f"; other processes held {100 * load:.0f}% of the host's CPU time while it was profiled"
+        lines.append(trust)
+    if summary.get("unsteady"):
+        lines.append(
+            f"- **UNSTEADY**: this run's own repeats differ by more than the band a ratio is judged by "
+            f"({BAND_WIDTH:.2f}x): read its measured/predicted ratios as noise, and run it again on a quieter host"
+        )
+    lines.append(
+        f"- audit against the estimate: {'all match' if audit else ('MISMATCH' if audit is False else 'none')}"
+    )
+    return [*lines, ""]
+
+
+def _elementwise_note(report: dict[str, Any]) -> list[str]:
+    """Why elementwise ops far from their roofline on emulated devices are not a model error (when there are any)."""
+    far = [r for r in report["ops"] if r["kind"] == "elementwise" and r["ratio"] and r["ratio"] >= FAR]
+    if not far or not report["emulated"]:
+        return []
+    return [
+        f"{len(far)} elementwise ops ran {FAR:g}x or more their roofline. The roofline prices their bytes at the "
+        "calibrated bandwidth; on emulated devices each device's fusions run on one host thread among "
+        f"{report['devices']} device threads sharing the host's cores, so a small op also pays for thread "
+        "scheduling and dispatch, which no roofline sees. They are left out of the ratio of ops of 1 MB or more.",
         "",
     ]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    hw = report["hardware"]
+    title = (
+        report["experiment"]
+        if report["run_id"] == report["experiment"]
+        else f"{report['experiment']}: {report['run_id']}"
+    )
+    lines = [f"# {title}", ""]
+    if report["emulated"]:
+        lines += [
+            "**Emulated**: these timings come from CPU devices emulated on one host; the interconnect is memory "
+            "copies between threads. Structure (shardings, collectives, bytes, FLOPs) is exact; timings are "
+            f"compared against a spec {'calibrated on this host' if hw.get('calibrated') else 'NOT calibrated'}.",
+            "",
+        ]
+    lines += _facts(report)
     if report.get("estimated_ops"):
         lines += [
             "## Named ops: estimated | predicted | measured",
@@ -128,15 +177,22 @@ def markdown(report: dict[str, Any]) -> str:
             "```",
             "",
         ]
+    shown = min(LEDGER_ROWS, len(report["ops"]))
     lines += [
         "## Ledger (HLO ops)",
         "",
-        "Measured: each op's own time (rendezvous waits excluded) on its slowest device, median over the repeats.",
+        "Measured: each op's own time (rendezvous waits excluded) on its slowest device, median over the repeats"
+        + (
+            f"; the {shown} heaviest of {len(report['ops'])} ops, all in `ops.csv`."
+            if shown < len(report["ops"])
+            else "."
+        ),
         "",
         "```",
-        ledger_table(report["ops"]),
+        ledger_table(report["ops"], limit=LEDGER_ROWS),
         "```",
         "",
+        *_elementwise_note(report),
         "Plots: `roofline.png`, `predicted_vs_measured.png`, `breakdown.png`."
         + (f" Trace: `tensorboard --logdir {report['tensorboard']}`." if report.get("tensorboard") else ""),
         "",
@@ -180,11 +236,15 @@ def write_reports(report: dict[str, Any], out: Path) -> list[str]:
     return ["report.json", "ops.csv", "report.md"]
 
 
-def write_all(report: dict[str, Any], out: Path) -> list[str]:
-    """The text reports, then the plots."""
+def write_all(report: dict[str, Any], out: Path, timings=None) -> list[str]:
+    """The plots, then the text reports (``report.json`` last but one: with ``timings()``, what every phase took,
+    writing the reports included as far as it can be), then ``ops.csv`` and ``report.md``."""
     from lab.report.plots import plots
 
-    return [*write_reports(report, out), *plots(report, out)]
+    drawn = plots(report, out)
+    if timings is not None:
+        report["timings"] = timings()
+    return [*write_reports(report, out), *drawn]
 
 
 __all__ = ["breakdown", "ledger_table", "markdown", "median", "named_table", "write_all", "write_reports"]

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from lab.core.hardware import Chip
 from lab.core.plan import Plan
 from lab.core.table import dumps
 from lab.predict.program import ProgramEstimate, estimate_program, memory_warning
+from lab.report.plots import BAND
 from lab.run import store
 from lab.run.environment import Progress, ensure_devices, environment, require_devices, resolve_hardware
 from lab.run.experiment import WARMUP, Experiment, load_experiment
@@ -61,13 +63,16 @@ def _estimate(plan: Plan, chip: Chip, compile_only: bool) -> tuple[ProgramEstima
     return est, None
 
 
-def _compile_and_audit(plan: Plan, est: ProgramEstimate | None, env: dict[str, Any], progress):
-    """Build the program, compile it once from abstract arguments, audit the HLO against the estimate."""
+def _compile_and_audit(plan: Plan, est: ProgramEstimate | None, env: dict[str, Any], progress, clock: _Clock):
+    """Build the program (and place its inputs), compile it once from abstract arguments, audit the HLO against
+    the estimate."""
     from kernels.registry import build
     from lab.compile.audit import audit_compiled
 
     progress(f"{plan.name} {dict(plan.sizes)}: building {plan.program} on mesh {plan.shape}")
     built = build(plan)
+    built.args  # noqa: B018  (placed now, so that build_s holds it and profile_s only the profile)
+    clock.lap("build_s")
     progress("compiling (abstract arguments) and auditing against the estimate")
     compiled = built.fn.lower(*built.abstract).compile()
     if est is None:
@@ -85,13 +90,70 @@ def _summary(rows: list[dict[str, Any]], warmup: int, repeats: int) -> dict[str,
         and r["kind"] not in ("other", "elementwise")
         and max(r["bytes"], r["collective_bytes"]) >= LARGE_BYTES
     ]
+    spreads = [
+        r["spread"]
+        for r in rows
+        if r.get("spread")
+        and r["kind"] not in ("other", "elementwise")
+        and max(r["bytes"], r["collective_bytes"]) >= LARGE_BYTES
+    ]
+    spread = report.median(spreads)
     return {
         "median_ratio_large": report.median(large),
         "ops_large": len(large),
         "ops": len(rows),
         "repeats": repeats,
         "warmup": warmup,
+        "spread_large": spread,
+        # one trace's repeats disagree by more than the band a ratio is judged by: read its ratios as noise
+        "unsteady": spread is not None and spread > BAND[1] / BAND[0],
     }
+
+
+class _Clock:
+    """Seconds per phase of one point (``timings`` in its report)."""
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self.t
+        self.t = now
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """What one profile gave: its files, per-op medians and spreads, step times, and the host's other load."""
+
+    files: Any = None
+    medians: dict[str, float] = dataclasses.field(default_factory=dict)
+    spreads: dict[str, float] = dataclasses.field(default_factory=dict)
+    steps: list[float] = dataclasses.field(default_factory=list)
+    host_load: float | None = None
+
+
+def _measure(exp: Experiment, built, compiled, out_dir: Path, names: set[str], progress, clock: _Clock) -> _Measured:
+    """Profile the compiled executable (the host's other load sampled meanwhile) and parse its trace."""
+    from lab.measure import trace
+    from lab.measure.microbench import HostLoad
+
+    progress(f"profiling {exp.repeats} repeats after {exp.warmup} warm-up")
+    with HostLoad() as load:
+        files = trace.record(
+            built.runner(compiled), (), str(out_dir / "tensorboard"), warmup=exp.warmup, repeats=exp.repeats
+        )
+    clock.lap("profile_s")
+    progress("parsing the trace")
+    per_op = (stats := trace.parse(files, hlo_names=names)).per_op()
+    return _Measured(
+        files,
+        {name: s.median_self_s for name, s in per_op.items()},
+        {name: s.spread for name, s in per_op.items()},
+        stats.step_times(),
+        load.others,
+    )
 
 
 def run_point(
@@ -109,32 +171,27 @@ def run_point(
 
     ``final_dir`` is where ``out_dir`` will be moved when it is complete (its paths are the ones the report names).
     """
-    final_dir = final_dir or out_dir
-    from lab.measure import trace
     from lab.report import ledger
     from lab.report import writer as report
 
+    final_dir = final_dir or out_dir
+    clock = _Clock()
     est, note = _estimate(plan, chip, compile_only)
-    built, compiled, audit = _compile_and_audit(plan, est, env, progress)
+    built, compiled, audit = _compile_and_audit(plan, est, env, progress, clock)
     hlo_text = compiled.as_text()
     (out_dir / "hlo.txt").write_text(hlo_text)
     ops_pred = ledger.predict_ops(hlo_text, chip, plan.shape)
-    measured: dict[str, float] = {}
-    steps: list[float] = []
-    files = None
+    clock.lap("compile_s")
+    m = _Measured()
     if not compile_only:
-        logdir = out_dir / "tensorboard"
-        progress(f"profiling {exp.repeats} repeats after {exp.warmup} warm-up")
-        files = trace.record(built.runner(compiled), (), str(logdir), warmup=exp.warmup, repeats=exp.repeats)
-        progress("parsing the trace")
-        tr = trace.parse(files, hlo_names={p.name for p in ops_pred})
-        measured = {name: s.median_self_s for name, s in tr.per_op().items()}
-        steps = tr.step_times()
-    rows, coverage = ledger.join(ops_pred, measured)
+        m = _measure(exp, built, compiled, out_dir, {p.name for p in ops_pred}, progress, clock)
+    files = m.files
+    rows, coverage = ledger.join(ops_pred, m.medians, m.spreads)
     named, est_coverage = [], None
     if est is not None:
         rows, named, est_coverage = ledger.join_estimates(rows, est, audit.get("entries", []))
     row_dicts = [r.to_dict() for r in rows]
+    clock.lap("parse_s")
     data = {
         "experiment": exp.name,
         "run_id": _run_id(final_dir),
@@ -152,21 +209,36 @@ def run_point(
         "estimated_ops": named,
         "coverage": coverage,
         "estimate_coverage": est_coverage,
-        "step_time_measured_s": report.median(steps) if steps else None,
+        "step_time_measured_s": report.median(m.steps) if m.steps else None,
         "step_time_predicted_s": sum(r.predicted_s or 0.0 for r in rows),
         "step_time_estimated_s": est.step_time_s if est is not None else None,
         "estimate": est.to_dict() if est is not None else {"note": note},
         "breakdown": report.breakdown(row_dicts, named),
-        "summary": _summary(row_dicts, exp.warmup, exp.repeats),
+        "summary": _summary(row_dicts, exp.warmup, exp.repeats) | {"host_load": m.host_load},
         "audit": audit,
         "tensorboard": str(final_dir / "tensorboard") if files else None,
         "perfetto_trace": str(final_dir / Path(files.perfetto).relative_to(out_dir))
         if files and files.perfetto
         else None,
     }
-    written = report.write_all(data, out_dir)
+    written = report.write_all(data, out_dir, timings=lambda: _timings(clock))
     progress(f"wrote {', '.join(written)}")
     return data
+
+
+def _timings(clock: _Clock) -> dict[str, float | None]:
+    """Seconds per phase; ``startup_s`` is the process's age when the point started, ``total_s`` its age now."""
+    from lab.run.environment import process_age_s
+
+    clock.lap("report_s")
+    out: dict[str, float | None] = {
+        k: clock.phases.get(k, 0.0) for k in ("build_s", "compile_s", "profile_s", "parse_s", "report_s")
+    }
+    age = process_age_s()
+    phases = sum(v for v in out.values() if v is not None)
+    out["startup_s"] = None if age is None else max(0.0, age - phases)
+    out["total_s"] = age
+    return out
 
 
 def _run_id(point_dir: Path) -> str:

@@ -1,0 +1,176 @@
+"""The plots and the markdown report, read back from what they draw and write (not only that a file exists)."""
+
+from __future__ import annotations
+
+import pytest
+from matplotlib.collections import PathCollection, PolyCollection
+
+from lab.report import writer
+from lab.report.plots import BAND, figures, step_bars
+
+PEAKS = {"fp32": 4.0e13, "bf16": 1.6e14, "int8": 3.2e14}  # the int8 roof is the highest: an fp32 run must not use it
+
+
+def _op(name, kind, predicted, measured, flops=0.0, nbytes=1e6, coll=0.0, spread=1.2, estimate=None):
+    ratio = measured / predicted if measured and predicted else None
+    return {
+        "name": name,
+        "kind": kind,
+        "predicted_s": predicted,
+        "measured_s": measured,
+        "ratio": ratio,
+        "flops": flops,
+        "bytes": nbytes,
+        "collective_bytes": coll,
+        "scope": "",
+        "estimate_op": estimate,
+        "spread": spread,
+    }
+
+
+def _report(ops, **extra):
+    named = [
+        {
+            "name": "mlp/up",
+            "kind": "matmul",
+            "estimated_s": 2e-3,
+            "predicted_s": 2e-3,
+            "measured_s": 3e-3,
+            "ratio": 1.5,
+            "flops_estimated": 1e9,
+            "flops_compiled": 1e9,
+            "bytes_estimated": 0.0,
+            "bytes_compiled": 1e6,
+            "hlo_ops": 1,
+        },
+        {
+            "name": "all-reduce over Y",
+            "kind": "all-reduce",
+            "estimated_s": 4e-4,
+            "predicted_s": 5e-4,
+            "measured_s": 6e-4,
+            "ratio": 1.5,
+            "flops_estimated": 0.0,
+            "flops_compiled": 0.0,
+            "bytes_estimated": 1e6,
+            "bytes_compiled": 1e6,
+            "hlo_ops": 1,
+        },
+    ]
+    rows = [o for o in ops]
+    report = {
+        "experiment": "exp",
+        "run_id": "exp",
+        "emulated": True,
+        "backend": "cpu",
+        "devices": 8,
+        "mesh": {"X": 2, "Y": 4},
+        "dtype": "fp32",
+        "hardware": {
+            "name": "chip",
+            "peak_flops": PEAKS,
+            "hbm_bandwidth": 1e12,
+            "link_bandwidth": 1e11,
+            "calibrated": True,
+        },
+        "ops": rows,
+        "estimated_ops": named,
+        "coverage": 1.0,
+        "estimate_coverage": 1.0,
+        "step_time_measured_s": 5e-3,
+        "step_time_predicted_s": sum(o["predicted_s"] or 0 for o in rows),
+        "step_time_estimated_s": 2.4e-3,
+        "breakdown": writer.breakdown(rows, named),
+        "summary": {
+            "median_ratio_large": 1.5,
+            "ops_large": 2,
+            "ops": len(rows),
+            "repeats": 5,
+            "warmup": 10,
+            "spread_large": 1.2,
+            "unsteady": False,
+            "host_load": 0.05,
+        },
+        "audit": {"all_match": True},
+        "tensorboard": "runs/exp/tensorboard",
+    }
+    return report | extra
+
+
+OPS = [
+    _op("dot.1", "matmul", 2e-3, 3e-3, flops=1e9, nbytes=4e6, estimate="mlp/up"),
+    _op("dot.2", "matmul", 1e-3, 1.2e-3, flops=5e8, nbytes=2e6),
+    _op("all-reduce.1", "all-reduce", 5e-4, 6e-4, coll=1e6, estimate="all-reduce over Y"),
+    _op("fusion.1", "elementwise", 1e-5, 5e-5, nbytes=1e4),  # 5x its roofline
+    _op("copy.1", "elementwise", 1e-8, 5e-7, nbytes=10.0),  # under 1 us: left out of the per-op chart
+]
+
+
+def test_the_roofline_is_the_programs_dtype_and_every_op_with_flops_is_on_it():
+    roof_fig = figures(_report(OPS))["roofline.png"]
+    ax, cx = roof_fig.axes
+    roof_line = ax.get_lines()[0]
+    assert max(roof_line.get_ydata()) == PEAKS["fp32"]  # not the int8 peak
+    texts = " ".join(t.get_text() for t in ax.texts)
+    assert "(fp32)" in texts and "ridge 40 FLOP/B" in texts and "HBM 1e+12 B/s" in texts
+    points = sum(len(c.get_offsets()) for c in ax.collections if isinstance(c, PathCollection))
+    assert points == 2  # the two ops with FLOPs and a measured time
+    comm = sum(len(c.get_offsets()) for c in cx.collections if isinstance(c, PathCollection))
+    assert comm == 1 and max(cx.get_lines()[0].get_ydata()) == 1e11  # under the link's roof
+
+
+def test_a_collective_only_run_is_not_an_empty_chart():
+    only = [_op("all-gather.1", "all-gather", 1e-4, 2e-4, coll=4e6)]
+    _, cx = figures(_report(only, estimated_ops=[]))["roofline.png"].axes
+    assert sum(len(c.get_offsets()) for c in cx.collections if isinstance(c, PathCollection)) == 1
+    assert cx.get_title() == "Collectives (1)"
+
+
+def test_predicted_vs_measured_draws_the_band_both_predictions_and_hides_tiny_ops():
+    ax = figures(_report(OPS))["predicted_vs_measured.png"].axes[0]
+    (band,) = [c for c in ax.collections if isinstance(c, PolyCollection)]
+    ys = band.get_paths()[0].vertices[:, 1]
+    xs = band.get_paths()[0].vertices[:, 0]
+    assert min(ys / xs) == pytest.approx(BAND[0]) and max(ys / xs) == pytest.approx(BAND[1])
+    dots = [c for c in ax.collections if isinstance(c, PathCollection)]
+    assert sum(len(c.get_offsets()) for c in dots) == 4 + 2  # 4 HLO ops of 1 us or more, 2 named ops
+    sizes = [s for c in dots for s in c.get_sizes()]
+    assert max(sizes) > 3 * min(sizes)  # sized by measured time
+    assert "1 ops under 1 us left out" in ax.get_title()
+    assert {t.get_text() for t in ax.texts} >= {"mlp/up", "all-reduce over Y"}
+
+
+def test_the_breakdown_bars_add_up_to_their_steps():
+    report = _report(OPS)
+    bars = step_bars(report)
+    assert sum(bars["measured"].values()) == pytest.approx(report["step_time_measured_s"])
+    assert sum(bars["estimated"].values()) == pytest.approx(report["step_time_estimated_s"])
+    assert bars["measured"]["idle"] > 0  # the op times are less than the step
+    fig = figures(report)["breakdown.png"]
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["measured", "predicted", "estimated"]
+    fig.draw_without_rendering()
+    assert ax.get_legend().get_window_extent().y1 < ax.get_window_extent().y0  # the legend sits below the data
+
+
+def test_the_markdown_report_says_what_a_reader_needs():
+    many = OPS + [_op(f"fusion.{i}", "elementwise", 1e-6, 2e-6) for i in range(2, 40)]
+    md = writer.markdown(_report(many))
+    assert md.startswith("# exp\n")  # the title once
+    assert f"the 25 heaviest of {len(many)} ops, all in `ops.csv`" in md
+    assert "elementwise ops ran 3x or more their roofline" in md
+    assert "median measured/predicted 1.50 over 2 ops" in md
+    assert "other processes held 5% of the host's CPU time" in md
+    assert "UNSTEADY" not in md
+    shaky = _report(OPS, summary=_report(OPS)["summary"] | {"spread_large": 3.1, "unsteady": True})
+    assert "**UNSTEADY**" in writer.markdown(shaky) and "differ by 3.10x" in writer.markdown(shaky)
+
+
+def test_ops_csv_quotes_names_with_commas(tmp_path):
+    import csv
+
+    rows = [_op("all-reduce.1", "all-reduce", 1e-4, 2e-4, coll=8.0, estimate='TP AllReduces: 2 fwd, 5 bwd + "x"')]
+    writer.write_csv(rows, tmp_path / "ops.csv")
+    with open(tmp_path / "ops.csv", newline="") as f:
+        (back,) = list(csv.DictReader(f))
+    assert back["estimate_op"] == 'TP AllReduces: 2 fwd, 5 bwd + "x"'
