@@ -31,6 +31,9 @@ from lab.core.units import canonical_dtype, dtype_bytes
 HF = "Hugging Face config.json of the released checkpoint"
 KORTHIKANTI = "Korthikanti et al. 2022 (arXiv 2205.05198), Table 3"
 NARAYANAN = "Narayanan et al. 2021 (arXiv 2104.04473), Table 1"
+# Every integer dim of a model is at most this: about a hundred times the largest published (a 10M-token context,
+# a 1M-token vocabulary), and small enough that the checks which list a dim's divisors stay instant.
+MAX_DIM = 2**30
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,11 @@ class ModelConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise UserError(f"{where}: {f.replace('_', '-')} must be a positive integer, got {v!r}")
+            if v > MAX_DIM:
+                raise UserError(
+                    f"{where}: {f.replace('_', '-')}={v} is beyond any model (at most 2**30 = {MAX_DIM}); "
+                    "check the value"
+                )
         if self.heads % self.kv_heads:
             raise UserError(
                 f"{where}: heads={self.heads} is not a multiple of kv-heads={self.kv_heads}; "

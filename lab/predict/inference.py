@@ -92,7 +92,8 @@ def check_infer(cfg: InferConfig) -> None:
     if cfg.mfu is not None and not 0 < cfg.mfu <= 1:
         raise UserError(f"--mfu must be in (0, 1], got {cfg.mfu}")
     if m.heads % cfg.tp:
-        opts = [d for d in range(1, m.heads + 1) if m.heads % d == 0]
+        small = [d for d in range(1, math.isqrt(m.heads) + 1) if m.heads % d == 0]  # O(sqrt) divisors
+        opts = small + [m.heads // d for d in small]
         raise UserError(
             f"--tp {cfg.tp} does not divide {m.heads} attention heads; try --tp "
             f"{min(opts, key=lambda d: (abs(d - cfg.tp), d))}"

@@ -58,6 +58,8 @@ MAX_TORUS_TP = 16  # tensor parallelism on a TPU torus: up to 16 chips
 MAX_CP = 8  # context parallelism: powers of two up to 8
 INTERLEAVE = 2  # chunks per stage of the interleaved schedule
 GIB = 2.0**30
+MAX_CHIPS = 2**20  # the search walks the divisors of the chip count (and near counts when none suits): bounded
+NEAREST_WINDOW = 4096  # how far from the chip count _nearest_valid_chips looks before trying powers of two
 
 
 @dataclass(frozen=True)
@@ -259,6 +261,11 @@ def _check_inputs(
 ) -> None:
     if not _is_pos_int(chips):
         raise UserError(f"chips must be a positive integer, got {chips!r}; try 8")
+    if chips > MAX_CHIPS:
+        raise UserError(
+            f"chips {chips} is more than the search covers ({MAX_CHIPS}, beyond any cluster built); "
+            f"the search walks every divisor of the chip count, try at most {MAX_CHIPS}"
+        )
     if not _is_pos_int(seq_len):
         raise UserError(f"seq_len must be a positive integer, got {seq_len!r}; try 8192")
     if not _is_pos_int(batch_tokens):
@@ -429,12 +436,18 @@ def _nothing_fits(
 def _nearest_valid_chips(
     model: ModelConfig, chip: Chip, chips: int, seq_len: int, gb: int, microbatches: tuple[int, ...]
 ) -> int | None:
-    """The chip count closest to ``chips`` (smaller first on a tie) whose search space is not empty."""
-    for delta in range(1, chips + 1):
+    """The chip count closest to ``chips`` (smaller first on a tie) whose search space is not empty: within
+    ``NEAREST_WINDOW`` of it, else the nearest power of two that has one (the walk is bounded either way)."""
+
+    def suits(c: int) -> bool:
+        return 1 <= c <= MAX_CHIPS and next(_space(model, chip, c, seq_len, gb, microbatches), None) is not None
+
+    for delta in range(1, min(chips, NEAREST_WINDOW) + 1):
         for c in (chips - delta, chips + delta):
-            if c >= 1 and next(_space(model, chip, c, seq_len, gb, microbatches), None) is not None:
+            if suits(c):
                 return c
-    return None
+    powers = sorted((2**k for k in range(MAX_CHIPS.bit_length())), key=lambda c: (abs(c - chips), c))
+    return next((c for c in powers if suits(c)), None)
 
 
 __all__ = ["PlanResult", "plan", "search_space_size"]

@@ -3,6 +3,7 @@ and the checks that refuse a job that cannot run, naming the bad value and a nea
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from lab.core.errors import UserError
@@ -118,7 +119,16 @@ class TrainConfig:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Every divisor of ``n``, ascending, in O(sqrt n) steps (model dims are at most 2**30: fast)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def _nearest_divisor(n: int, target: int) -> int:
+    """A divisor of ``n`` near ``target``: the nearest within 4096 of it, else ``gcd(n, target)``; bounded work
+    whatever the size of ``n`` (a batch may be any integer below 2**63)."""
+    close = [d for d in range(max(1, target - 4096), min(n, target + 4096) + 1) if n % d == 0]
+    return _nearest(target, close) if close else math.gcd(n, target)
 
 
 def _nearest(n: int, options: list[int]) -> int:
@@ -171,22 +181,22 @@ def check_config(cfg: TrainConfig) -> None:
         if m.experts % lay.ep or (lay.dp * lay.fsdp) % lay.ep:
             raise UserError(f"--ep {lay.ep} must divide the {m.experts} experts and dp x fsdp = {lay.dp * lay.fsdp}")
     replicas = lay.dp * lay.fsdp
-    per_replica = cfg.global_batch / replicas
     if cfg.global_batch % replicas:
         lo = max(replicas, cfg.global_batch // replicas * replicas)
         raise UserError(
             f"global batch {cfg.global_batch} sequences does not divide over dp x fsdp = {replicas}; "
             f"try {lo} or {lo + replicas}"
         )
+    per_replica = cfg.global_batch // replicas  # exact: a float would round batches above 2**53
     if cfg.microbatch > per_replica:
         raise UserError(
-            f"--microbatch {cfg.microbatch} is larger than the {int(per_replica)} sequences each "
-            f"data-parallel replica gets; use at most {int(per_replica)}"
+            f"--microbatch {cfg.microbatch} is larger than the {per_replica} sequences each "
+            f"data-parallel replica gets; use at most {per_replica}"
         )
     if per_replica % cfg.microbatch:
         raise UserError(
-            f"--microbatch {cfg.microbatch} does not divide the {int(per_replica)} sequences per "
-            f"replica; try {_nearest(cfg.microbatch, _divisors(int(per_replica)))}"
+            f"--microbatch {cfg.microbatch} does not divide the {per_replica} sequences per "
+            f"replica; try {_nearest_divisor(per_replica, cfg.microbatch)}"
         )
     if lay.pp_schedule == "interleaved" and lay.pp > 1 and cfg.microbatches % lay.pp:
         raise UserError(

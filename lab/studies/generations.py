@@ -415,8 +415,13 @@ def generations(
     """Train ``model`` on ``tokens`` tokens on ``chips`` of each ``hardware`` (the first is the baseline)."""
     if not hardware:
         raise UserError("--hardware needs at least one chip, e.g. a100-80gb,h100,h200,b200")
-    if not tokens > 0:
-        raise UserError(f"--tokens must be > 0, got {tokens!r}")
+    if not (isinstance(tokens, int | float) and math.isfinite(tokens) and tokens > 0):
+        raise UserError(f"--tokens must be a positive, finite number, got {tokens!r}")
+    if tokens < global_batch * seq_len:  # less than one step: no training run (and a chart of zero-height bars)
+        raise UserError(
+            f"--tokens {tokens:g} is less than one step of {global_batch} sequences x {seq_len} tokens = "
+            f"{global_batch * seq_len}; train on at least that many tokens, e.g. 3e11"
+        )
     m = get_model(model)
     chip_list = [get_chip(h) for h in hardware]
     base = chip_list[0]

@@ -27,6 +27,7 @@ from typing import Any
 from lab.core.errors import UserError
 from lab.core.hardware import Chip, default_catalog, scale_chip
 from lab.core.models import ModelConfig, resolve_model
+from lab.core.schema import Field, check_value
 from lab.core.table import render
 from lab.core.units import canonical_dtype, dtype_bytes, fmt_bytes
 from lab.predict.inference import (
@@ -44,6 +45,7 @@ TPU_CHIPS = (1, 4, 8, 16, 32, 64, 128, 256)
 # Default batches: powers of two, plus each topology's largest batch that fits.
 BATCHES = tuple(2**i for i in range(11))  # 1 .. 1024
 TOPOLOGY_DTYPES = ("bf16", "fp8", "int8", "int4")
+MAX_SLICE_CHIPS = 2**20  # the largest slice `topology` looks for: beyond any deployment
 
 
 # ----- shared input handling -------------------------------------------------------------------
@@ -59,9 +61,11 @@ def _model(model: str | ModelConfig) -> ModelConfig:
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise UserError(f"--{name} must be a positive integer, got {value!r}")
-    return value
+    """``value`` when it is a positive integer below 2**63 (the schema's ``int+``), else a UserError naming it."""
+    try:
+        return check_value(value, Field("int+"))
+    except ValueError as exc:
+        raise UserError(f"--{name} must be {exc}, got {value!r}") from None
 
 
 def _storage_dtype(name: str, value: str) -> str:
@@ -442,6 +446,11 @@ def topology(
     for dtype in TOPOLOGY_DTYPES:
         param_bytes = m.params * dtype_bytes(dtype)
         min_chips = max(1, math.ceil(param_bytes / chip.hbm_bytes))
+        if min_chips > MAX_SLICE_CHIPS:  # refused before walking the slices one node at a time
+            raise UserError(
+                f"{m.name} in {dtype} needs {min_chips:.3g} chips of {chip.name} for its weights alone; no slice "
+                f"up to {MAX_SLICE_CHIPS} chips holds it (check the model's dims)"
+            )
         for size, size_name in slices(chip):
             if size < min_chips:
                 continue
@@ -449,7 +458,7 @@ def topology(
             if batch >= 1:
                 n, name = size, size_name
                 break
-            if size > 2**20:
+            if size > MAX_SLICE_CHIPS:
                 raise UserError(f"no slice of {chip.name} up to {size} chips holds {m.name} in {dtype}")
         rows.append(
             TopologyRow(
