@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from lab.cli.args import (
@@ -15,6 +14,7 @@ from lab.cli.args import (
     nonneg_float,
     parse_bytes,
     positive_int,
+    warn,
 )
 from lab.core.errors import UserError
 from lab.core.hardware import default_catalog
@@ -31,7 +31,7 @@ def cmd_hardware_list(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     catalog = default_catalog(args.hardware_file)
     chips = catalog.chips()
     for message in catalog.broken.values():  # listed as the placeholder; pricing with it is refused
-        print(f"shardlab: warning: {message}", file=sys.stderr)
+        warn(args, message)
     data = {
         "hardware": [
             {

@@ -10,11 +10,13 @@ import argparse
 import dataclasses
 import math
 import re
+import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, NoReturn
 
 from lab.core.errors import UserError
-from lab.core.hardware import Chip, default_catalog, scale_chip
+from lab.core.hardware import Chip, default_catalog, parse_scale, scale_chip
 from lab.core.models import ModelConfig, resolve_model
 from lab.core.schema import (
     INT_LIMIT,
@@ -82,6 +84,67 @@ def positive_ints(what: str):
     return _arg_type(parse_positive_ints, what)
 
 
+CHART_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg", "eps", "ps", "tif", "tiff")  # matplotlib writes these
+
+
+def in_path(what: str):
+    """``type=`` of a file a command reads: a non-empty path without NUL bytes (an empty one would read as "not
+    given" and be ignored); whether it exists and parses is checked by its loader, with the file named."""
+
+    def conv(s: str) -> str:
+        if not s.strip():
+            raise argparse.ArgumentTypeError("the path is empty; give a file path")
+        if "\0" in s:
+            raise argparse.ArgumentTypeError(f"{s!r} contains a NUL byte; give a file path")
+        return s
+
+    conv.__name__ = what
+    return conv
+
+
+def scale_arg(s: str) -> str:
+    """``type=`` of ``--scale``: checked at once (:func:`lab.core.hardware.parse_scale`), kept as its text."""
+    try:
+        parse_scale(s)
+    except UserError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--scale: ").removeprefix("--scale ")) from None
+    return s
+
+
+def out_path(what: str):
+    """``type=`` of a file a command writes: like :func:`in_path` (writability is checked when written, with the
+    OS's reason)."""
+    return in_path(what)
+
+
+def chart_path(what: str):
+    """``type=`` of a chart file: :func:`out_path` whose suffix names a format matplotlib writes (``.png``)."""
+    base = out_path(what)
+
+    def conv(s: str) -> str:
+        s = base(s)
+        suffix = Path(s).suffix.lower().lstrip(".")
+        if suffix not in CHART_FORMATS:
+            raise argparse.ArgumentTypeError(
+                f"{s!r} does not end in a chart format; use .png (or .{', .'.join(CHART_FORMATS[1:])})"
+            )
+        return s
+
+    conv.__name__ = what
+    return conv
+
+
+def write_chart(path: str | None, default: str, draw: Callable[[Path], Any]) -> str:
+    """Draw the chart to ``path`` (else ``default``), creating its folder; an unwritable place is a UserError."""
+    png = Path(path or default)
+    try:
+        png.parent.mkdir(parents=True, exist_ok=True)
+        draw(png)
+    except OSError as exc:
+        raise UserError(f"cannot write the chart to {str(png)!r}: {exc.strerror}; pass --png PATH") from None
+    return str(png)
+
+
 def dtype_arg(s: str) -> str:
     try:
         return canonical_dtype(s)
@@ -138,6 +201,12 @@ def _given_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     return ", ".join(out) or "the defaults"
 
 
+def warn(args: argparse.Namespace, message: str) -> None:
+    """Say ``message`` on stderr once the command has succeeded (a command that then fails prints its one error
+    line and nothing else)."""
+    args.__dict__.setdefault("_warnings", []).append(message)
+
+
 def command(
     parser: argparse.ArgumentParser,
     fn: Callable[[argparse.Namespace], tuple[dict[str, Any], str]],
@@ -147,6 +216,7 @@ def command(
 
     * ``--hardware-file`` is read before anything else, whether or not the command prices a chip: a missing or
       broken file is an error everywhere, never silently ignored.
+    * Warnings (:func:`warn`) are printed only when the command succeeds: a failure is one line.
     * The result must be finite: an ``inf`` or ``nan`` (an input so large the arithmetic overflowed) is a
       :class:`UserError` naming the value and the numbers given, not a JSON null with exit 0. ``allowed(key,
       table)`` names the infinities that mean something (see :func:`lab.core.table.non_finite`).
@@ -163,6 +233,8 @@ def command(
                 f"the result's {path} came out {value}: an input is too large or too small for the arithmetic "
                 f"(given: {_given_numbers(parser, args)}); use values in a realistic range"
             )
+        for message in args.__dict__.get("_warnings", ()):
+            print(f"shardlab: warning: {message}", file=sys.stderr)
         return data, text
 
     parser.set_defaults(func=run)
@@ -232,8 +304,6 @@ def plan_of(args: argparse.Namespace, program: str, command: str):
     Raises:
         UserError: the file describes another program, or a flag that the Plan already gives is set too.
     """
-    import sys
-
     from lab.run.experiment import load_experiment
 
     given = [f"--{k.replace('_', '-')}" for k in PLAN_CONFLICTS if getattr(args, k, None) is not None]
@@ -250,10 +320,10 @@ def plan_of(args: argparse.Namespace, program: str, command: str):
     catalog = default_catalog(args.hardware_file)
     chip = catalog.get("cpu" if name == "calibrated" else name)
     if name == "calibrated" and not chip.calibrated:
-        print(
-            "shardlab: warning: no calibration of this host yet: pricing with the catalog's uncalibrated cpu entry "
+        warn(
+            args,
+            "no calibration of this host yet: pricing with the catalog's uncalibrated cpu entry "
             "(`shardlab calibrate`, or --hardware NAME)",
-            file=sys.stderr,
         )
     scale = getattr(args, "scale", None)
     return plan, (scale_chip(chip, scale) if scale else chip)
@@ -284,6 +354,7 @@ def common_parent() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     common.add_argument(
         "--hardware-file",
+        type=in_path("--hardware-file"),
         metavar="FILE",
         help="TOML or JSON file adding or overriding chips (same format calibration writes)",
     )
@@ -301,6 +372,7 @@ def hardware_parent(required: bool = True) -> argparse.ArgumentParser:
     )
     hw.add_argument(
         "--scale",
+        type=scale_arg,
         metavar="FIELD=X,...",
         help="what-if: multiply chip fields, e.g. hbm_bandwidth=2,flops=1.5,ici_bandwidth=0.5",
     )
@@ -311,21 +383,27 @@ __all__ = [
     "MODEL_FLAGS",
     "Parser",
     "axis_sizes",
+    "chart_path",
     "chip_of",
     "command",
     "common_parent",
     "dtype_arg",
     "fraction",
     "hardware_parent",
+    "in_path",
     "model_of",
     "model_parent",
     "nonneg_float",
     "nonneg_int",
     "ops_table",
+    "out_path",
     "parse_bytes",
     "plan_of",
     "positive_float",
     "positive_int",
     "positive_ints",
+    "scale_arg",
+    "warn",
     "with_chip",
+    "write_chart",
 ]

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from lab.cli.args import command
+from lab.cli.args import command, out_path
 from lab.core.errors import UserError
 from lab.core.notation import parse_mesh, parse_sizes
 from lab.core.plan import Plan, kernel_plan, make_mesh_axes
@@ -66,14 +66,16 @@ def cmd_audit(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     else:
         plan = _kernel_plan(target)
     plan = _with_flags(plan, args)
+    from lab.core.hardware import default_catalog
+
+    # "calibrated" prices with this host's calibration (the cpu entry, replaced by specs/cpu.json when present);
+    # resolved before JAX starts, so a bad --hardware is refused at once
+    chip = default_catalog(args.hardware_file).get("cpu" if plan.hardware == "calibrated" else plan.hardware)
     ensure_devices(plan.devices)
     require_devices(plan.shape)
 
     from lab.compile.audit import audit_plan  # imports JAX
-    from lab.core.hardware import default_catalog
 
-    # "calibrated" prices with this host's calibration (the cpu entry, replaced by specs/cpu.json when present)
-    chip = default_catalog(args.hardware_file).get("cpu" if plan.hardware == "calibrated" else plan.hardware)
     result = audit_plan(plan, chip)
     if args.hlo:
         try:
@@ -124,13 +126,18 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     a.add_argument("--dtype", choices=("float32", "bfloat16", "fp32", "bf16"))
     a.add_argument("--axes", help="collective microkernels: mesh axes to span, e.g. X,Y")
     a.add_argument("--hardware", metavar="NAME", help="chip to price expected collectives for (default cpu)")
-    a.add_argument("--hlo", metavar="PATH", help="also write the optimized HLO text here")
+    a.add_argument("--hlo", type=out_path("--hlo"), metavar="PATH", help="also write the optimized HLO text here")
     a.add_argument("--strict", action="store_true", help="exit 1 when anything does not match")
     command(a, _dispatch)
 
 
 def _dispatch(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if args.list:
+        given = [args.target] if args.target else []
+        given += [f"--{k}" for k in ("mesh", "sizes", "dtype", "axes", "hardware", "hlo") if getattr(args, k)]
+        given += ["--strict"] if args.strict else []
+        if given:  # they would be ignored: say so instead
+            raise UserError(f"--list lists the kernels and takes nothing else; drop {', '.join(given)}")
         return cmd_audit_list(args)
     if not args.target:
         raise UserError(

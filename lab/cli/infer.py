@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from lab.cli.args import (
     Parser,
+    chart_path,
     chip_of,
     command,
     dtype_arg,
     fraction,
     hardware_parent,
+    in_path,
     model_of,
     model_parent,
     ops_table,
     plan_of,
     positive_int,
     positive_ints,
+    scale_arg,
+    warn,
+    write_chart,
 )
 from lab.core.errors import UserError
 from lab.core.table import render
@@ -40,12 +44,12 @@ def _storage_dtype(text: str) -> str:
     return dt
 
 
-def _warn_context(model, context: int) -> None:
-    if context > model.max_seq_len:
-        print(
-            f"shardlab: warning: --context {context} exceeds {model.name}'s trained context of "
-            f"{model.max_seq_len}; estimating anyway",
-            file=sys.stderr,
+def _warn_context(args: argparse.Namespace, model) -> None:
+    if args.context > model.max_seq_len:
+        warn(
+            args,
+            f"--context {args.context} exceeds {model.name}'s trained context of {model.max_seq_len}; "
+            "estimating anyway",
         )
 
 
@@ -64,7 +68,7 @@ def infer_config(args: argparse.Namespace, chip) -> InferConfig:
             f"tp x dp x ep must equal --chips {n}; got tp={args.tp}, dp={args.dp}, ep={ep} "
             f"(leave one out to fill the rest)"
         )
-    _warn_context(model, args.context)
+    _warn_context(args, model)
     return InferConfig(
         model=model,
         chip=chip,
@@ -153,23 +157,11 @@ def cmd_infer_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return d, render(["quantity", "value"], rows, title=f"plan {plan.name} ({args.plan})") + "\n\n" + ops_table(program)
 
 
-def _png(path: str | None, default: str, draw) -> str:
-    from pathlib import Path
-
-    png = Path(path or default)
-    try:
-        png.parent.mkdir(parents=True, exist_ok=True)
-        draw(png)
-    except OSError as exc:
-        raise UserError(f"cannot write the chart to {str(png)!r}: {exc.strerror}; pass --png PATH") from None
-    return str(png)
-
-
 def cmd_infer_sweep(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from lab.studies.serving import sweep
 
     model = model_of(args)
-    _warn_context(model, args.context)
+    _warn_context(args, model)
     result = sweep(
         model,
         args.hardware,
@@ -182,7 +174,7 @@ def cmd_infer_sweep(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         hardware_file=args.hardware_file,
         scale=args.scale,
     )
-    png = _png(args.png, f"runs/infer/sweep_{model.name}_{result.hardware}.png", result.plot)
+    png = write_chart(args.png, f"runs/infer/sweep_{model.name}_{result.hardware}.png", result.plot)
     return result.to_dict() | {"png": png}, result.table() + f"\n\nchart: {png}"
 
 
@@ -190,7 +182,7 @@ def cmd_infer_topology(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from lab.studies.serving import topology, topology_table
 
     model = model_of(args)
-    _warn_context(model, args.context)
+    _warn_context(args, model)
     rows = topology(model, args.hardware, context=args.context, hardware_file=args.hardware_file, scale=args.scale)
     data = {"model": model.name, "hardware": args.hardware, "context": args.context, "rows": [r.__dict__ for r in rows]}
     return data, topology_table(rows, model.name, args.hardware, args.context)
@@ -239,7 +231,7 @@ def cmd_study_memtech(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         hardware_file=args.hardware_file,
         scale=args.scale,
     )
-    png = _png(args.png, f"runs/study/memory_tech_{study.model}_{study.hardware}.png", study.plot)
+    png = write_chart(args.png, f"runs/study/memory_tech_{study.model}_{study.hardware}.png", study.plot)
     return study.to_dict() | {"png": png}, study.table() + f"\n\nchart: {png}"
 
 
@@ -254,6 +246,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     )
     ie.add_argument(
         "--plan",
+        type=in_path("--plan"),
         metavar="FILE",
         help="price exactly the decode this experiment file runs (its hardware unless --hardware), as named ops",
     )
@@ -291,7 +284,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
         help="latency vs throughput over batch sizes and topologies: Pareto table and PNG",
     )
     sw.add_argument("--hardware", required=True, metavar="NAME")
-    sw.add_argument("--scale", metavar="FIELD=X,...")
+    sw.add_argument("--scale", type=scale_arg, metavar="FIELD=X,...")
     serving_args(sw)
     sw.add_argument(
         "--chips", type=positive_ints("--chips"), metavar="N,N,...", help="topologies (tensor-parallel degrees) to try"
@@ -303,7 +296,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
         help="batch sizes to try (default powers of two and the max)",
     )
     sw.add_argument("--achievable", action="store_true")
-    sw.add_argument("--png", metavar="PATH")
+    sw.add_argument("--png", type=chart_path("--png"), metavar="PATH")
     command(sw, cmd_infer_sweep)
 
     tp_ = isub.add_parser(
@@ -312,7 +305,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
         help="the smallest slice for each weight precision",
     )
     tp_.add_argument("--hardware", required=True, metavar="NAME")
-    tp_.add_argument("--scale", metavar="FIELD=X,...")
+    tp_.add_argument("--scale", type=scale_arg, metavar="FIELD=X,...")
     tp_.add_argument("--context", type=positive_int("--context"), default=8192)
     command(tp_, cmd_infer_topology)
 

@@ -8,18 +8,23 @@ from typing import Any
 
 from lab.cli.args import (
     Parser,
+    chart_path,
     chip_of,
     command,
     dtype_arg,
     fraction,
     hardware_parent,
+    in_path,
     model_of,
     model_parent,
     nonneg_int,
     ops_table,
+    out_path,
     plan_of,
     positive_float,
     positive_int,
+    scale_arg,
+    write_chart,
 )
 from lab.core.errors import UserError
 from lab.core.models import CATALOG, resolve_model
@@ -265,8 +270,9 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
 
 def cmd_train_limits(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
     d_ff = args.d_ff
-    if args.model is not None:
-        d_ff = d_ff or resolve_model(args.model).d_ff
+    if args.model is not None:  # read even when --d-ff overrides its d_ff: a bad name is an error, never ignored
+        model_d_ff = resolve_model(args.model).d_ff
+        d_ff = d_ff or model_d_ff
     lim = limits(
         chip,
         d_ff,
@@ -305,20 +311,14 @@ def cmd_plan(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
 
 
 def cmd_study_generations(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    from pathlib import Path
 
     from lab.studies.generations import generations
 
     study = generations(
         args.model, chips=args.chips, tokens=args.tokens, seq_len=args.seq_len, global_batch=args.global_batch
     )
-    png = Path(args.png or f"runs/study/generations_{study.model}.png")
-    try:
-        png.parent.mkdir(parents=True, exist_ok=True)
-        study.plot(png)
-    except OSError as exc:
-        raise UserError(f"cannot write the chart to {str(png)!r}: {exc.strerror}; pass --png PATH") from None
-    d = study.to_dict() | {"png": str(png)}
+    png = write_chart(args.png, f"runs/study/generations_{study.model}.png", study.plot)
+    d = study.to_dict() | {"png": png}
     return d, study.table() + f"\n\nchart: {png}"
 
 
@@ -364,12 +364,18 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     )
     te.add_argument(
         "--plan",
+        type=in_path("--plan"),
         metavar="FILE",
         help="price exactly what this experiment file runs (its model, mesh, rules, sizes; its hardware unless "
         "--hardware), as named ops",
     )
     te.add_argument("--chips", type=positive_int("--chips"), help="chips (required without --plan)")
-    te.add_argument("--save-plan", metavar="FILE", help="also write this job as an experiment file (a Plan)")
+    te.add_argument(
+        "--save-plan",
+        type=out_path("--save-plan"),
+        metavar="FILE",
+        help="also write this job as an experiment file (a Plan)",
+    )
     te.add_argument(
         "--tokens", type=positive_float("--tokens", "1e12"), help="training tokens, for total FLOPs, days and cost"
     )
@@ -435,7 +441,12 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     sg.add_argument("--tokens", type=positive_float("--tokens", "3e11"), default=300e9)
     sg.add_argument("--seq-len", type=positive_int("--seq-len"), default=2048)
     sg.add_argument("--global-batch", type=positive_int("--global-batch"), default=1536)
-    sg.add_argument("--png", metavar="PATH", help="bar chart (default: runs/study/generations_<model>.png)")
+    sg.add_argument(
+        "--png",
+        type=chart_path("--png"),
+        metavar="PATH",
+        help="bar chart (default: runs/study/generations_<model>.png)",
+    )
     command(sg, cmd_study_generations)
     sm = ssub.add_parser(
         "memory-tech",
@@ -444,14 +455,14 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     )
     sm.add_argument("--model", default="llama3-70b", metavar="NAME")
     sm.add_argument("--hardware", default="h100", metavar="NAME")
-    sm.add_argument("--scale", metavar="FIELD=X,...")
+    sm.add_argument("--scale", type=scale_arg, metavar="FIELD=X,...")
     sm.add_argument("--stacks", type=positive_int("--stacks"), help="HBM stacks (default: the chip's own)")
     sm.add_argument("--context", type=positive_int("--context"), default=8192)
     sm.add_argument("--batch", type=positive_int("--batch"), help="fixed batch (default: the largest that fits)")
     sm.add_argument("--tp", type=positive_int("--tp"), default=8)
     sm.add_argument("--weights", choices=("bf16", "fp8", "int8", "int4"), default="bf16")
     sm.add_argument("--kv", choices=("bf16", "fp8", "int8", "int4"), default="bf16")
-    sm.add_argument("--png", metavar="PATH")
+    sm.add_argument("--png", type=chart_path("--png"), metavar="PATH")
     command(sm, _study_memtech, allowed=_unfit_row)
 
     v = sub.add_parser("validate", parents=[common], help="replay the published calibration runs")
