@@ -15,6 +15,11 @@ os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count={N_D
 os.environ["JAX_PLATFORMS"] = "cpu"
 # A calibration the user ran in ./specs must not change what the catalog returns under test.
 os.environ["SHARDLAB_SPECS_DIR"] = tempfile.mkdtemp(prefix="shardlab-specs-")
+# One XLA compilation cache for the session, subprocesses included: the same small programs are compiled by
+# several tests (the audit, the runs, the fault tests' processes), and XLA:CPU takes seconds for each.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="shardlab-xla-cache-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import pytest  # noqa: E402
 

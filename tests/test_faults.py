@@ -71,7 +71,9 @@ sys.exit(main(sys.argv[1:]))
 
 
 def _env(log: Path, fault: str | None = None, at: str | None = None, where: str | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # no shared XLA cache here: processes started together would write the same cache entries at once
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("JAX_PERSISTENT")}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env.update(LOG=str(log), PYTHONPATH=str(ROOT))
     if fault:
         env.update(FAULT=fault, FAULT_AT=at, WHERE=where)
