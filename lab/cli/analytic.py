@@ -7,13 +7,13 @@ from typing import Any
 
 from lab.cli.args import (
     Parser,
-    axis_sizes,
     chip_of,
     command,
     dtype_arg,
     nonneg_float,
     parse_bytes,
     positive_int,
+    positive_ints,
     warn,
 )
 from lab.core.errors import UserError
@@ -173,7 +173,7 @@ def cmd_collective(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     c = collective_time(
         canonical_kind(args.kind),
         parse_bytes(args.bytes),
-        axis_sizes(args.axis_size),
+        args.axis_size,
         chip,
         wraparound=not args.no_wraparound,
         scope=args.scope,
@@ -287,7 +287,11 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser) 
         "ReduceScatter input, AllReduce array): 33554432, 32Mi or bf16[2048,8192]",
     )
     c.add_argument(
-        "--axis-size", required=True, metavar="N[,N2,...]", help="size of each mesh axis the collective spans"
+        "--axis-size",
+        type=positive_ints("--axis-size"),
+        required=True,
+        metavar="N[,N2,...]",
+        help="size of each mesh axis the collective spans",
     )
     c.add_argument("--no-wraparound", action="store_true", help="torus axes without wraparound links")
     c.add_argument(

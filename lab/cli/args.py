@@ -41,8 +41,9 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}{hint}\n")
 
 
-def _arg_type(parse, what: str, **kw):
-    """An argparse ``type`` from a :mod:`lab.core.schema` parser: argparse names the flag, the message the rest."""
+def _arg_type(parse, what: str, kind: str, **kw):
+    """An argparse ``type`` from a :mod:`lab.core.schema` parser: argparse names the flag, the message the rest.
+    ``kind`` (the schema's name for what it accepts) lets the tests find every flag of a kind."""
 
     def conv(s: str):
         try:
@@ -51,37 +52,38 @@ def _arg_type(parse, what: str, **kw):
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     conv.__name__ = what
+    conv.kind = kind
     return conv
 
 
 def positive_int(what: str):
     """``type=`` of an integer flag > 0 (``8192``, ``8k``, ``2Mi``, ``1e6``)."""
-    return _arg_type(parse_positive_int, what)
+    return _arg_type(parse_positive_int, what, "int+")
 
 
 def nonneg_int(what: str):
     """``type=`` of an integer flag >= 0."""
-    return _arg_type(parse_nonneg_int, what)
+    return _arg_type(parse_nonneg_int, what, "int0")
 
 
 def positive_float(what: str, example: str = "2.5 or 1e12"):
     """``type=`` of a positive, finite number."""
-    return _arg_type(parse_positive_float, what, example=example)
+    return _arg_type(parse_positive_float, what, "number+", example=example)
 
 
 def nonneg_float(what: str, example: str = "0 or 1e12"):
     """``type=`` of a finite number >= 0."""
-    return _arg_type(parse_nonneg_float, what, example=example)
+    return _arg_type(parse_nonneg_float, what, "number0", example=example)
 
 
 def fraction(what: str):
     """``type=`` of a fraction in (0, 1] (an MFU)."""
-    return _arg_type(parse_fraction, what)
+    return _arg_type(parse_fraction, what, "fraction")
 
 
 def positive_ints(what: str):
     """``type=`` of a comma-separated list of positive integers (``1,2,4,8``; no empty items)."""
-    return _arg_type(parse_positive_ints, what)
+    return _arg_type(parse_positive_ints, what, "ints+")
 
 
 CHART_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg", "eps", "ps", "tif", "tiff")  # matplotlib writes these
@@ -99,6 +101,7 @@ def in_path(what: str):
         return s
 
     conv.__name__ = what
+    conv.kind = "path"
     return conv
 
 
@@ -109,6 +112,9 @@ def scale_arg(s: str) -> str:
     except UserError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--scale: ").removeprefix("--scale ")) from None
     return s
+
+
+scale_arg.kind = "scale"
 
 
 def out_path(what: str):
@@ -131,6 +137,7 @@ def chart_path(what: str):
         return s
 
     conv.__name__ = what
+    conv.kind = "chart"
     return conv
 
 
@@ -152,6 +159,9 @@ def dtype_arg(s: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+dtype_arg.kind = "dtype"
+
+
 def parse_bytes(text: str) -> float:
     """``33554432``, ``32Mi``, ``1e6`` or an array such as ``bf16[2048,8192]`` -> bytes (below 2**63)."""
     s = str(text).strip()
@@ -168,10 +178,6 @@ def parse_bytes(text: str) -> float:
         raise UserError(
             f"--bytes: {text!r} is not a byte count; use e.g. 33554432, 32Mi, 1e6 or bf16[2048,8192]"
         ) from None
-
-
-def axis_sizes(text: str) -> tuple[int, ...]:
-    return parse_positive_ints(text, "--axis-size")
 
 
 def chip_of(args: argparse.Namespace) -> Chip:
@@ -382,7 +388,6 @@ def hardware_parent(required: bool = True) -> argparse.ArgumentParser:
 __all__ = [
     "MODEL_FLAGS",
     "Parser",
-    "axis_sizes",
     "chart_path",
     "chip_of",
     "command",

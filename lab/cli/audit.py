@@ -38,17 +38,20 @@ def _kernel_plan(name: str) -> Plan:
 def _with_flags(plan: Plan, args: argparse.Namespace) -> Plan:
     """The Plan with the command line's --mesh, --sizes, --dtype, --axes and --hardware, checked again."""
     changes: dict[str, Any] = {}
-    if args.mesh:
+    if args.mesh is not None:  # an empty value is refused by its parser, never read as "not given"
         mesh = complete_mesh(plan.spec, parse_mesh(args.mesh))
         slow = tuple(a.name for a in plan.mesh if a.link == "slow")
         changes["mesh"] = make_mesh_axes(mesh, slow)
-    if args.sizes:
+    if args.sizes is not None:
         changes["sizes"] = dict(plan.sizes) | parse_sizes(args.sizes)
-    if args.dtype:
+    if args.dtype is not None:
         changes["dtype"] = canonical_dtype(args.dtype)
-    if args.axes:
-        changes["axes"] = tuple(a.strip() for a in args.axes.split(",") if a.strip())
-    if args.hardware:
+    if args.axes is not None:
+        axes = tuple(a.strip() for a in args.axes.split(","))
+        if not all(axes):
+            raise UserError(f"--axes {args.axes!r} has an empty name; give mesh axes separated by commas, e.g. X,Y")
+        changes["axes"] = axes
+    if args.hardware is not None:
         changes["hardware"] = args.hardware
     plan = dataclasses.replace(plan, **changes)
     plan.validate()
@@ -133,8 +136,9 @@ def register(sub, common: argparse.ArgumentParser) -> None:
 
 def _dispatch(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if args.list:
-        given = [args.target] if args.target else []
-        given += [f"--{k}" for k in ("mesh", "sizes", "dtype", "axes", "hardware", "hlo") if getattr(args, k)]
+        given = [repr(args.target)] if args.target is not None else []
+        flags = ("mesh", "sizes", "dtype", "axes", "hardware", "hlo")
+        given += [f"--{k}" for k in flags if getattr(args, k) is not None]
         given += ["--strict"] if args.strict else []
         if given:  # they would be ignored: say so instead
             raise UserError(f"--list lists the kernels and takes nothing else; drop {', '.join(given)}")

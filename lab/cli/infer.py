@@ -44,6 +44,9 @@ def _storage_dtype(text: str) -> str:
     return dt
 
 
+_storage_dtype.kind = "dtype"
+
+
 def _warn_context(args: argparse.Namespace, model) -> None:
     if args.context > model.max_seq_len:
         warn(

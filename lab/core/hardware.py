@@ -760,7 +760,10 @@ def load_hardware_file(path: str | os.PathLike, catalog: Catalog | None = None) 
         where = f"{p}: chip #{i + 1}"
         base = None
         if isinstance(entry, Mapping) and "base" in entry:
-            base = catalog.get(entry["base"])
+            try:
+                base = catalog.get(entry["base"])
+            except UserError as exc:
+                raise UserError(f"{where}: base: {exc}") from None
         chip = _coerce_chip(entry, base, where)
         catalog.add(chip)
         out.append(chip)
