@@ -32,6 +32,13 @@ from lab.core.errors import UserError
 from lab.core.hardware import Catalog
 from lab.core.models import get_model
 from lab.core.programs import PROGRAMS
+from lab.core.schema import (
+    parse_fraction,
+    parse_nonneg_float,
+    parse_positive_float,
+    parse_positive_int,
+    parse_positive_ints,
+)
 from lab.core.units import canonical_dtype
 from lab.predict.collectives import canonical_kind
 from lab.run.experiment import EXPERIMENT, MODEL, OPTIONS, RULES, RUN, load_experiment
@@ -395,6 +402,61 @@ def test_huge_integers_finish_with_0_or_2(work, command, flag):
 def test_an_overflowing_result_names_the_input(work, value):
     line = assert_user_error(with_value(bases(work)["train estimate"], "--tokens", value))
     assert "total_flops" in line and "--tokens" in line
+
+
+# ----- the cases the user sweep of issue 16 reported -------------------------------------------------------------
+
+H100 = ["--hardware", "h100"]
+LLAMA = ["--model", "llama3-8b", *H100, "--chips", "8"]
+HEADS_3 = ["model", "show", "--layers", "2", "--d-model", "100", "--heads", "3", "--d-ff", "8", "--vocab", "8"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["roofline", "op", *H100, "--bytes", "1Mi", "--scale", "hbm_bandwidth=inf"], "'inf' is not finite"),
+        (["roofline", "op", *H100, "--bytes", "1Mi", "--scale", "hbm_bandwidth=nan"], "'nan' is not a number"),
+        (["roofline", "op", *H100, "--bytes", "1Mi", "--scale", "hbm_bandwidth=0"], "must be a positive, finite"),
+        (["roofline", "op", *H100, "--bytes", "1Mi", "--scale", "hbm_bandwidth=1e999"], "'1e999' is not finite"),
+        (["validate", "--hardware-file", "missing.toml"], "'missing.toml' does not exist"),
+        (["model", "list", "--hardware-file", "missing.toml"], "'missing.toml' does not exist"),
+        (HEADS_3, "d-model=100 is not a multiple of heads=3"),
+        (["train", "estimate", *LLAMA, "--interleave", "2"], "add --pp-schedule interleaved"),
+        (["infer", "sweep", "--model", "llama3-8b", *H100, "--chips", "8,,16"], "'8,,16' has an empty item"),
+        (["train", "estimate", *LLAMA, "--tokens", "1e300"], "total_flops came out inf"),
+        (["train", "estimate", *LLAMA, "--dp", "1e999"], "'1e999' is too large"),
+        (["infer", "estimate", *LLAMA, "--batch", "1", "--context", "8", "--tp", "1e400"], "'1e400' is too large"),
+        (["plan", "--model", "llama3-8b", *H100, "--chips", "9e18", "--batch-tokens", "1Mi"], "at most 1048576"),
+    ],
+)
+def test_issue_16_reported_cases(work, argv, needle):
+    assert needle in assert_user_error(argv)
+
+
+def test_head_dim_given_explicitly_is_kept(work):
+    argv = ["model", "show", "--layers", "2", "--d-model", "100", "--heads", "3", "--head-dim", "32"]
+    code, out, _ = run([*argv, "--d-ff", "8", "--vocab", "8", "--json"])
+    assert code == 0 and json.loads(out)["head_dim"] == 32
+
+
+# ----- the parsers accept every valid value ---------------------------------------------------------------------
+
+
+@FUZZ
+@given(n=st.integers(min_value=1, max_value=2**63 - 1), suffix=st.sampled_from(["", "k", "Mi", "G"]))
+def test_every_positive_integer_reads_back(n, suffix):
+    scale = {"": 1, "k": 1000, "Mi": 2**20, "G": 10**9}[suffix]
+    if n * scale < 2**63:
+        assert parse_positive_int(f"{n}{suffix}", "--x") == n * scale
+    assert parse_positive_ints(f"{n},1, 2", "--x") == (n, 1, 2)
+
+
+@FUZZ
+@given(x=st.floats(min_value=1e-300, max_value=1e300))
+def test_every_positive_finite_number_reads_back(x):
+    assert parse_positive_float(repr(x), "--x") == x == parse_nonneg_float(repr(x), "--x")
+    if x <= 1:
+        assert parse_fraction(repr(x), "--x") == x
 
 
 # ----- files given to flags -----------------------------------------------------------------------------------------

@@ -218,7 +218,7 @@ def command(
     fn: Callable[[argparse.Namespace], tuple[dict[str, Any], str]],
     allowed: Callable[[str, Mapping[str, Any]], bool] | None = None,
 ) -> None:
-    """Make ``fn`` the command of ``parser``, with the two checks every command shares.
+    """Make ``fn`` the command of ``parser``, with what every command shares.
 
     * ``--hardware-file`` is read before anything else, whether or not the command prices a chip: a missing or
       broken file is an error everywhere, never silently ignored.
