@@ -370,3 +370,12 @@ def collective_time(
         kw = {"wraparound": wraps, "scope": scope, "members_per_node": members_per_node}
         return cost(**_composed_all_reduce(nbytes, sizes, chip, **kw))
     return cost(**_priced(_parts(kind, float(nbytes), sizes, wraps, chip, scope, members_per_node, factor)))
+
+
+def over_axes(axes: Sequence[str], mesh: dict[str, int], slow: Sequence[str] = ()) -> dict[str, Any]:
+    """Where a collective over the mesh ``axes`` runs, as :func:`collective_time`'s keywords: inside a slice or
+    node unless one of its axes crosses the slow link, and then across nodes with the members of its fast axes
+    sharing one (a data-parallel axis over DCN has one member per slice)."""
+    if not any(a in slow and mesh.get(a, 1) > 1 for a in axes):
+        return {}
+    return {"scope": "cross-node", "members_per_node": math.prod(mesh.get(a, 1) for a in axes if a not in slow)}

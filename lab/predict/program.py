@@ -26,7 +26,7 @@ from lab.core.errors import UserError
 from lab.core.hardware import Chip
 from lab.core.plan import Plan
 from lab.core.units import dtype_bytes
-from lab.predict.collectives import collective_time
+from lab.predict.collectives import collective_time, over_axes
 from lab.predict.inference import InferConfig, estimate_inference
 from lab.predict.inference_ops import generate_ops
 from lab.predict.sharded_matmul import plan_sharded_matmul
@@ -269,9 +269,10 @@ def _live(axes: tuple[str, ...], mesh: dict[str, int]) -> tuple[str, ...]:
 
 
 def _collective_op(
-    kind: str, axes: tuple[str, ...], v: float, dtype: str, chip: Chip, mesh: dict[str, int], name: str, steps: int = 1
+    kind: str, axes: tuple[str, ...], v: float, dtype: str, chip: Chip, plan: Plan, name: str, steps: int = 1
 ) -> OpEstimate:
-    one = collective_time(kind, v / steps, [mesh[a] for a in axes], chip).time_s
+    mesh, where = plan.shape, over_axes(axes, plan.shape, plan.slow_axes)  # a slow axis: priced across nodes
+    one = collective_time(kind, v / steps, [mesh[a] for a in axes], chip, **where).time_s
     return OpEstimate(name, kind, steps * one, bytes=v, calls=steps, axes=axes, dtype=dtype)
 
 
@@ -286,7 +287,7 @@ def _kernel(plan: Plan, chip: Chip) -> ProgramEstimate:
         g, n = math.prod(mesh[a] for a in ax), sizes["N"]
         v = {"all-gather": n * g, "reduce-scatter": n, "all-reduce": n, "all-to-all": n * g, "permute": n}[kind] * b
         if g > 1:
-            ops.append(_collective_op(kind, ax, v, dtype, chip, mesh, f"{kind} over {','.join(ax)}"))
+            ops.append(_collective_op(kind, ax, v, dtype, chip, plan, f"{kind} over {','.join(ax)}"))
         return ProgramEstimate(plan.program, chip.name, sum(o.time_s for o in ops), tuple(ops), "collective model", 0.0)
     parts = [p.strip() for p in (spec.notation or "").split(";")]
     ring = spec.name.startswith("collective_matmul_")
@@ -301,14 +302,14 @@ def _kernel(plan: Plan, chip: Chip) -> ProgramEstimate:
             if y > 1:
                 ops.append(
                     _collective_op(
-                        "permute", ("Y",), (y - 1) * chunk, dtype, chip, mesh, f"{y - 1} ring steps over Y", steps=y - 1
+                        "permute", ("Y",), (y - 1) * chunk, dtype, chip, plan, f"{y - 1} ring steps over Y", steps=y - 1
                     )
                 )
             continue
         for c in mp.collectives:
             axes = _live(c.axes, mesh)
             if axes:
-                ops.append(_collective_op(c.kind, axes, c.bytes, dtype, chip, mesh, c.describe()))
+                ops.append(_collective_op(c.kind, axes, c.bytes, dtype, chip, plan, c.describe()))
     compute = sum(o.time_s for o in ops if not o.is_collective)
     comm = sum(o.time_s for o in ops if o.is_collective)
     step = max(compute, comm) if ring else compute + comm  # the ring kernels overlap each step with a matmul

@@ -31,7 +31,7 @@ from lab.compile.hlo import (
     parse_module,
 )
 from lab.core.hardware import Chip
-from lab.predict.collectives import collective_time
+from lab.predict.collectives import collective_time, over_axes
 from lab.predict.roofline import roofline
 
 KINDS = (
@@ -106,8 +106,9 @@ def _peak_dtype(chip: Chip, hlo_dtype: str) -> str:
     return "bf16" if "bf16" in chip.peak_flops else next(iter(chip.peak_flops))
 
 
-def predict_ops(hlo_text: str, chip: Chip, mesh: dict[str, int]) -> list[PredictedOp]:
-    """Price every op the program executes on ``chip`` (see the module docstring)."""
+def predict_ops(hlo_text: str, chip: Chip, mesh: dict[str, int], slow: tuple[str, ...] = ()) -> list[PredictedOp]:
+    """Price every op the program executes on ``chip`` (see the module docstring); a collective over one of the
+    ``slow`` axes is priced across nodes, on the scale-out (DCN) bandwidth, as the estimator prices it."""
     module = parse_module(hlo_text)
     colls = {c.name: c for c in collectives(module)}
     out: list[PredictedOp] = []
@@ -131,7 +132,12 @@ def predict_ops(hlo_text: str, chip: Chip, mesh: dict[str, int]) -> list[Predict
             ) or ()
             sizes = [mesh[a] for a in axes] or [max(c.group_size, 1)]
             kind = "collective-permute" if c.kind == "permute" else c.kind
-            t = collective_time(c.kind, c.bytes, sizes, chip).time_s if math.prod(sizes) > 1 and c.bytes > 0 else 0.0
+            where = over_axes(axes, mesh, slow)
+            t = (
+                collective_time(c.kind, c.bytes, sizes, chip, **where).time_s
+                if math.prod(sizes) > 1 and c.bytes
+                else 0.0
+            )
             out.append(PredictedOp(instr.name, kind, t, 0.0, nbytes, c.bytes, times, tuple(axes), scope))
             continue
         dots = [instr] if instr.opcode == "dot" else []
@@ -222,6 +228,7 @@ class LedgerRow:
     scope: str = ""
     estimate_op: str | None = None  # the estimator's named op this HLO op belongs to
     spread: float | None = None  # the slowest of its traced repeats over the fastest
+    axes: tuple[str, ...] = ()  # a collective's mesh axes
 
     @property
     def ratio(self) -> float | None:
@@ -242,6 +249,7 @@ class LedgerRow:
             "scope": self.scope,
             "estimate_op": self.estimate_op,
             "spread": self.spread,
+            "axes": list(self.axes),
         }
 
 
@@ -265,6 +273,7 @@ def join(
                 p.collective_bytes * p.times,
                 p.scope,
                 spread=spreads.get(p.name),
+                axes=p.axes,
             )
         )
     for name, m in measured.items():
