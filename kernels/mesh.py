@@ -18,12 +18,15 @@ from lab.core.errors import UserError
 from lab.core.notation import ShardedArray
 
 
-def make_mesh(axes: Mapping[str, int], *, explicit: bool = False) -> jax.sharding.Mesh:
+def make_mesh(axes: Mapping[str, int], *, explicit: bool = False, slow: tuple[str, ...] = ()) -> jax.sharding.Mesh:
     """A mesh over the first ``prod(axes)`` devices, axes named and sized as given (major first).
 
     Args:
         axes: ordered mapping of axis name to size, e.g. ``{"X": 2, "Y": 4}``.
         explicit: use ``AxisType.Explicit`` axes, so that ambiguous communication fails loudly.
+        slow: axes that cross the slow link (DCN, scale-out). With several processes they are laid over the
+            process boundaries (``mesh_utils.create_hybrid_device_mesh`` with a process as the granule), so the
+            fast axes stay inside each process's devices.
     """
     need = math.prod(axes.values())
     have = jax.device_count()
@@ -34,9 +37,24 @@ def make_mesh(axes: Mapping[str, int], *, explicit: bool = False) -> jax.shardin
             f"XLA_FLAGS=--xla_force_host_platform_device_count={need}"
         )
     kind = AxisType.Explicit if explicit else AxisType.Auto
-    return jax.make_mesh(
-        tuple(axes.values()), tuple(axes.keys()), axis_types=(kind,) * len(axes), devices=jax.devices()[:need]
-    )
+    names, sizes = tuple(axes.keys()), tuple(axes.values())
+    if jax.process_count() > 1 and slow:
+        return jax.sharding.Mesh(_hybrid(names, sizes, slow), names, axis_types=(kind,) * len(axes))
+    return jax.make_mesh(sizes, names, axis_types=(kind,) * len(axes), devices=jax.devices()[:need])
+
+
+def _hybrid(names: tuple[str, ...], sizes: tuple[int, ...], slow: tuple[str, ...]) -> np.ndarray:
+    """Devices laid out with the slow axes across processes and the fast ones inside each."""
+    from jax.experimental import mesh_utils
+
+    dcn = tuple(s if n in slow else 1 for n, s in zip(names, sizes, strict=True))
+    ici = tuple(1 if n in slow else s for n, s in zip(names, sizes, strict=True))
+    if math.prod(dcn) != jax.process_count():
+        raise UserError(
+            f"the slow axes {', '.join(slow)} span {math.prod(dcn)} devices but there are {jax.process_count()} "
+            "processes; make the slow axes' sizes multiply to the process count (one process per slice or host)"
+        )
+    return mesh_utils.create_hybrid_device_mesh(ici, dcn, jax.devices(), process_is_granule=True)
 
 
 def sharding_for(arr: ShardedArray, mesh: jax.sharding.Mesh) -> NamedSharding:

@@ -65,4 +65,24 @@ class Built:
         return run
 
 
-__all__ = ["Built"]
+def digest(out: Any) -> dict[str, float | int]:
+    """A fingerprint of a program's output, the same on every process: the sum and the sum of squares of all its
+    array leaves (in float32, on the devices) and their count. Two runs of one Plan, on one process or several,
+    agree on it to float32 rounding (a train step's Adam update moves every parameter, so it is a sharp test)."""
+    import jax
+    import jax.numpy as jnp
+
+    leaves = [x for x in jax.tree.leaves(out) if hasattr(x, "dtype")]
+    if not leaves:
+        return {"leaves": 0, "sum": 0.0, "sum_sq": 0.0}
+
+    @jax.jit
+    def both(xs):
+        f = [x.astype(jnp.float32) for x in xs]
+        return sum(jnp.sum(x) for x in f), sum(jnp.sum(x * x) for x in f)
+
+    total, squares = both(leaves)
+    return {"leaves": len(leaves), "sum": float(total), "sum_sq": float(squares)}
+
+
+__all__ = ["Built", "digest"]

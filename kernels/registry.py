@@ -241,7 +241,7 @@ def build(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0) -> Built:
         from kernels.transformer.decode import build_decode
 
         return build_decode(plan, mesh, seed=seed)
-    jmesh = mesh if mesh is not None else make_mesh(plan.shape)
+    jmesh = mesh if mesh is not None else make_mesh(plan.shape, slow=plan.slow_axes)
     return get_kernel(plan.program).build(jmesh, plan.sizes, plan.dtype, plan.axes, seed=seed)
 
 

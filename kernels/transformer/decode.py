@@ -149,7 +149,7 @@ def build_decode(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0) -> Buil
     cfg, rules = plan.model, plan.rules
     assert cfg is not None and rules is not None
     batch, prompt_len, steps = plan.sizes["batch"], plan.sizes["prompt_len"], plan.sizes["steps"]
-    m = mesh if mesh is not None else make_mesh(plan.shape)
+    m = mesh if mesh is not None else make_mesh(plan.shape, slow=plan.slow_axes)
     fn = make_generate(cfg, rules, m, steps, plan.dtype)
     tok_sh = token_sharding(rules, m)
     spec = (abstract(param_info(cfg), rules, m), jax.ShapeDtypeStruct((batch, prompt_len), "int32", sharding=tok_sh))

@@ -127,7 +127,7 @@ def build_train(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0, learning
     cfg, rules, remat = plan.model, plan.rules, plan.remat
     assert cfg is not None and rules is not None and remat in REMAT
     batch, seq = plan.sizes["batch"], plan.sizes["seq"]
-    m = mesh if mesh is not None else make_mesh(plan.shape)
+    m = mesh if mesh is not None else make_mesh(plan.shape, slow=plan.slow_axes)
     step = make_train_step(cfg, rules, m, remat, plan.dtype, learning_rate)
     tx = optimizer(learning_rate)
     tok_sh = token_sharding(rules, m)
