@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,13 @@ def cmd_run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         run_id=args.run_id,
         compile_only=args.compile_only,
         devices=args.devices,
+        distributed=args.distributed,
     )
     r = result.report
+    if "rank" in r:  # a process other than 0: its trace and a small JSON
+        return r | {"run_dir": str(result.run_dir)}, (
+            f"process {r['rank']}: wrote {result.run_dir}/report.json and its trace; process 0 writes the report"
+        )
     if "points" in r:
         return r | {"run_dir": str(result.run_dir)}, sweep_text(result)
     return r | {"run_dir": str(result.run_dir)}, run_text(result)
@@ -87,6 +93,12 @@ def run_text(result) -> str:
         + (f" (estimated ops: {100 * cover:.0f}% of matmul and collective time)" if cover is not None else "")
         + f"; ops of 1 MB or more: {large}",
     ]
+    if r.get("processes"):
+        steps = ", ".join(
+            f"{p['rank']} ({p['host']}, {p['local_devices']} devices) {s(p['step_time_measured_s'])}"
+            for p in r["processes"]
+        )
+        lines.append(f"processes: {steps}; slowest {r['slowest_process']} (its ops are the ledger's measured)")
     if r.get("estimated_ops"):
         lines += ["", named_table(r["estimated_ops"], limit=12)]
     lines += ["", ledger_table(r["ops"], limit=10 if r.get("estimated_ops") else 15), ""]
@@ -99,6 +111,31 @@ def run_text(result) -> str:
             f"trace:  tensorboard --logdir {r['tensorboard']}",
         ]
     return "\n".join(lines)
+
+
+def cmd_launch(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    import json
+
+    from lab.run.launch import launch
+
+    run_args = [a for a in args.run_args if a != "--json"]
+    json_out = args.json or len(run_args) < len(args.run_args)
+    args.json = json_out
+    if args.port is not None and args.port > 65535:
+        raise UserError(f"--port {args.port} is not a TCP port; give one from 1024 to 65535, or leave it out")
+    done = launch(args.local_processes, args.experiment, run_args, port=args.port, json_out=json_out)
+    if done.code:
+        args._exit_code = done.code
+        if done.code == 2:  # the process's user error: the same exit code and one line naming the process
+            raise UserError(done.message)
+        print(f"shardlab: error: {done.message}", file=sys.stderr)
+        return {"error": done.message, "failed_rank": done.failed_rank}, ""
+    if json_out:
+        try:
+            return json.loads(done.stdout), ""
+        except ValueError:
+            raise UserError(f"process 0 printed no JSON report ({done.stdout[-200:]!r})") from None
+    return {}, done.message
 
 
 def cmd_calibrate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -162,8 +199,27 @@ def register(sub, common: argparse.ArgumentParser) -> None:
         action="store_true",
         help="estimate, compile and audit without profiling (a Plan that does not fit is a warning, not an error)",
     )
+    r.add_argument(
+        "--distributed",
+        action="store_true",
+        help="one of several processes: join JAX's distributed runtime (found as jax.distributed.initialize() finds "
+        "it on TPU VMs, SLURM and Open MPI; detected there without this flag)",
+    )
     r.add_argument("--quiet", action="store_true", help="no progress lines")
     r.set_defaults(func=cmd_run)
+
+    la = sub.add_parser(
+        "launch",
+        parents=[common],
+        help="run an experiment as N local processes over loopback (JAX's distributed runtime, CPU devices)",
+    )
+    la.add_argument(
+        "--local-processes", type=positive_int("--local-processes"), required=True, metavar="N", help="processes"
+    )
+    la.add_argument("--port", type=positive_int("--port"), help="the coordinator's port on 127.0.0.1 (default: free)")
+    la.add_argument("experiment", metavar="EXPERIMENT", help="an experiments/*.toml file")
+    la.add_argument("run_args", nargs=argparse.REMAINDER, metavar="RUN OPTIONS", help="passed to `shardlab run`")
+    la.set_defaults(func=cmd_launch)
 
     c = sub.add_parser("calibrate", parents=[common], help="fit this backend's spec from microbenchmarks")
     c.add_argument("--out", metavar="PATH", help="where to write the spec (default specs/<backend>.json)")
@@ -182,4 +238,4 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     d.set_defaults(func=cmd_demo)
 
 
-__all__ = ["cmd_calibrate", "cmd_demo", "cmd_run", "register", "run_text", "sweep_text"]
+__all__ = ["cmd_calibrate", "cmd_demo", "cmd_launch", "cmd_run", "register", "run_text", "sweep_text"]

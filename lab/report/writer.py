@@ -149,6 +149,39 @@ def _elementwise_note(report: dict[str, Any]) -> list[str]:
     ]
 
 
+def _processes(report: dict[str, Any]) -> list[str]:
+    """The processes of a multi-process run: where each ran, its median step, the slowest one's ledger."""
+    procs = report.get("processes")
+    if not procs:
+        return []
+    rows = [
+        [
+            str(p["rank"]),
+            p["host"],
+            str(p["local_devices"]),
+            fmt_seconds(p["step_time_measured_s"] or 0.0),
+            p.get("tensorboard") or "-",
+        ]
+        for p in procs
+    ]
+    lines = [
+        f"## Processes ({len(procs)}; the ledger's measured times are process {report['slowest_process']}'s, the "
+        "slowest)",
+        "",
+        "```",
+        render(["rank", "host", "devices", "median step", "trace"], rows),
+        "```",
+        "",
+    ]
+    if report["emulated"]:
+        lines += [
+            "Between emulated processes every collective goes through gloo on loopback, not the in-process copies "
+            "the host was calibrated on: their ratios describe this laptop's sockets, not DCN.",
+            "",
+        ]
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
     hw = report["hardware"]
     title = (
@@ -164,7 +197,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"compared against a spec {'calibrated on this host' if hw.get('calibrated') else 'NOT calibrated'}.",
             "",
         ]
-    lines += _facts(report)
+    lines += _facts(report) + _processes(report)
     if report.get("estimated_ops"):
         lines += [
             "## Named ops: estimated | predicted | measured",

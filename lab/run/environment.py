@@ -45,13 +45,16 @@ class Progress:
             print(f"[{time.perf_counter() - self.t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
+MAX_EMULATED = 4096  # host devices one process emulates; a larger mesh needs real devices (a pod, a cluster)
+
+
 def ensure_devices(n: int, *, exact: bool = False) -> None:
     """Emulate at least ``n`` (and at least 8) host devices when JAX has not started yet and the user set no
     count; ``exact`` emulates exactly ``n`` (``--devices N``). A count already in ``XLA_FLAGS`` is the user's."""
     if "jax" in sys.modules:
         return
     flags = os.environ.get("XLA_FLAGS", "")
-    if "--xla_force_host_platform_device_count" not in flags:
+    if "--xla_force_host_platform_device_count" not in flags and n <= MAX_EMULATED:  # more: real devices only
         count = n if exact else max(8, n)
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
@@ -63,9 +66,10 @@ def resolve_hardware(
     hardware_file: str | None,
     progress: Callable[[str], None],
     mesh: dict[str, int],
+    alone: bool = True,
 ) -> Chip:
     """``calibrated`` (default): this backend's calibration (calibrating the host first on CPU when none
-    exists); otherwise a catalog name."""
+    exists and this process runs ``alone``); otherwise a catalog name."""
     catalog = default_catalog(hardware_file)
     if name != "calibrated":
         return catalog.get(name)
@@ -74,6 +78,11 @@ def resolve_hardware(
         chip = catalog.get("cpu")
         if chip.calibrated:
             return chip
+        if not alone:  # several processes would calibrate one host at once, each measuring the others' load
+            raise UserError(
+                f"no calibration for this host in {spec}; calibrate it once, alone (`shardlab calibrate --quick`; "
+                "`shardlab launch` does it for you), or price with a catalog chip (--hardware NAME)"
+            )
         progress(f"no calibration for this host in {spec}: calibrating first (quick)")
         from lab.measure.calibrate import calibrate, write_spec
 

@@ -1,0 +1,234 @@
+"""``shardlab launch``: N processes of ``shardlab run`` on this machine, the way a cluster would start them.
+
+Each process is told the coordinator (``127.0.0.1:<port>``, a free port unless ``--port`` names one), the
+process count, its rank and its share of the emulated host devices, through the variables
+:mod:`lab.run.distributed` reads; JAX's runtime does the rest (CPU collectives through gloo, all on loopback).
+The launcher forwards every process's output with a ``[rank k]`` prefix and watches them: the first process
+to fail stops the others (SIGTERM, then SIGKILL after :data:`GRACE_S`), and the launcher exits with its exit
+code, naming it. The processes die with the launcher (``PR_SET_PDEATHSIG``), so none outlives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from lab.core.errors import Interrupted, UserError
+from lab.run import distributed as dist
+
+GRACE_S = 5.0  # how long the others get to stop after one failed, before SIGKILL
+POLL_S = 0.05
+# gloo's connection chatter, written by several threads at once (so its lines interleave)
+NOISE = re.compile(r"\[Gloo\]|connected peer ranks|^\s*$")
+FORCED = re.compile(r"--xla_force_host_platform_device_count=\S+")
+
+
+def free_port(port: int | None) -> int:
+    """``port`` when it can be bound on loopback (else a clear error), or a free one the system picks."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port or 0))
+        except OSError as exc:
+            raise UserError(
+                f"--port {port}: cannot listen on 127.0.0.1:{port} ({exc.strerror}); pick another port, or leave "
+                "--port out for a free one"
+            ) from None
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the launcher dies, however it dies (Linux)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def child_env(rank: int, processes: int, port: int, local_devices: int) -> dict[str, str]:
+    """The environment of process ``rank``: the launch variables, the CPU backend, its share of the devices."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = FORCED.sub("", env.get("XLA_FLAGS", "")).strip()  # its share comes from LOCAL_DEVICES
+    env.update(
+        {
+            dist.COORDINATOR: f"127.0.0.1:{port}",
+            dist.NUM_PROCESSES: str(processes),
+            dist.PROCESS_ID: str(rank),
+            dist.LOCAL_DEVICES: str(local_devices),
+            "JAX_PLATFORMS": "cpu",
+            "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+@dataclass
+class _Proc:
+    rank: int
+    popen: subprocess.Popen
+    stdout: list[str] = field(default_factory=list)
+    last_error: str = ""
+
+
+def _forward(proc: _Proc, stream, keep: bool, write: Callable[[str], None]) -> None:
+    """Copy one stream of one process, line by line, with its rank in front (``keep``: hold stdout instead)."""
+    for line in iter(stream.readline, ""):
+        if NOISE.search(line):
+            continue
+        if keep:
+            proc.stdout.append(line)
+            continue
+        if line.startswith("shardlab: "):
+            proc.last_error = line.strip()
+        write(f"[rank {proc.rank}] {line}")
+    stream.close()
+
+
+def _stop(procs: Sequence[_Proc]) -> None:
+    """SIGTERM every live process, then SIGKILL those still alive after the grace period."""
+    for p in procs:
+        if p.popen.poll() is None:
+            p.popen.terminate()
+    deadline = time.monotonic() + GRACE_S
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.popen.wait(max(0.0, deadline - time.monotonic()))
+        if p.popen.poll() is None:
+            p.popen.kill()
+            p.popen.wait()
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def _watch(procs: Sequence[_Proc], threads: Sequence[threading.Thread]) -> tuple[int, _Proc | None]:
+    """Wait for every process; at the first failure stop the rest. The exit code and the failed process."""
+    failed: _Proc | None = None
+    while any(p.popen.poll() is None for p in procs):
+        failed = next((p for p in procs if p.popen.poll() not in (None, 0)), None)
+        if failed is not None:
+            break
+        time.sleep(POLL_S)
+    failed = failed or next((p for p in procs if p.popen.returncode != 0), None)
+    if failed is not None:
+        _stop(procs)
+    for t in threads:
+        t.join(timeout=GRACE_S)
+    return (0, None) if failed is None else (failed.popen.returncode, failed)
+
+
+@dataclass(frozen=True)
+class Launched:
+    """What ``launch`` returns: the exit code, the failed rank (if any) and process 0's standard output."""
+
+    code: int
+    failed_rank: int | None
+    stdout: str
+    message: str
+
+
+def launch(
+    processes: int,
+    experiment: str,
+    run_args: Sequence[str],
+    *,
+    port: int | None = None,
+    json_out: bool = False,
+    write: Callable[[str], None] = sys.stderr.write,
+) -> Launched:
+    """Start ``processes`` local processes of ``shardlab run experiment run_args`` and wait for them.
+
+    Raises:
+        UserError: a mesh that cannot be split between the processes, a port in use (before anything starts).
+        Interrupted: Ctrl-C (the processes are stopped).
+    """
+    from lab.run.experiment import load_experiment
+
+    exp = load_experiment(experiment)
+    local = _local_devices(exp, processes)
+    _calibrate_once(exp, run_args, write)
+    port = free_port(port)
+    cmd = [sys.executable, "-m", "lab", "run", experiment, *run_args, *(["--json"] if json_out else [])]
+    procs: list[_Proc] = []
+    threads: list[threading.Thread] = []
+    try:
+        for rank in range(processes):
+            popen = subprocess.Popen(
+                cmd,
+                env=child_env(rank, processes, port, local),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                errors="replace",
+                preexec_fn=_die_with_parent,
+            )
+            proc = _Proc(rank, popen)
+            procs.append(proc)
+            for stream, keep in ((popen.stdout, json_out and rank == 0), (popen.stderr, False)):
+                t = threading.Thread(target=_forward, args=(proc, stream, keep, write), daemon=True)
+                t.start()
+                threads.append(t)
+        code, failed = _watch(procs, threads)
+    except KeyboardInterrupt:
+        _stop(procs)
+        raise Interrupted(f"stopped all {processes} processes; what each kept is in its run folder") from None
+    if failed is None:
+        return Launched(0, None, "".join(procs[0].stdout), f"all {processes} processes finished")
+    why = f": {failed.last_error.removeprefix('shardlab: ')}" if failed.last_error else ""
+    message = f"process {failed.rank} of {processes} {_how(code)}{why}; stopped the others"
+    return Launched(code if code > 0 else 1, failed.rank, "".join(procs[0].stdout), message)
+
+
+def _local_devices(exp, processes: int) -> int:
+    """Each process's share of the mesh's devices: the mesh must split evenly, its slow axes over the processes."""
+    if processes < 2:
+        raise UserError(f"--local-processes {processes}: launch at least 2 (run the experiment directly for one)")
+    if exp.devices % processes:
+        raise UserError(
+            f"the mesh {exp.mesh} of {exp.path} has {exp.devices} devices, which {processes} processes cannot share "
+            f"evenly; use a --local-processes that divides {exp.devices}"
+        )
+    slow = exp.plan.slow_axes
+    span = math.prod(exp.mesh[a] for a in slow)
+    if slow and span != processes:
+        raise UserError(
+            f"the slow axes {', '.join(slow)} of {exp.path} span {span} processes, not {processes}; use "
+            f"--local-processes {span}"
+        )
+    return exp.devices // processes
+
+
+def _calibrate_once(exp, run_args: Sequence[str], write: Callable[[str], None]) -> None:
+    """Calibrate the host first, alone, when the run will price with its calibration and there is none yet."""
+    from lab.core.hardware import default_catalog
+
+    if exp.plan.hardware != "calibrated" or "--hardware" in run_args:
+        return
+    if default_catalog().get("cpu").calibrated:
+        return
+    write("shardlab launch: no calibration for this host yet: calibrating it first, alone (quick)\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "lab", "calibrate", "--quick", "--force"],
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise UserError(f"calibrating the host failed ({last}); run `shardlab calibrate --quick` and read why")
+
+
+__all__ = ["GRACE_S", "Launched", "child_env", "free_port", "launch"]

@@ -1,0 +1,284 @@
+"""One point of an experiment: its Plan estimated, compiled and audited, profiled, joined per op and reported.
+
+:func:`run_point` is the lab's one path from a Plan to its three truths: **estimate** with the estimators users
+plan with (:mod:`lab.predict.program`; a Plan that does not fit the chip is refused before anything compiles);
+**compile** once from abstract arguments and audit the HLO against the estimate; price every compiled op with the
+roofline (the ledger's ``predicted``); **profile** warm-up plus repeats of the same executable under
+``jax.profiler`` and parse per-op times; **join** estimated | predicted | compiled | measured per op; write the
+reports. As one of several processes it gathers every process's step times to process 0, whose ledger is the
+slowest process's; the other processes keep their trace and a small ``report.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from lab.core.errors import UserError
+from lab.core.hardware import Chip
+from lab.core.plan import Plan
+from lab.core.table import dumps
+from lab.predict.program import ProgramEstimate, estimate_program, memory_warning
+from lab.report.plots import BAND
+from lab.run import distributed as dist
+from lab.run import store
+from lab.run.experiment import Experiment
+
+LARGE_BYTES = 1_000_000  # the "ops of at least 1 MB" the acceptance criteria talk about
+
+
+def estimate_or_refuse(plan: Plan, chip: Chip, compile_only: bool) -> tuple[ProgramEstimate | None, str | None]:
+    """The Plan's estimate, or a note saying why there is none; a Plan that does not fit is refused here, before
+    anything compiles (a warning under ``--compile-only``)."""
+    try:
+        est = estimate_program(plan, chip)
+    except UserError as exc:
+        return None, f"no estimate: {exc}"
+    warning = memory_warning(plan, est, chip)
+    if warning and not compile_only:
+        raise UserError(warning + " (--compile-only compiles it anyway)")
+    if warning:
+        print(f"shardlab: warning: {warning}", file=sys.stderr)
+    return est, None
+
+
+def _compile_and_audit(plan: Plan, est: ProgramEstimate | None, env: dict[str, Any], progress, clock: _Clock):
+    """Build the program (and place its inputs), compile it once from abstract arguments, audit the HLO against
+    the estimate."""
+    from kernels.registry import build
+    from lab.compile.audit import audit_compiled
+
+    progress(f"{plan.name} {dict(plan.sizes)}: building {plan.program} on mesh {plan.shape}")
+    built = build(plan)
+    built.args  # noqa: B018  (placed now, so that build_s holds it and profile_s only the profile)
+    clock.lap("build_s")
+    progress("compiling (abstract arguments) and auditing against the estimate")
+    compiled = built.fn.lower(*built.abstract).compile()
+    if est is None:
+        return built, compiled, {"all_match": None, "note": "no estimate of this Plan: ledger only"}
+    return built, compiled, audit_compiled(plan, compiled, est, env["backend"]).to_dict()
+
+
+def _summary(rows: list[dict[str, Any]], warmup: int, repeats: int) -> dict[str, Any]:
+    from lab.report import writer as report
+
+    large = [
+        r["ratio"]
+        for r in rows
+        if r["ratio"] is not None
+        and r["kind"] not in ("other", "elementwise")
+        and max(r["bytes"], r["collective_bytes"]) >= LARGE_BYTES
+    ]
+    spreads = [
+        r["spread"]
+        for r in rows
+        if r.get("spread")
+        and r["kind"] not in ("other", "elementwise")
+        and max(r["bytes"], r["collective_bytes"]) >= LARGE_BYTES
+    ]
+    spread = report.median(spreads)
+    return {
+        "median_ratio_large": report.median(large),
+        "ops_large": len(large),
+        "ops": len(rows),
+        "repeats": repeats,
+        "warmup": warmup,
+        "spread_large": spread,
+        # one trace's repeats disagree by more than the band a ratio is judged by: read its ratios as noise
+        "unsteady": spread is not None and spread > BAND[1] / BAND[0],
+    }
+
+
+class _Clock:
+    """Seconds per phase of one point (``timings`` in its report)."""
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self.t
+        self.t = now
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """What one profile gave: its files, per-op medians and spreads, step times, and the host's other load."""
+
+    files: Any = None
+    medians: dict[str, float] = dataclasses.field(default_factory=dict)
+    spreads: dict[str, float] = dataclasses.field(default_factory=dict)
+    steps: list[float] = dataclasses.field(default_factory=list)
+    host_load: float | None = None
+    result: dict[str, float | int] | None = None  # kernels.program.digest of the last output
+
+
+def _measure(exp: Experiment, built, compiled, out_dir: Path, names: set[str], progress, clock: _Clock) -> _Measured:
+    """Profile the compiled executable (the host's other load sampled meanwhile) and parse its trace."""
+    from kernels.program import digest
+    from lab.measure import trace
+    from lab.measure.microbench import HostLoad
+
+    progress(f"profiling {exp.repeats} repeats after {exp.warmup} warm-up")
+    run, last = built.runner(compiled), []
+
+    def step():
+        last[:] = [run()]
+        return last[0]
+
+    with HostLoad() as load:
+        files = trace.record(step, (), str(out_dir / "tensorboard"), warmup=exp.warmup, repeats=exp.repeats)
+    clock.lap("profile_s")
+    result = digest(last[0])
+    progress("parsing the trace")
+    per_op = (stats := trace.parse(files, hlo_names=names)).per_op()
+    return _Measured(
+        files,
+        {name: s.median_self_s for name, s in per_op.items()},
+        {name: s.spread for name, s in per_op.items()},
+        stats.step_times(),
+        load.others,
+        result,
+    )
+
+
+def run_point(
+    exp: Experiment,
+    plan: Plan,
+    out_dir: Path,
+    chip: Chip,
+    progress: Callable[[str], None],
+    env: dict[str, Any],
+    *,
+    compile_only: bool = False,
+    final_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Estimate, compile + audit, profile, parse and join one Plan; write its report into ``out_dir``.
+
+    ``final_dir`` is where ``out_dir`` will be moved when it is complete (its paths are the ones the report names).
+    """
+    from lab.report import ledger
+    from lab.report import writer as report
+
+    final_dir = final_dir or out_dir
+    clock = _Clock()
+    est, note = estimate_or_refuse(plan, chip, compile_only)
+    built, compiled, audit = _compile_and_audit(plan, est, env, progress, clock)
+    hlo_text = compiled.as_text()
+    rank = dist.rank()
+    if rank == 0:
+        (out_dir / "hlo.txt").write_text(hlo_text)
+    ops_pred = ledger.predict_ops(hlo_text, chip, plan.shape, plan.slow_axes)
+    clock.lap("compile_s")
+    m = _Measured()
+    if not compile_only:
+        m = _measure(exp, built, compiled, out_dir, {p.name for p in ops_pred}, progress, clock)
+    processes: dict[str, Any] = {}
+    if dist.process_count() > 1:  # every process's step times; the ledger of the slowest
+        everyone, slowest = dist.combine(_process_summary(m, final_dir, rank))
+        processes = {"processes": everyone, "slowest_process": slowest["rank"]}
+        if rank:
+            return _rank_report(exp, final_dir, out_dir, m, processes)
+        m = dataclasses.replace(
+            m, medians=slowest["medians"], spreads=slowest["spreads"], steps=slowest["step_times_s"]
+        )
+    files = m.files
+    rows, coverage = ledger.join(ops_pred, m.medians, m.spreads)
+    named, est_coverage = [], None
+    if est is not None:
+        rows, named, est_coverage = ledger.join_estimates(rows, est, audit.get("entries", []))
+    row_dicts = [r.to_dict() for r in rows]
+    clock.lap("parse_s")
+    data = {
+        "experiment": exp.name,
+        "run_id": _run_id(final_dir),
+        "kernel": plan.program,
+        "mesh": plan.shape,
+        "sizes": dict(plan.sizes),
+        "dtype": plan.dtype,
+        "backend": env["backend"],
+        "emulated": env["backend"] == "cpu",
+        "devices": env["device_count"],
+        "hardware": chip.to_dict(),
+        "plan": plan.to_dict(),
+        "compile_only": compile_only,
+        "ops": row_dicts,
+        "estimated_ops": named,
+        "coverage": coverage,
+        "estimate_coverage": est_coverage,
+        "step_time_measured_s": report.median(m.steps) if m.steps else None,
+        "step_time_predicted_s": sum(r.predicted_s or 0.0 for r in rows),
+        "step_time_estimated_s": est.step_time_s if est is not None else None,
+        "estimate": est.to_dict() if est is not None else {"note": note},
+        "breakdown": report.breakdown(row_dicts, named),
+        "summary": _summary(row_dicts, exp.warmup, exp.repeats) | {"host_load": m.host_load},
+        "result": m.result,
+        **processes,
+        "audit": audit,
+        "tensorboard": str(final_dir / "tensorboard") if files else None,
+        "perfetto_trace": str(final_dir / Path(files.perfetto).relative_to(out_dir))
+        if files and files.perfetto
+        else None,
+    }
+    written = report.write_all(data, out_dir, timings=lambda: _timings(clock))
+    progress(f"wrote {', '.join(written)}")
+    return data
+
+
+def _process_summary(m: _Measured, final_dir: Path, rank: int) -> dict[str, Any]:
+    import jax
+
+    return {
+        "rank": rank,
+        "host": socket.gethostname(),
+        "local_devices": jax.local_device_count(),
+        "step_times_s": m.steps,
+        "step_time_measured_s": median(m.steps) if m.steps else None,
+        "tensorboard": str(final_dir / "tensorboard") if m.files else None,
+        "medians": m.medians,
+        "spreads": m.spreads,
+    }
+
+
+def _rank_report(exp: Experiment, final_dir: Path, out_dir: Path, m: _Measured, processes) -> dict[str, Any]:
+    """What a process other than 0 keeps: its trace and this small JSON (process 0 writes the report)."""
+    data = {
+        "experiment": exp.name,
+        "run_id": _run_id(final_dir),
+        "rank": dist.rank(),
+        "slowest_process": processes["slowest_process"],
+        "process": processes["processes"][dist.rank()],
+        "result": m.result,
+    }
+    store.write_atomic(out_dir / "report.json", dumps(data))
+    return data
+
+
+def _timings(clock: _Clock) -> dict[str, float | None]:
+    """Seconds per phase; ``startup_s`` is the process's age when the point started, ``total_s`` its age now."""
+    from lab.run.environment import process_age_s
+
+    clock.lap("report_s")
+    out: dict[str, float | None] = {
+        k: clock.phases.get(k, 0.0) for k in ("build_s", "compile_s", "profile_s", "parse_s", "report_s")
+    }
+    age = process_age_s()
+    phases = sum(v for v in out.values() if v is not None)
+    out["startup_s"] = None if age is None else max(0.0, age - phases)
+    out["total_s"] = age
+    return out
+
+
+def _run_id(point_dir: Path) -> str:
+    return point_dir.name if point_dir.parent.name != "points" else f"{point_dir.parent.parent.name}/{point_dir.name}"
+
+
+__all__ = ["LARGE_BYTES", "estimate_or_refuse", "run_point"]
