@@ -174,6 +174,8 @@ def test_kernel_plans_get_the_axes_their_kernels_look_up():
         (("data = 2", 'data = { size = 2, link = "dcn" }'), r"\[mesh\]\.data link = 'dcn' is not one of fast"),
         (("[rules]", "[sweep]\nbatch = []\n[rules]"), r"\[sweep\]\.batch = \[\] must be a non-empty list"),
         (("[rules]", '[run]\nwarmup = "ten"\n[rules]'), r"\[run\]\.warmup = 'ten' must be a non-negative integer"),
+        (("[rules]", "[run]\nrepeats = 9223372036854775807\n[rules]"), r"\[run\]\.repeats = .* at most 10000"),
+        (("data = 2", "data = 4611686018427387904"), r"\[mesh\]\.data = .* more devices than any machine has"),
     ],
 )
 def test_bad_plans_name_the_file_line_and_what_is_valid(tmp_path, edit, match):

@@ -92,6 +92,8 @@ SECTIONS = ("experiment", "mesh", "sizes", "model", "rules", "options", "run", "
 # docs/validation/cpu-emulated.md), so one warm-up call is not enough.
 WARMUP = 10
 REPEATS = 5
+MAX_CALLS = 10_000  # warm-up or profiled calls of one run: more would take hours and a trace too large to parse
+MAX_DEVICES = 2**20  # the largest mesh: a million chips is past any machine built
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,8 @@ class _Reader:
             self.doc = tomllib.loads(self.text)
         except tomllib.TOMLDecodeError as exc:
             raise UserError(f"{path}: not valid TOML: {exc}") from None
+        except RecursionError:
+            raise UserError(f"{path}: arrays or tables nested too deeply to read; an experiment needs two levels") from None
 
     def where(self, section: str):
         def at(key: str | None) -> str:
@@ -209,6 +213,8 @@ def _mesh(r: _Reader) -> tuple[MeshAxis, ...]:
             check_value(size, Field("int+"))
         except ValueError:
             raise r.error("mesh", name, f"= {size!r} must be a positive integer (the axis size)") from None
+        if size > MAX_DEVICES:
+            raise r.error("mesh", name, f"= {size} is more devices than any machine has; at most {MAX_DEVICES}")
         out.append(MeshAxis(name, size, link))
     return tuple(out)
 
@@ -310,6 +316,9 @@ def load_experiment(path: str | Path) -> Experiment:
             plan.validate()
     except UserError as exc:
         raise UserError(f"{_locate(r, str(exc))}: {exc}") from None
+    for key in ("warmup", "repeats"):
+        if run.get(key, 0) > MAX_CALLS:
+            raise r.error("run", key, f"= {run[key]} is more calls than a profile can hold; at most {MAX_CALLS}")
     return Experiment(
         plan=plan,
         path=str(r.path),
