@@ -197,6 +197,24 @@ def test_launch_refuses_a_port_in_use():
     )
 
 
+def test_launch_checks_run_options_before_starting_anything():
+    r = _shardlab("launch", "--local-processes", "2", str(MATMUL), "--bogus", timeout=60)
+    assert (r.returncode, r.stderr) == (2, "shardlab run: error: unrecognized arguments: --bogus\n")
+    r = _shardlab("launch", "--local-processes", "2", str(MATMUL), "--resume", timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("shardlab: error: --resume continues a run of one process")
+
+
+def test_a_processs_user_error_is_one_line_naming_it():
+    r = _shardlab("launch", "--local-processes", "2", str(MATMUL), "--hardware", "tpu-v9", timeout=120)
+    assert r.returncode == 2
+    (line,) = r.stderr.strip().splitlines()  # the processes' own error lines are folded into this one
+    assert re.fullmatch(
+        r"shardlab: error: process [01] of 2 exited with code 2: unknown hardware 'tpu-v9'; valid: .*; stopped the "
+        r"others",
+        line,
+    ), line
+
+
 # ----- real processes -------------------------------------------------------------------------------------------
 
 

@@ -121,6 +121,9 @@ def cmd_launch(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     run_args = [a for a in args.run_args if a != "--json"]
     json_out = args.json or len(run_args) < len(args.run_args)
     args.json = json_out
+    args.run_parser.parse_args([args.experiment, *run_args])  # a bad run option: refused here, not N times
+    if "--resume" in run_args:
+        raise UserError("--resume continues a run of one process; launch the processes again without it")
     if args.port is not None and args.port > 65535:
         raise UserError(f"--port {args.port} is not a TCP port; give one from 1024 to 65535, or leave it out")
     done = launch(args.local_processes, args.experiment, run_args, port=args.port, json_out=json_out)
@@ -218,8 +221,8 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     )
     la.add_argument("--port", type=positive_int("--port"), help="the coordinator's port on 127.0.0.1 (default: free)")
     la.add_argument("experiment", metavar="EXPERIMENT", help="an experiments/*.toml file")
-    la.add_argument("run_args", nargs=argparse.REMAINDER, metavar="RUN OPTIONS", help="passed to `shardlab run`")
-    la.set_defaults(func=cmd_launch)
+    la.add_argument("run_args", nargs=argparse.REMAINDER, metavar="[RUN OPTIONS]", help="passed to `shardlab run`")
+    la.set_defaults(func=cmd_launch, run_parser=r)
 
     c = sub.add_parser("calibrate", parents=[common], help="fit this backend's spec from microbenchmarks")
     c.add_argument("--out", metavar="PATH", help="where to write the spec (default specs/<backend>.json)")

@@ -174,7 +174,9 @@ class _Reader:
         except tomllib.TOMLDecodeError as exc:
             raise UserError(f"{path}: not valid TOML: {exc}") from None
         except RecursionError:
-            raise UserError(f"{path}: arrays or tables nested too deeply to read; an experiment needs two levels") from None
+            raise UserError(
+                f"{path}: arrays or tables nested too deeply to read; an experiment needs two levels"
+            ) from None
 
     def where(self, section: str):
         def at(key: str | None) -> str:

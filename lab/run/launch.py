@@ -31,6 +31,8 @@ GRACE_S = 5.0  # how long the others get to stop after one failed, before SIGKIL
 POLL_S = 0.05
 # gloo's connection chatter, written by several threads at once (so its lines interleave)
 NOISE = re.compile(r"\[Gloo\]|connected peer ranks|^\s*$")
+# a process's last words: `shardlab: error: ...`, `shardlab run: error: ...`, an internal error, Ctrl-C
+ERROR = re.compile(r"^shardlab[^:]*: (?:error: |(?=internal error: |interrupted: ))")
 FORCED = re.compile(r"--xla_force_host_platform_device_count=\S+")
 
 
@@ -87,8 +89,9 @@ def _forward(proc: _Proc, stream, keep: bool, write: Callable[[str], None]) -> N
         if keep:
             proc.stdout.append(line)
             continue
-        if line.startswith("shardlab: "):
-            proc.last_error = line.strip()
+        if ERROR.match(line):  # said once, in the launcher's own line naming the process
+            proc.last_error = ERROR.sub("", line.strip())
+            continue
         write(f"[rank {proc.rank}] {line}")
     stream.close()
 
@@ -187,7 +190,7 @@ def launch(
         raise Interrupted(f"stopped all {processes} processes; what each kept is in its run folder") from None
     if failed is None:
         return Launched(0, None, "".join(procs[0].stdout), f"all {processes} processes finished")
-    why = f": {failed.last_error.removeprefix('shardlab: ')}" if failed.last_error else ""
+    why = f": {failed.last_error}" if failed.last_error else ""
     message = f"process {failed.rank} of {processes} {_how(code)}{why}; stopped the others"
     return Launched(code if code > 0 else 1, failed.rank, "".join(procs[0].stdout), message)
 
