@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -48,6 +49,17 @@ F = 512
 warmup = 1
 repeats = 2
 """
+
+
+def test_a_relative_out_folder_works_as_the_default_runs_does(jax_devices, tmp_path, monkeypatch):
+    """`shardlab run EXP` writes under ./runs: relative paths throughout, the trace found inside the run."""
+    monkeypatch.chdir(tmp_path)
+    result = run_experiment(_experiment(tmp_path, TP_MLP), "runs", quiet=True, hardware="cpu")
+    assert result.run_dir == Path("runs/exp")
+    report = json.loads((tmp_path / "runs/exp/report.json").read_text())
+    assert report["tensorboard"] == "runs/exp/tensorboard"
+    assert report["perfetto_trace"].startswith("runs/exp/tensorboard/plugins/profile/")
+    assert (tmp_path / report["perfetto_trace"]).is_file()
 
 
 def test_warm_up_defaults_to_several_calls_when_the_experiment_names_none(jax_devices, tmp_path):

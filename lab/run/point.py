@@ -224,7 +224,7 @@ def run_point(
         **processes,
         "audit": audit,
         "tensorboard": str(final_dir / "tensorboard") if files else None,
-        "perfetto_trace": str(final_dir / Path(files.perfetto).relative_to(out_dir))
+        "perfetto_trace": str(final_dir / Path(files.perfetto).resolve().relative_to(out_dir.resolve()))
         if files and files.perfetto
         else None,
     }
