@@ -164,6 +164,19 @@ def test_the_markdown_report_says_what_a_reader_needs():
     assert "UNSTEADY" not in md
     shaky = _report(OPS, summary=_report(OPS)["summary"] | {"spread_large": 3.1, "unsteady": True})
     assert "**UNSTEADY**" in writer.markdown(shaky) and "differ by 3.10x" in writer.markdown(shaky)
+    no_spread = _report(OPS, summary=_report(OPS)["summary"] | {"spread_large": None})
+    assert "\n- trust: other processes held 5% of the host's CPU time" in writer.markdown(no_spread)
+
+
+def test_the_markdown_report_lists_the_processes_of_a_multi_process_run():
+    procs = [
+        {"rank": r, "host": f"h{r}", "local_devices": 4, "step_time_measured_s": t, "tensorboard": f"runs/x{r}/tb"}
+        for r, t in ((0, 2e-3), (1, 3e-3))
+    ]
+    md = writer.markdown(_report(OPS) | {"processes": procs, "slowest_process": 1})
+    assert "## Processes (2; the ledger's measured times are process 1's, the slowest)" in md
+    assert "   1  h1          4         3 ms  runs/x1/tb" in md
+    assert "gloo on loopback" in md  # emulated: the reader is told what carried the collectives
 
 
 def test_ops_csv_quotes_names_with_commas(tmp_path):

@@ -99,6 +99,8 @@ def run_text(result) -> str:
             for p in r["processes"]
         )
         lines.append(f"processes: {steps}; slowest {r['slowest_process']} (its ops are the ledger's measured)")
+        if r["emulated"]:
+            lines.append("(between emulated processes collectives go through gloo on loopback, not DCN)")
     if r.get("estimated_ops"):
         lines += ["", named_table(r["estimated_ops"], limit=12)]
     lines += ["", ledger_table(r["ops"], limit=10 if r.get("estimated_ops") else 15), ""]

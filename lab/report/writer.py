@@ -118,12 +118,10 @@ def _facts(report: dict[str, Any]) -> list[str]:
         f"over {summary['ops_large']} ops",
     ]
     if spread is not None or load is not None:
-        trust = (
-            f"- trust: the repeats of one op differ by {spread:.2f}x (median over those ops)" if spread else "- trust:"
-        )
+        said = [f"the repeats of one op differ by {spread:.2f}x (median over those ops)"] if spread else []
         if load is not None:
-            trust += f"; other processes held {100 * load:.0f}% of the host's CPU time while it was profiled"
-        lines.append(trust)
+            said.append(f"other processes held {100 * load:.0f}% of the host's CPU time while it was profiled")
+        lines.append("- trust: " + "; ".join(said))
     if summary.get("unsteady"):
         lines.append(
             f"- **UNSTEADY**: this run's own repeats differ by more than the band a ratio is judged by "
