@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from lab import __version__
 from lab.cli import analytic, audit, infer, run, train
 from lab.cli.args import Parser, common_parent, hardware_parent, with_chip
-from lab.core.errors import Interrupted, UserError
+from lab.core.errors import Interrupted, UserError, keep_interrupts
 from lab.core.table import dumps
 
 
@@ -39,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command: exit 0, 2 for a user mistake, 130 on Ctrl-C, 1 for a bug (traceback with --debug)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
+    sys.unraisablehook = keep_interrupts  # a Ctrl-C inside a finalizer is kept, not printed and lost
     argv = [a for a in argv if a != "--debug"]
     try:
         args = build_parser().parse_args(argv)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lab.core.errors import Interrupted, UserError
+from lab.core.errors import Interrupted, UserError, raise_if_interrupted
 from lab.core.hardware import Chip
 from lab.core.table import dumps
 from lab.run import distributed as dist
@@ -270,6 +270,7 @@ def _run_sweep(ctx: _Context, base: Path, name: str, points, resume: bool) -> Ru
                     )
                     store.mark_complete(tmp)
                     store.commit(tmp, point)
+                    raise_if_interrupted()  # the point is kept; the next one does not start
                 finally:
                     store.discard(tmp if tmp.exists() else None)
             summary = (

@@ -21,7 +21,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from lab.core.errors import UserError
+from lab.core.errors import UserError, raise_if_interrupted
 from lab.core.hardware import Chip
 from lab.core.plan import Plan
 from lab.core.table import dumps
@@ -104,6 +104,7 @@ class _Clock:
         self.phases: dict[str, float] = {}
 
     def lap(self, phase: str) -> None:
+        raise_if_interrupted()  # between phases: a Ctrl-C a finalizer swallowed stops the run here
         now = time.perf_counter()
         self.phases[phase] = self.phases.get(phase, 0.0) + now - self.t
         self.t = now
