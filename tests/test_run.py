@@ -166,11 +166,19 @@ def test_bad_experiments(jax_devices, tmp_path, body, match):
         run_experiment(_experiment(tmp_path, body), str(tmp_path / "runs"), quiet=True, hardware="cpu")
 
 
-def test_unwritable_run_directory(jax_devices, tmp_path):
+def test_unwritable_run_directory_is_refused_before_jax_starts(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    with pytest.raises(UserError, match="cannot write the run directory"):
-        run_experiment(_experiment(tmp_path, TP_MLP), str(blocker), quiet=True, hardware="cpu")
+    code = (
+        "import sys\nfrom lab.cli.main import main\n"
+        f"rc = main(['run', {_experiment(tmp_path, TP_MLP)!r}, '--out', {str(blocker)!r}])\n"
+        "assert 'jax' not in sys.modules\nsys.exit(rc)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert (
+        r.stderr == f"shardlab: error: --out {str(blocker)!r}: cannot write runs there (it is a file); pass --out DIR\n"
+    )
 
 
 def test_cli_run_bad_input_is_one_line():

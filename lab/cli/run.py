@@ -174,7 +174,9 @@ def cmd_calibrate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 def cmd_demo(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from lab.run.demo import run_demo
+    from lab.run.environment import ensure_devices
 
+    ensure_devices(8)  # before the placement check starts JAX: the demo's mesh, however shardlab was started
     report = run_demo(hardware=args.hardware, hardware_file=args.hardware_file)
     if args.analytic_only:
         return report.data, report.text

@@ -162,7 +162,8 @@ class _Reader:
     def __init__(self, path: Path):
         self.path = path
         if not path.is_file():
-            raise UserError(f"experiment file {str(path)!r} does not exist; see experiments/ for examples")
+            what = "is a folder, not a file" if path.is_dir() else "does not exist"
+            raise UserError(f"experiment file {str(path)!r} {what}; see experiments/ for examples")
         try:
             self.text = path.read_bytes().decode("utf-8")
         except UnicodeDecodeError as exc:

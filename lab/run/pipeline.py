@@ -98,6 +98,7 @@ def run_experiment(
     base = Path(out)
     if resume:
         _check_resumable(base, name, path, bool(exp.sweep))
+    store.check_out(base)
     if devices is not None and devices < exp.devices:
         raise UserError(
             f"--devices {devices} is fewer than the {exp.devices} devices of the mesh {exp.mesh}; "

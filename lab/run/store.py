@@ -39,6 +39,19 @@ def plain_name(name: str, flag: str = "--run-id") -> str:
     return name
 
 
+def check_out(base: Path) -> None:
+    """``--out`` is a folder this process can write runs into (created if missing), or a one-line error: checked
+    before JAX starts or the host is calibrated, not after."""
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        probe = base / f".probe.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as exc:
+        why = "it is a file" if base.exists() and not base.is_dir() else exc.strerror
+        raise UserError(f"--out {str(base)!r}: cannot write runs there ({why}); pass --out DIR") from None
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename: readers see the old or the new file."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
@@ -174,6 +187,7 @@ __all__ = [
     "LOCK",
     "MARKER",
     "RunLock",
+    "check_out",
     "commit",
     "discard",
     "free_name",
