@@ -258,3 +258,29 @@ def test_a_hardware_file_that_is_not_utf8_is_named(tmp_path, capsys):
     bad.write_bytes(b"\xff\xfe\x00")
     assert main(["hardware", "list", "--hardware-file", str(bad)]) == 2
     assert "is not UTF-8 text" in capsys.readouterr().err
+
+
+def test_every_command_is_in_the_table_that_lets_the_others_stay_unimported():
+    from lab.cli.commands import COMMANDS
+    from lab.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if getattr(a, "choices", None) and "run" in a.choices)
+    assert list(sub.choices) == list(COMMANDS)  # registered in the table's order, none missing, none extra
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    assert helps == {name: text for name, (_, text) in COMMANDS.items()}
+
+
+def test_a_command_imports_only_its_own_group():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom lab.cli.main import main\nrc = main(['hardware', 'list'])\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(('lab.cli.', 'lab.predict.training', 'jax')))\n"
+        "print(loaded, file=sys.stderr)\nsys.exit(rc)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == str(
+        ["lab.cli.analytic", "lab.cli.args", "lab.cli.commands", "lab.cli.main"]
+    )

@@ -16,15 +16,13 @@ from lab.cli.args import (
     positive_ints,
     warn,
 )
+from lab.cli.commands import help_of
 from lab.core.errors import UserError
 from lab.core.hardware import default_catalog
-from lab.core.notation import parse_mesh, parse_sizes
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
 from lab.predict.collectives import KINDS as COLLECTIVE_KINDS
 from lab.predict.collectives import SCOPES, canonical_kind, collective_time
-from lab.predict.roofline import matmul, roofline
-from lab.predict.sharded_matmul import plan_sharded_matmul
 
 
 def cmd_hardware_list(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -111,6 +109,8 @@ def cmd_hardware_show(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 def cmd_roofline_matmul(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from lab.predict.roofline import matmul
+
     chip = chip_of(args)
     r = matmul(
         chip,
@@ -149,6 +149,8 @@ def cmd_roofline_matmul(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 def cmd_roofline_op(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from lab.predict.roofline import roofline
+
     chip = chip_of(args)
     r = roofline(chip, args.flops, parse_bytes(args.bytes), args.dtype, op="op")
     text = render(
@@ -200,6 +202,9 @@ def cmd_collective(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 def cmd_sharded_matmul(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from lab.core.notation import parse_mesh, parse_sizes
+    from lab.predict.sharded_matmul import plan_sharded_matmul
+
     chip = chip_of(args)
     mesh = parse_mesh(args.mesh)
     if args.chips is not None:
@@ -246,7 +251,7 @@ def cmd_sharded_matmul(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser) -> None:
     """Add ``hardware``, ``roofline``, ``collective`` and ``sharded-matmul`` to the ``shardlab`` parser."""
-    h = sub.add_parser("hardware", help="the hardware catalog")
+    h = sub.add_parser("hardware", help=help_of("hardware"))
     hsub = h.add_subparsers(dest="hw_command", required=True, parser_class=Parser, metavar="list|show")
     hl = hsub.add_parser("list", parents=[common], help="every chip with its headline numbers")
     command(hl, cmd_hardware_list)
@@ -254,7 +259,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser) 
     hs.add_argument("hardware", metavar="NAME")
     command(hs, cmd_hardware_show)
 
-    r = sub.add_parser("roofline", help="roofline costs")
+    r = sub.add_parser("roofline", help=help_of("roofline"))
     rsub = r.add_subparsers(dest="rf_command", required=True, parser_class=Parser, metavar="matmul|op")
     rm = rsub.add_parser("matmul", parents=[common, hw], help="In[B, D] @ W[D, F] on one chip")
     rm.add_argument("--b", type=positive_int("--b"), required=True, help="token batch B")
@@ -277,7 +282,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser) 
     ro.add_argument("--dtype", type=dtype_arg, default="bf16", help="dtype whose peak applies (default bf16)")
     command(ro, cmd_roofline_op)
 
-    c = sub.add_parser("collective", parents=[common, hw], help="one collective over one or more mesh axes")
+    c = sub.add_parser("collective", parents=[common, hw], help=help_of("collective"))
     c.add_argument("kind", metavar="KIND", help=f"one of {', '.join(COLLECTIVE_KINDS)}")
     c.add_argument(
         "--bytes",
@@ -305,7 +310,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser) 
     s = sub.add_parser(
         "sharded-matmul",
         parents=[common, hw],
-        help='collectives, bytes and time of a sharded matmul, e.g. "A[I_X,J] * B[J,K_Y]"',
+        help=help_of("sharded-matmul"),
     )
     s.add_argument("expression", metavar="EXPR", help='the book\'s notation, e.g. "A[I,J_X] * B[J_X,K] -> C[I,K_X]"')
     s.add_argument("--sizes", required=True, help="dim sizes, e.g. I=1024,J=8192,K=4096")

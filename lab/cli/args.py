@@ -13,11 +13,13 @@ import re
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from lab.core.errors import UserError
+
+if TYPE_CHECKING:
+    from lab.core.models import ModelConfig
 from lab.core.hardware import Chip, default_catalog, parse_scale, scale_chip
-from lab.core.models import ModelConfig, resolve_model
 from lab.core.schema import (
     INT_LIMIT,
     parse_fraction,
@@ -282,6 +284,8 @@ def model_parent(positional: bool) -> argparse.ArgumentParser:
 
 
 def model_of(args: argparse.Namespace) -> ModelConfig:
+    from lab.core.models import resolve_model
+
     """The model a command's ``--model`` and custom-model flags describe (each flag checked by its type)."""
     return resolve_model(args.model, {k: getattr(args, k) for k in MODEL_FLAGS})
 

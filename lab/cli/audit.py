@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.cli.args import command, out_path
+from lab.cli.commands import help_of
 from lab.core.errors import UserError
 from lab.core.notation import parse_mesh, parse_sizes
 from lab.core.plan import Plan, kernel_plan, make_mesh_axes
@@ -115,7 +116,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     a = sub.add_parser(
         "audit",
         parents=[common],
-        help="compile a kernel or experiment and check its collectives and FLOPs against the estimate",
+        help=help_of("audit"),
     )
     a.add_argument(
         "target",

@@ -24,6 +24,7 @@ from lab.cli.args import (
     warn,
     write_chart,
 )
+from lab.cli.commands import help_of
 from lab.core.errors import UserError
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
@@ -240,7 +241,7 @@ def cmd_study_memtech(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, with_chip) -> dict[str, Any]:
     """Add ``infer estimate`` (and return the ``infer`` subparsers for the other inference commands)."""
-    ip = sub.add_parser("infer", help="serving estimates: decode, prefill, KV cache, topology")
+    ip = sub.add_parser("infer", help=help_of("infer"))
     isub = ip.add_subparsers(dest="infer_command", required=True, parser_class=Parser, metavar="COMMAND")
     ie = isub.add_parser(
         "estimate",

@@ -12,14 +12,20 @@ import contextlib
 import sys
 from collections.abc import Sequence
 
-from lab import __version__
-from lab.cli import analytic, audit, infer, run, train
-from lab.cli.args import Parser, common_parent, hardware_parent, with_chip
+from lab.cli.commands import COMMANDS, GROUPS
 from lab.core.errors import Interrupted, UserError, keep_interrupts
-from lab.core.table import dumps
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``shardlab`` parser. Given the command line, only its command's group is built and imported (the
+    others are listed by name and help, from :mod:`lab.cli.commands`); without one, every group is."""
+    import importlib
+
+    from lab import __version__
+    from lab.cli.args import Parser, common_parent, hardware_parent, with_chip
+
+    chosen = _command(argv)
+    groups = {COMMANDS[chosen][0]} if chosen else set(GROUPS)
     common, hw = common_parent(), hardware_parent()
     p = Parser(prog="shardlab", description="Predict, compile and measure sharded JAX Transformer workloads.")
     p.add_argument("--version", action="version", version=f"shardlab {__version__}")
@@ -27,12 +33,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--debug", action="store_true", help="show the traceback of an internal error (anywhere on the line)"
     )
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND")
-    analytic.register(sub, common, hw)
-    train.register(sub, common, hw, with_chip)
-    infer.register(sub, common, hw, with_chip)
-    audit.register(sub, common)
-    run.register(sub, common)
+    for group in GROUPS:
+        if group not in groups:  # listed, never parsed: its command would have chosen its group
+            for name, (module, text) in COMMANDS.items():
+                if module == group:
+                    sub.add_parser(name, help=text)
+            continue
+        module = importlib.import_module(f"lab.cli.{group}")
+        if group in ("analytic",):
+            module.register(sub, common, hw)
+        elif group in ("train", "infer"):
+            module.register(sub, common, hw, with_chip)
+        else:
+            module.register(sub, common)
     return p
+
+
+def _command(argv: Sequence[str] | None) -> str | None:
+    """The command a command line names (its first word that is not an option), if it is one."""
+    for word in argv or ():
+        if not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -42,9 +64,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.unraisablehook = keep_interrupts  # a Ctrl-C inside a finalizer is kept, not printed and lost
     argv = [a for a in argv if a != "--debug"]
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(argv).parse_args(argv)
         data, text = args.func(args)
-        out = dumps(data) if args.json else text
+        if args.json:
+            from lab.core.table import dumps
+
+            out = dumps(data)
+        else:
+            out = text
     except UserError as exc:
         print(f"shardlab: error: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.cli.args import positive_int
+from lab.cli.commands import help_of
 from lab.core.errors import UserError
 
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"  # the checkout's shipped experiments
@@ -192,9 +193,7 @@ def cmd_demo(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 def register(sub, common: argparse.ArgumentParser) -> None:
     """Add ``run``, ``calibrate`` and ``demo`` to the ``shardlab`` parser."""
-    r = sub.add_parser(
-        "run", parents=[common], help="estimate, compile+audit, profile, compare and report an experiment"
-    )
+    r = sub.add_parser("run", parents=[common], help=help_of("run"))
     r.add_argument("experiment", metavar="EXPERIMENT", help="an experiments/*.toml file")
     r.add_argument("--devices", type=positive_int("--devices"), help="emulated host devices (CPU; default: the mesh's)")
     r.add_argument("--out", default="runs", help="parent folder of the run directory (default runs/)")
@@ -218,7 +217,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     la = sub.add_parser(
         "launch",
         parents=[common],
-        help="run an experiment as N local processes over loopback (JAX's distributed runtime, CPU devices)",
+        help=help_of("launch"),
     )
     la.add_argument(
         "--local-processes", type=positive_int("--local-processes"), required=True, metavar="N", help="processes"
@@ -228,7 +227,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     la.add_argument("run_args", nargs=argparse.REMAINDER, metavar="[RUN OPTIONS]", help="passed to `shardlab run`")
     la.set_defaults(func=cmd_launch, run_parser=r)
 
-    c = sub.add_parser("calibrate", parents=[common], help="fit this backend's spec from microbenchmarks")
+    c = sub.add_parser("calibrate", parents=[common], help=help_of("calibrate"))
     c.add_argument("--out", metavar="PATH", help="where to write the spec (default specs/<backend>.json)")
     c.add_argument("--mesh", default="X=2,Y=4", help="mesh for the collective fits (default X=2,Y=4)")
     c.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about 15 s)")
@@ -238,7 +237,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     c.add_argument("--quiet", action="store_true")
     c.set_defaults(func=cmd_calibrate)
 
-    d = sub.add_parser("demo", parents=[common], help="the default scenario on 8 emulated devices")
+    d = sub.add_parser("demo", parents=[common], help=help_of("demo"))
     d.add_argument("--hardware", default="tpu-v5e", metavar="NAME", help="target chip to predict for")
     d.add_argument("--analytic-only", action="store_true", help="skip the run (compile, profile, ledger)")
     d.add_argument("--out", default="runs", help="parent folder of the run directory (default runs/)")

@@ -26,6 +26,7 @@ from lab.cli.args import (
     scale_arg,
     write_chart,
 )
+from lab.cli.commands import help_of
 from lab.core.errors import UserError
 from lab.core.models import CATALOG, resolve_model
 from lab.core.table import render
@@ -342,7 +343,7 @@ def cmd_validate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, with_chip) -> None:
     """Add ``model``, ``train`` and ``validate`` to the ``shardlab`` parser."""
-    mp = sub.add_parser("model", help="the model catalog and Transformer accounting")
+    mp = sub.add_parser("model", help=help_of("model"))
     msub = mp.add_subparsers(dest="model_command", required=True, parser_class=Parser, metavar="list|show")
     ml = msub.add_parser("list", parents=[common], help="every catalog model")
     command(ml, cmd_model_list)
@@ -355,7 +356,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     ms.add_argument("--seq-len", type=positive_int("--seq-len"), help="FLOPs per token at this context")
     command(ms, cmd_model_show)
 
-    tp = sub.add_parser("train", help="training estimates")
+    tp = sub.add_parser("train", help=help_of("train"))
     tsub = tp.add_subparsers(dest="train_command", required=True, parser_class=Parser, metavar="estimate|limits")
     te = tsub.add_parser(
         "estimate",
@@ -417,7 +418,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     pl = sub.add_parser(
         "plan",
         parents=[common, hw, model_parent(positional=False)],
-        help="search every layout, remat policy and microbatch; rank by predicted step time",
+        help=help_of("plan"),
     )
     pl.add_argument("--chips", type=positive_int("--chips"), required=True)
     pl.add_argument("--batch-tokens", type=positive_int("--batch-tokens"), required=True)
@@ -427,7 +428,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     pl.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam")
     command(pl, with_chip(cmd_plan))
 
-    st = sub.add_parser("study", help="studies across hardware generations and technologies")
+    st = sub.add_parser("study", help=help_of("study"))
     ssub = st.add_subparsers(
         dest="study_command", required=True, parser_class=Parser, metavar="generations|memory-tech"
     )
@@ -465,7 +466,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     sm.add_argument("--png", type=chart_path("--png"), metavar="PATH")
     command(sm, _study_memtech, allowed=_unfit_row)
 
-    v = sub.add_parser("validate", parents=[common], help="replay the published calibration runs")
+    v = sub.add_parser("validate", parents=[common], help=help_of("validate"))
     command(v, cmd_validate)
 
 

@@ -23,7 +23,6 @@ import dataclasses
 import json
 import math
 import os
-import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -739,6 +738,8 @@ def load_hardware_file(path: str | os.PathLike, catalog: Catalog | None = None) 
         raise UserError(f"hardware file {str(p)!r} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     except OSError as exc:
         raise UserError(f"cannot read hardware file {str(p)!r}: {exc.strerror}") from None
+    import tomllib  # only here: importing it costs every command a few ms at start-up otherwise
+
     try:
         doc = json.loads(text) if p.suffix.lower() == ".json" else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError, RecursionError) as exc:

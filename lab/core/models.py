@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -383,6 +382,8 @@ def get_model(name: str) -> ModelConfig:
 
 def load_model_file(path: str | os.PathLike) -> ModelConfig:
     """A model from TOML: the ModelConfig fields, optionally ``base = "<catalog model>"`` to inherit."""
+    import tomllib  # only here: importing it costs every command a few ms at start-up otherwise
+
     p = Path(path)
     if not p.is_file():
         raise UserError(f"model file {str(p)!r} does not exist")

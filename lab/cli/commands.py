@@ -1,0 +1,34 @@
+"""The top-level commands: which module registers each, and its one-line help.
+
+Kept free of imports so that ``shardlab COMMAND`` builds the parser of its own command group only, imports
+only that group's module, and still lists every command (with this help) under ``shardlab --help``.
+"""
+
+from __future__ import annotations
+
+# command -> (module under lab.cli that registers it, help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "hardware": ("analytic", "the hardware catalog"),
+    "roofline": ("analytic", "roofline costs"),
+    "collective": ("analytic", "one collective over one or more mesh axes"),
+    "sharded-matmul": ("analytic", 'collectives, bytes and time of a sharded matmul, e.g. "A[I_X,J] * B[J,K_Y]"'),
+    "model": ("train", "the model catalog and Transformer accounting"),
+    "train": ("train", "training estimates"),
+    "plan": ("train", "search every layout, remat policy and microbatch; rank by predicted step time"),
+    "study": ("train", "studies across hardware generations and technologies"),
+    "validate": ("train", "replay the published calibration runs"),
+    "infer": ("infer", "serving estimates: decode, prefill, KV cache, topology"),
+    "audit": ("audit", "compile a kernel or experiment and check its collectives and FLOPs against the estimate"),
+    "run": ("run", "estimate, compile+audit, profile, compare and report an experiment"),
+    "launch": ("run", "run an experiment as N local processes over loopback (JAX's distributed runtime, CPU devices)"),
+    "calibrate": ("run", "fit this backend's spec from microbenchmarks"),
+    "demo": ("run", "the default scenario on 8 emulated devices"),
+}
+GROUPS = tuple(dict.fromkeys(module for module, _ in COMMANDS.values()))
+
+
+def help_of(command: str) -> str:
+    return COMMANDS[command][1]
+
+
+__all__ = ["COMMANDS", "GROUPS", "help_of"]
