@@ -254,3 +254,55 @@ def test_tensorboard_lists_the_run_and_its_trace(jax_devices, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def _refused(tmp_path, body: str, *flags: str) -> str:
+    """Run through the command line; assert exit 2, one line, and nothing written; return the line."""
+    import io
+    from contextlib import redirect_stderr
+
+    from lab.cli.main import main
+
+    err = io.StringIO()
+    out = tmp_path / "runs"
+    with redirect_stderr(err):
+        code = main(["run", _experiment(tmp_path, body), "--out", str(out), "--hardware", "cpu", "--quiet", *flags])
+    (line,) = err.getvalue().strip().splitlines()
+    assert code == 2 and not out.exists(), line
+    return line
+
+
+def test_sizes_too_big_for_the_host_are_refused_before_anything_is_allocated(jax_devices, tmp_path):
+    """A typo in a size used to reach numpy (16 PiB) or XLA (std::bad_alloc) as a crash."""
+    line = _refused(tmp_path, TP_MLP.replace("F = 512", "F = 4398046511104"))
+    assert "GiB per device" in line and "--compile-only compiles it anyway" in line
+    # a sweep is checked point by point before its first point runs
+    line = _refused(tmp_path, SWEEP.replace("N = [1024, 4096, 16384]", "N = [1024, 1099511627776]"))
+    assert "point N1099511627776" in line and "GiB per device" in line
+
+
+def test_a_plan_the_estimator_refuses_is_refused_by_run(jax_devices, tmp_path):
+    """run used to carry on with a note (and without the memory check the estimate gives)."""
+    train = (Path(__file__).resolve().parent.parent / "experiments" / "train_fsdp_tp.toml").read_text()
+    line = _refused(tmp_path, train.replace('remat = "none"', 'remat = "none"\nmicrobatch = 3'))
+    assert "the estimator cannot price this Plan" in line and "microbatch" in line
+
+
+def test_the_compiled_programs_memory_is_checked_against_the_host(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from lab.core.hardware import get_chip
+    from lab.run import point
+
+    stats = SimpleNamespace(
+        argument_size_in_bytes=3 * 2**30, output_size_in_bytes=2**30, temp_size_in_bytes=0, alias_size_in_bytes=0
+    )
+    compiled = SimpleNamespace(memory_analysis=lambda: stats)
+    plan = SimpleNamespace(name="exp")
+    monkeypatch.setattr(point, "host_bytes_per_device", lambda: 2 * 2**30)
+    with pytest.raises(UserError, match=r"needs 4 GiB per device .* this host has 2 GiB"):
+        point._check_compiled_memory(plan, compiled, get_chip("h100"), compile_only=False)
+    point._check_compiled_memory(plan, compiled, get_chip("h100"), compile_only=True)  # a warning only
+    assert "shardlab: warning: exp: the compiled program needs 4 GiB" in capsys.readouterr().err
+    monkeypatch.setattr(point, "host_bytes_per_device", lambda: None)  # on an accelerator: the chip's 80 GB
+    point._check_compiled_memory(plan, compiled, get_chip("h100"), compile_only=False)

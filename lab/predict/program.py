@@ -288,11 +288,16 @@ def _kernel(plan: Plan, chip: Chip) -> ProgramEstimate:
         v = {"all-gather": n * g, "reduce-scatter": n, "all-reduce": n, "all-to-all": n * g, "permute": n}[kind] * b
         if g > 1:
             ops.append(_collective_op(kind, ax, v, dtype, chip, plan, f"{kind} over {','.join(ax)}"))
-        return ProgramEstimate(plan.program, chip.name, sum(o.time_s for o in ops), tuple(ops), "collective model", 0.0)
+        held = {"total": 2.0 * v, "hbm_bytes": chip.hbm_bytes}  # the buffer in and the buffer out, at most V each
+        return ProgramEstimate(
+            plan.program, chip.name, sum(o.time_s for o in ops), tuple(ops), "collective model", 0.0, held
+        )
     parts = [p.strip() for p in (spec.notation or "").split(";")]
     ring = spec.name.startswith("collective_matmul_")
+    local_bytes = []
     for i, part in enumerate(parts):
         mp = plan_sharded_matmul(part, sizes, mesh, chip, dtype)
+        local_bytes.append(mp.local.bytes)
         scope = BLOCK_SCOPES[i] if spec.family == "block" else None
         ops.append(OpEstimate(scope or "matmul", "matmul", mp.compute_s, mp.local.flops, mp.local.bytes, scope=scope))
         if ring:  # the AllGather or ReduceScatter becomes Y-1 ring steps of one chunk each, overlapped
@@ -314,7 +319,8 @@ def _kernel(plan: Plan, chip: Chip) -> ProgramEstimate:
     comm = sum(o.time_s for o in ops if o.is_collective)
     step = max(compute, comm) if ring else compute + comm  # the ring kernels overlap each step with a matmul
     flops = sum(o.flops for o in ops)
-    return ProgramEstimate(plan.program, chip.name, step, tuple(ops), "sharded-matmul engine", flops)
+    held = {"total": max(local_bytes), "hbm_bytes": chip.hbm_bytes}  # operands after their gathers, and the result
+    return ProgramEstimate(plan.program, chip.name, step, tuple(ops), "sharded-matmul engine", flops, held)
 
 
 def estimate_program(plan: Plan, chip: Chip) -> ProgramEstimate:

@@ -29,7 +29,7 @@ from lab.run import distributed as dist
 from lab.run import store
 from lab.run.environment import Progress, ensure_devices, environment, require_devices, resolve_hardware
 from lab.run.experiment import WARMUP, Experiment, load_experiment
-from lab.run.point import LARGE_BYTES, estimate_or_refuse, run_point
+from lab.run.point import LARGE_BYTES, estimate_or_refuse, host_bytes_per_device, run_point
 from lab.run.store import plain_name
 
 
@@ -98,12 +98,12 @@ def run_experiment(
     base = Path(out)
     if resume:
         _check_resumable(base, name, path, bool(exp.sweep))
-    store.check_out(base)
     if devices is not None and devices < exp.devices:
         raise UserError(
             f"--devices {devices} is fewer than the {exp.devices} devices of the mesh {exp.mesh}; "
             f"give --devices {exp.devices} or more, or leave it out"
         )
+    store.check_out(base)  # before JAX starts or the host is calibrated
     cluster = dist.detect(explicit=distributed)
     if cluster is not None and resume:
         raise UserError("--resume continues a run of one process; run the processes again without it")
@@ -117,8 +117,12 @@ def run_experiment(
     chip = resolve_hardware(
         exp.plan.hardware, env["backend"], env["device_kind"], hardware_file, progress, exp.mesh, cluster is None
     )
-    for _, plan in points:  # a Plan that does not fit is refused before anything compiles
-        estimate_or_refuse(plan, chip, compile_only)
+    host = host_bytes_per_device()
+    for label, plan in points:  # a Plan that does not fit is refused before anything compiles
+        try:
+            estimate_or_refuse(plan, chip, compile_only, host_bytes=host)
+        except UserError as exc:
+            raise UserError(f"{exp.path}: point {label}: {exc}" if label else str(exc)) from None
     import jax
 
     ctx = _Context(exp, path, chip, env, progress, compile_only, jax.process_index(), jax.process_count())

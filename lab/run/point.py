@@ -34,36 +34,88 @@ from lab.run.experiment import Experiment
 LARGE_BYTES = 1_000_000  # the "ops of at least 1 MB" the acceptance criteria talk about
 
 
-def estimate_or_refuse(plan: Plan, chip: Chip, compile_only: bool) -> tuple[ProgramEstimate | None, str | None]:
-    """The Plan's estimate, or a note saying why there is none; a Plan that does not fit is refused here, before
-    anything compiles (a warning under ``--compile-only``)."""
+def estimate_or_refuse(
+    plan: Plan, chip: Chip, compile_only: bool, *, say: bool = True, host_bytes: float | None = None
+) -> tuple[ProgramEstimate | None, str | None]:
+    """The Plan's estimate; a Plan the estimator refuses, or one that does not fit the chip (or ``host_bytes``
+    per device, the host memory emulated devices share), is refused here, before anything compiles. Under
+    ``--compile-only`` both become a note or a warning (``say``: print it)."""
     try:
         est = estimate_program(plan, chip)
     except UserError as exc:
+        if not compile_only:
+            raise UserError(
+                f"{plan.name}: the estimator cannot price this Plan: {exc} (--compile-only compiles it anyway)"
+            ) from None
         return None, f"no estimate: {exc}"
     warning = memory_warning(plan, est, chip)
+    if not warning and est.memory and host_bytes is not None and est.memory["total"] > host_bytes:
+        warning = (
+            f"{plan.name}: the estimator puts {est.memory['total'] / 2**30:.3g} GiB per device and this host has "
+            f"{host_bytes / 2**30:.3g} GiB for each emulated device; shrink the sizes or shard more"
+        )
     if warning and not compile_only:
         raise UserError(warning + " (--compile-only compiles it anyway)")
-    if warning:
+    if warning and say:
         print(f"shardlab: warning: {warning}", file=sys.stderr)
     return est, None
 
 
-def _compile_and_audit(plan: Plan, est: ProgramEstimate | None, env: dict[str, Any], progress, clock: _Clock):
-    """Build the program (and place its inputs), compile it once from abstract arguments, audit the HLO against
-    the estimate."""
+def _compile_and_audit(
+    plan: Plan, est: ProgramEstimate | None, chip: Chip, env: dict[str, Any], progress, clock: _Clock, compile_only
+):
+    """Build the program, compile it once from abstract arguments, check that the compiler's memory per device
+    fits the chip (before a byte is allocated), and audit the HLO against the estimate."""
     from kernels.registry import build
     from lab.compile.audit import audit_compiled
 
     progress(f"{plan.name} {dict(plan.sizes)}: building {plan.program} on mesh {plan.shape}")
     built = build(plan)
-    built.args  # noqa: B018  (placed now, so that build_s holds it and profile_s only the profile)
     clock.lap("build_s")
     progress("compiling (abstract arguments) and auditing against the estimate")
     compiled = built.fn.lower(*built.abstract).compile()
+    _check_compiled_memory(plan, compiled, chip, compile_only)
     if est is None:
         return built, compiled, {"all_match": None, "note": "no estimate of this Plan: ledger only"}
     return built, compiled, audit_compiled(plan, compiled, est, env["backend"]).to_dict()
+
+
+def _check_compiled_memory(plan: Plan, compiled, chip: Chip, compile_only: bool) -> None:
+    """What XLA says one device holds (arguments, outputs and temporaries) against the chip's memory: refused,
+    or a warning under ``--compile-only``, so that a typo in a size is an error and not an allocation."""
+    try:
+        m = compiled.memory_analysis()
+        need = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    except (AttributeError, TypeError, NotImplementedError):  # a backend without the analysis
+        return
+    limit, what = chip.hbm_bytes, f"{chip.name} has"
+    host = host_bytes_per_device()
+    if host is not None and host < limit:  # emulated devices share the host's memory, whatever chip prices them
+        limit, what = host, "this host has"
+    if need <= limit:
+        return
+    message = (
+        f"{plan.name}: the compiled program needs {need / 2**30:.3g} GiB per device (XLA's memory analysis) and "
+        f"{what} {limit / 2**30:.3g} GiB; shrink the sizes or shard more"
+    )
+    if not compile_only:
+        raise UserError(message + " (--compile-only compiles it anyway)")
+    print(f"shardlab: warning: {message}", file=sys.stderr)
+
+
+def host_bytes_per_device() -> float | None:
+    """On emulated CPU devices, the host's memory divided between them; None on an accelerator."""
+    import os
+
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return None
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return total / max(1, jax.local_device_count())
 
 
 def _summary(rows: list[dict[str, Any]], warmup: int, repeats: int) -> dict[str, Any]:
@@ -171,8 +223,8 @@ def run_point(
 
     final_dir = final_dir or out_dir
     clock = _Clock()
-    est, note = estimate_or_refuse(plan, chip, compile_only)
-    built, compiled, audit = _compile_and_audit(plan, est, env, progress, clock)
+    est, note = estimate_or_refuse(plan, chip, compile_only, say=False)  # said once, before the first point
+    built, compiled, audit = _compile_and_audit(plan, est, chip, env, progress, clock, compile_only)
     hlo_text = compiled.as_text()
     rank = dist.rank()
     if rank == 0:
@@ -181,6 +233,8 @@ def run_point(
     clock.lap("compile_s")
     m = _Measured()
     if not compile_only:
+        built.args  # noqa: B018  (placed now: after the memory check, and outside the profile's time)
+        clock.lap("build_s")
         m = _measure(exp, built, compiled, out_dir, {p.name for p in ops_pred}, progress, clock)
     processes: dict[str, Any] = {}
     if dist.process_count() > 1:  # every process's step times; the ledger of the slowest
@@ -282,4 +336,4 @@ def _run_id(point_dir: Path) -> str:
     return point_dir.name if point_dir.parent.name != "points" else f"{point_dir.parent.parent.name}/{point_dir.name}"
 
 
-__all__ = ["LARGE_BYTES", "estimate_or_refuse", "run_point"]
+__all__ = ["LARGE_BYTES", "estimate_or_refuse", "host_bytes_per_device", "run_point"]

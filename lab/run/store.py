@@ -40,16 +40,20 @@ def plain_name(name: str, flag: str = "--run-id") -> str:
 
 
 def check_out(base: Path) -> None:
-    """``--out`` is a folder this process can write runs into (created if missing), or a one-line error: checked
-    before JAX starts or the host is calibrated, not after."""
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-        probe = base / f".probe.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        probe.mkdir()
-        probe.rmdir()
-    except OSError as exc:
-        why = "it is a file" if base.exists() and not base.is_dir() else exc.strerror
-        raise UserError(f"--out {str(base)!r}: cannot write runs there ({why}); pass --out DIR") from None
+    """``--out`` is, or can be made, a folder this process writes runs into; a one-line error otherwise. Checked
+    before JAX starts or the host is calibrated, and nothing is created here (a refused run leaves no folder)."""
+    probe = base
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe == base and not base.is_dir():
+        why = "it is a file"
+    elif not probe.is_dir():
+        why = f"{str(probe)!r} is a file"
+    elif not os.access(probe, os.W_OK | os.X_OK):
+        why = f"{str(probe)!r} is not writable"
+    else:
+        return
+    raise UserError(f"--out {str(base)!r}: cannot write runs there ({why}); pass --out DIR")
 
 
 def write_atomic(path: Path, text: str) -> None:
