@@ -284,3 +284,48 @@ def test_a_command_imports_only_its_own_group():
     assert r.stderr.strip().splitlines()[-1] == str(
         ["lab.cli.analytic", "lab.cli.args", "lab.cli.commands", "lab.cli.main"]
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        (["calibrate", "--hardware-file", "x.toml"], {}, "calibrate measures this host and reads no chip file"),
+        (["calibrate", "--out", "c.txt"], {}, "the spec is written as JSON; give a path ending in .json"),
+        (["calibrate", "--mesh", "X=100000"], {}, "calibrate emulates at most 4096 (try X=2,Y=4)"),
+        (["demo", "--analytic-only", "--out", "x"], {}, "--analytic-only runs nothing; drop one of them"),
+        (["run", "experiments/tp_mlp.toml", "--devices", "100000"], {}, "at most 4096 host devices can be emulated"),
+        (["run", "experiments/tp_mlp.toml", "--run-id", ""], {}, "argument --run-id: the value is empty"),
+        (["run", "experiments/tp_mlp.toml", "--hardware", ""], {}, "argument --hardware: the value is empty"),
+        (["launch", "--local-processes", "2", "--port", "1", "experiments/multiprocess_dp_tp.toml"], {}, "--port 1 is"),
+        (
+            ["run", "experiments/tp_mlp.toml"],
+            {"SHARDLAB_COORDINATOR": "127.0.0.1:5", "SHARDLAB_NUM_PROCESSES": "2", "SHARDLAB_PROCESS_ID": "5"},
+            "SHARDLAB_PROCESS_ID=5 is not a rank of 2 processes",
+        ),
+        (
+            ["run", "experiments/tp_mlp.toml"],
+            {
+                "SHARDLAB_COORDINATOR": "127.0.0.1:5",
+                "SHARDLAB_NUM_PROCESSES": "2",
+                "SHARDLAB_PROCESS_ID": "0",
+                "SHARDLAB_LOCAL_DEVICES": "abc",
+            },
+            "SHARDLAB_LOCAL_DEVICES='abc' must be a whole number",
+        ),
+    ],
+)
+def test_run_side_mistakes_found_by_the_sweep_are_one_line(argv, env, expected, monkeypatch, capsys, tmp_path):
+    """Cases a bad-input sweep of the JAX commands found accepted silently or refused with the wrong advice."""
+    from lab.cli.main import main
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    root = __import__("pathlib").Path(__file__).resolve().parent.parent
+    monkeypatch.chdir(root)
+    try:
+        code = main([*argv, "--out", str(tmp_path / "o")] if argv[0] == "run" else argv)
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    assert code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert expected in line and not (tmp_path / "o").exists(), line

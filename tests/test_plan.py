@@ -176,11 +176,53 @@ def test_kernel_plans_get_the_axes_their_kernels_look_up():
         (("[rules]", '[run]\nwarmup = "ten"\n[rules]'), r"\[run\]\.warmup = 'ten' must be a non-negative integer"),
         (("[rules]", "[run]\nrepeats = 9223372036854775807\n[rules]"), r"\[run\]\.repeats = .* at most 10000"),
         (("data = 2", "data = 4611686018427387904"), r"\[mesh\]\.data = .* more devices than any machine has"),
+        (("[rules]", '[options]\npp_schedule = "gpipe"\n[rules]'), r'pp_schedule = "gpipe" .* no mesh axis on layers'),
+        (("[rules]", '[options]\nparam_dtype = "fp8"\n[rules]'), r"param_dtype 'fp8' is not one of float32, bfloat16"),
+        (('dtype = "float32"', 'dtype = "float32"\naxes = ["data"]'), r"only the collective programs take axes"),
     ],
 )
 def test_bad_plans_name_the_file_line_and_what_is_valid(tmp_path, edit, match):
     with pytest.raises(UserError, match=match):
         load_experiment(_file(tmp_path, TRAIN.replace(*edit)))
+
+
+KERNEL = """[experiment]
+program = "tp_mlp"
+[mesh]
+X = 2
+Y = 4
+[sizes]
+B = 64
+D = 128
+F = 512
+"""
+SWEEP = """[experiment]
+program = "collective_all_reduce"
+axes = ["X"]
+[mesh]
+X = 2
+Y = 4
+[sizes]
+N = 1024
+[sweep]
+N = [1024, 2048]
+"""
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        # were run silently: unsharded on a misnamed mesh, options ignored, an indivisible size found only by JAX
+        (KERNEL.replace("X = 2\nY = 4", "A = 2\nB = 4"), r"mesh axis 'A': tp_mlp shards over X, Y, and the mesh names"),
+        (KERNEL + '[options]\nremat = "full"\n', r"\[options\] configure the Transformer's train_step and decode"),
+        (KERNEL.replace("B = 64", "B = 63"), r"dim B=63 does not divide over X \(2 shards\)"),
+        (SWEEP + "[run.sweep]\nN = [7]\n", r"\[run\]\.sweep and \[sweep\] both sweep sizes"),
+        (SWEEP.replace("N = [1024, 2048]", "N = [1024, 1024]"), r"\[sweep\]\.N lists 1024 twice"),
+    ],
+)
+def test_kernel_experiments_refuse_what_they_would_ignore(tmp_path, body, match):
+    with pytest.raises(UserError, match=match):
+        load_experiment(_file(tmp_path, body))
 
 
 def test_a_bad_plan_is_refused_before_jax_starts(tmp_path):

@@ -107,6 +107,21 @@ def in_path(what: str):
     return conv
 
 
+def text_arg(what: str, example: str):
+    """``type=`` of a non-empty name (an empty one would read as "not given" and be ignored)."""
+
+    def conv(s: str) -> str:
+        if not s.strip():
+            raise argparse.ArgumentTypeError(f"the value is empty; give {example}")
+        if "\0" in s:
+            raise argparse.ArgumentTypeError(f"{s!r} contains a NUL byte; give {example}")
+        return s
+
+    conv.__name__ = what
+    conv.kind = "text"
+    return conv
+
+
 def scale_arg(s: str) -> str:
     """``type=`` of ``--scale``: checked at once (:func:`lab.core.hardware.parse_scale`), kept as its text."""
     try:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lab.cli.args import positive_int
+from lab.cli.args import in_path, positive_int, text_arg
 from lab.cli.commands import help_of
 from lab.core.errors import UserError
 
@@ -127,8 +127,12 @@ def cmd_launch(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     args.run_parser.parse_args([args.experiment, *run_args])  # a bad run option: refused here, not N times
     if "--resume" in run_args:
         raise UserError("--resume continues a run of one process; launch the processes again without it")
-    if args.port is not None and args.port > 65535:
-        raise UserError(f"--port {args.port} is not a TCP port; give one from 1024 to 65535, or leave it out")
+    if args.port is not None and not 1024 <= args.port <= 65535:
+        raise UserError(
+            f"--port {args.port} is not a port launch can use; give one from 1024 to 65535, or leave it out"
+        )
+    if args.hardware_file:  # given before the experiment, it belongs to the processes' runs
+        run_args = ["--hardware-file", args.hardware_file, *run_args]
     done = launch(args.local_processes, args.experiment, run_args, port=args.port, json_out=json_out)
     if done.code:
         args._exit_code = done.code
@@ -148,10 +152,20 @@ def cmd_calibrate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from lab.core.notation import parse_mesh
     from lab.run.environment import Progress, ensure_devices
 
+    if args.hardware_file:
+        raise UserError("calibrate measures this host and reads no chip file; drop --hardware-file")
+    if args.out is not None and Path(args.out).suffix.lower() != ".json":
+        raise UserError(f"--out {args.out!r}: the spec is written as JSON; give a path ending in .json")
     mesh = parse_mesh(args.mesh)
     n = 1
     for v in mesh.values():
         n *= v
+    from lab.run.environment import MAX_EMULATED
+
+    if n > MAX_EMULATED:
+        raise UserError(
+            f"--mesh {args.mesh} needs {n} devices; calibrate emulates at most {MAX_EMULATED} (try X=2,Y=4)"
+        )
     ensure_devices(n)
     import jax
 
@@ -178,13 +192,15 @@ def cmd_demo(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from lab.run.environment import ensure_devices
 
     ensure_devices(8)  # before the placement check starts JAX: the demo's mesh, however shardlab was started
+    if args.analytic_only and args.out is not None:
+        raise UserError("--out names where the run goes, and --analytic-only runs nothing; drop one of them")
     report = run_demo(hardware=args.hardware, hardware_file=args.hardware_file)
     if args.analytic_only:
         return report.data, report.text
     from lab.run.pipeline import run_experiment
 
     experiment = EXPERIMENTS / "tp_mlp.toml"
-    result = run_experiment(str(experiment), args.out, quiet=args.json, hardware_file=args.hardware_file)
+    result = run_experiment(str(experiment), args.out or "runs", quiet=args.json, hardware_file=args.hardware_file)
     shown = experiment.relative_to(Path.cwd()) if experiment.is_relative_to(Path.cwd()) else experiment
     head = f"\n\n5. The main job on the emulated mesh: shardlab run {shown}\n"
     data = report.data | {"run": result.report | {"run_dir": str(result.run_dir)}}
@@ -196,10 +212,21 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     r = sub.add_parser("run", parents=[common], help=help_of("run"))
     r.add_argument("experiment", metavar="EXPERIMENT", help="an experiments/*.toml file")
     r.add_argument("--devices", type=positive_int("--devices"), help="emulated host devices (CPU; default: the mesh's)")
-    r.add_argument("--out", default="runs", help="parent folder of the run directory (default runs/)")
-    r.add_argument("--run-id", help="name of the run directory (default: the experiment's name, or with a timestamp)")
+    r.add_argument(
+        "--out", default="runs", type=in_path("--out"), help="parent folder of the run directory (default runs/)"
+    )
+    r.add_argument(
+        "--run-id",
+        type=text_arg("--run-id", "a plain name such as my-run"),
+        help="name of the run directory (default: the experiment's name, or with a timestamp)",
+    )
     r.add_argument("--resume", action="store_true", help="continue an interrupted sweep in the same run directory")
-    r.add_argument("--hardware", metavar="NAME", help="price with this catalog chip instead of the calibration")
+    r.add_argument(
+        "--hardware",
+        metavar="NAME",
+        type=text_arg("--hardware", "a catalog name (shardlab hardware list)"),
+        help="price with this catalog chip instead of the calibration",
+    )
     r.add_argument(
         "--compile-only",
         action="store_true",
@@ -228,7 +255,12 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     la.set_defaults(func=cmd_launch, run_parser=r)
 
     c = sub.add_parser("calibrate", parents=[common], help=help_of("calibrate"))
-    c.add_argument("--out", metavar="PATH", help="where to write the spec (default specs/<backend>.json)")
+    c.add_argument(
+        "--out",
+        metavar="PATH",
+        type=in_path("--out"),
+        help="where to write the spec, a .json file (default specs/cpu.json)",
+    )
     c.add_argument("--mesh", default="X=2,Y=4", help="mesh for the collective fits (default X=2,Y=4)")
     c.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about 15 s)")
     c.add_argument(
@@ -240,7 +272,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     d = sub.add_parser("demo", parents=[common], help=help_of("demo"))
     d.add_argument("--hardware", default="tpu-v5e", metavar="NAME", help="target chip to predict for")
     d.add_argument("--analytic-only", action="store_true", help="skip the run (compile, profile, ledger)")
-    d.add_argument("--out", default="runs", help="parent folder of the run directory (default runs/)")
+    d.add_argument("--out", type=in_path("--out"), help="parent folder of the run directory (default runs/)")
     d.set_defaults(func=cmd_demo)
 
 

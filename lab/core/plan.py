@@ -180,6 +180,8 @@ class Plan:
             raise UserError(f"{spec.name}: unknown size {extra[0]!r}; its sizes are {', '.join(spec.dims)}")
         if self.dtype not in COMPUTE_DTYPES and executable:
             raise UserError(f"dtype {self.dtype!r} is not one of float32, bfloat16")
+        if self.param_dtype not in ("fp32", "bf16"):
+            raise UserError(f"param_dtype {self.param_dtype!r} is not one of float32, bfloat16 (the weights' dtype)")
         if self.remat not in REMAT:
             raise UserError(f"remat {self.remat!r} is not one of {', '.join(REMAT)}")
         if self.optimizer not in OPTIMIZERS:
@@ -188,10 +190,41 @@ class Plan:
             for a in self.axes:
                 if a not in self.shape:
                     raise UserError(f"axes names {a!r}, which is not a mesh axis ({', '.join(self.shape)})")
+        if self.axes and spec.family != "collective":
+            raise UserError(
+                f"axes = {list(self.axes)!r}: only the collective programs take axes; {spec.name} is placed "
+                "by " + ("its rules" if spec.needs_model else "its notation")
+            )
         if spec.needs_model:
             self._validate_transformer(executable)
-        elif self.rules is not None and self.rules.mesh_axes():
+            return
+        if self.rules is not None and self.rules.mesh_axes():
             raise UserError(f"{spec.name} is placed by its notation; sharding rules apply to train_step and decode")
+        self._validate_kernel()
+
+    def _validate_kernel(self) -> None:
+        """A kernel's mesh names only axes it uses, its options are the defaults (they configure the Transformer),
+        and every sharded dim of its notation divides over its axes."""
+        spec = self.spec
+        if spec.mesh_axes is not None:  # other axes replicate it; but naming none of its own is a misnamed mesh
+            unused = [a.name for a in self.mesh if a.name not in spec.mesh_axes and a.size > 1]
+            if unused and all(self.shape.get(a, 1) == 1 for a in spec.mesh_axes):
+                raise UserError(
+                    f"mesh axis {unused[0]!r}: {spec.name} shards over {', '.join(spec.mesh_axes)}, and the mesh "
+                    "names none of them (it would run unsharded); name the axes so, e.g. X = 2, Y = 4"
+                )
+        if self.remat != "none" or self.optimizer != "adam" or self.options != Options() or self.param_dtype != "fp32":
+            raise UserError(
+                f"[options] configure the Transformer's train_step and decode; {spec.name} takes none (remove them)"
+            )
+        if spec.notation:
+            from lab.core.notation import parse_matmul
+
+            for part in spec.notation.split(";"):
+                e = parse_matmul(part.strip())
+                for arr in (e.lhs, e.rhs, e.out):
+                    if arr is not None:
+                        arr.check(self.shape, self.sizes)
 
     def _validate_transformer(self, executable: bool) -> None:
         m, rules = self.model, self.rules
@@ -200,6 +233,11 @@ class Plan:
         if rules is None:
             raise UserError(f'{self.program} needs sharding rules: [rules] preset = "fsdp_tp" (or per-dim axes)')
         rules.check_mesh(self.shape, "[rules]")
+        if self.options.pp_schedule != "1f1b" and self.degrees()["pp"] == 1:
+            raise UserError(
+                f'pp_schedule = "{self.options.pp_schedule}" schedules pipeline stages, and the rules put no mesh axis '
+                'on layers; add layers = "<axis>" to [rules], or leave pp_schedule out'
+            )
         if not executable:
             return
         for dim in NOT_EXECUTED:

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.core.errors import UserError
-from lab.core.hardware import Catalog, Chip, specs_dir
+from lab.core.hardware import SPECS_DIR_ENV, Catalog, Chip, specs_dir
 from lab.core.table import render
 from lab.measure import fit
 from lab.measure import microbench as mb
@@ -592,17 +592,22 @@ def _spec_path(path: str | os.PathLike | None) -> Path:
 
 
 def check_writable(path: str | os.PathLike | None = None) -> Path:
-    """The spec's path, once its folder exists and takes a file (a UserError naming the path otherwise)."""
+    """The spec's path, if a file can be written there (its folder existing or creatable); nothing is created.
+
+    Raises:
+        UserError: naming the path, and the setting it came from (``--out``, or ``$SHARDLAB_SPECS_DIR``).
+    """
     p = _spec_path(path)
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        probe = p.parent / f".{p.name}.probe"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise UserError(f"cannot write the spec to {str(p)!r}: {exc.strerror}; pass --out PATH") from None
+    where = "pass --out PATH" if path is not None else f"set {SPECS_DIR_ENV} to a folder (or unset it for ./specs)"
     if p.is_dir():
-        raise UserError(f"--out {str(p)!r} is a folder; give a file path such as specs/cpu.json")
+        raise UserError(f"cannot write the spec to {str(p)!r}: it is a folder; {where}")
+    probe = p.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"cannot write the spec to {str(p)!r}: {str(probe)!r} is a file; {where}")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write the spec to {str(p)!r}: {str(probe)!r} is not writable; {where}")
     return p
 
 
@@ -610,6 +615,7 @@ def write_spec(cal: Calibration, path: str | os.PathLike | None = None) -> Path:
     """Write the calibrated chip in the hardware-file format (default ``specs_dir()/cpu.json``), atomically: a
     reader sees the old spec or the new one, never half of one."""
     p = check_writable(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.parent / f".{p.name}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(cal.chip.fields(), indent=2, allow_nan=False) + "\n")
     os.replace(tmp, p)

@@ -54,19 +54,15 @@ def detect(explicit: bool = False) -> Cluster | None:
     """
     env = os.environ
     if COORDINATOR in env:
-        try:
-            return Cluster(
-                env[COORDINATOR],
-                int(env[NUM_PROCESSES]),
-                int(env[PROCESS_ID]),
-                int(env[LOCAL_DEVICES]) if env.get(LOCAL_DEVICES) else None,
-                "shardlab launch",
-            )
-        except (KeyError, ValueError):
+        n = _int_var(NUM_PROCESSES, minimum=1)
+        rank = _int_var(PROCESS_ID, minimum=0)
+        if rank >= n:
             raise UserError(
-                f"{COORDINATOR} is set but {NUM_PROCESSES} and {PROCESS_ID} are not both integers; start the "
-                "processes with `shardlab launch`, or unset it"
-            ) from None
+                f"{PROCESS_ID}={rank} is not a rank of {n} processes ({NUM_PROCESSES}); give 0 to {n - 1}, one per "
+                "process"
+            )
+        local = _int_var(LOCAL_DEVICES, minimum=1) if env.get(LOCAL_DEVICES) else None
+        return Cluster(env[COORDINATOR], n, rank, local, "shardlab launch")
     for var, source in (("SLURM_NTASKS", "SLURM"), ("OMPI_COMM_WORLD_SIZE", "Open MPI")):
         if env.get(var, "").isdigit() and int(env[var]) > 1:
             return Cluster(source=source)
@@ -82,6 +78,17 @@ def join_timeout() -> int:
         return TIMEOUT_S
     if not raw.isdigit() or not 1 <= int(raw) <= 3600:
         raise UserError(f"{TIMEOUT_ENV}={raw!r} must be a whole number of seconds from 1 to 3600, e.g. 60")
+    return int(raw)
+
+
+def _int_var(name: str, minimum: int) -> int:
+    """An integer launch variable, or one line naming it (set with the coordinator by `shardlab launch`)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw.isdigit() or int(raw) < minimum:
+        raise UserError(
+            f"{name}={raw!r} must be a whole number of at least {minimum} (it goes with {COORDINATOR}); start the "
+            "processes with `shardlab launch`, or fix it"
+        )
     return int(raw)
 
 
@@ -188,6 +195,7 @@ def _check_coordinator(cluster: Cluster, timeout_s: int) -> None:
     address = (host.strip("[]"), int(port))
     if cluster.process_id == 0:
         with socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to serve again
             try:
                 s.bind(address)
             except OSError as exc:

@@ -83,8 +83,10 @@ def resolve_hardware(
                 f"no calibration for this host in {spec}; calibrate it once, alone (`shardlab calibrate --quick`; "
                 "`shardlab launch` does it for you), or price with a catalog chip (--hardware NAME)"
             )
+        from lab.measure.calibrate import calibrate, check_writable, write_spec
+
+        check_writable()  # before the calibration, not after it
         progress(f"no calibration for this host in {spec}: calibrating first (quick)")
-        from lab.measure.calibrate import calibrate, write_spec
 
         cal = calibrate(mesh, quick=True, progress=progress, force=True)  # marked, with a warning, if the host is busy
         path = write_spec(cal)
@@ -166,9 +168,15 @@ def require_devices(mesh: dict[str, int]) -> None:
     for v in mesh.values():
         need *= v
     if jax.device_count() < need:
+        shown = ",".join(f"{k}={v}" for k, v in mesh.items())
+        if jax.default_backend() == "cpu" and need > MAX_EMULATED:
+            raise UserError(
+                f"mesh {shown} needs {need} devices, more than the {MAX_EMULATED} a host can emulate; run it on that "
+                "many accelerators, or give a smaller mesh"
+            )
         raise UserError(
-            f"mesh {','.join(f'{k}={v}' for k, v in mesh.items())} needs {need} devices but "
-            f"{jax.device_count()} are available; on a host set XLA_FLAGS=--xla_force_host_platform_device_count={need}"
+            f"mesh {shown} needs {need} devices but {jax.device_count()} are available; on a host set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={need}"
         )
 
 

@@ -248,12 +248,18 @@ def _model(r: _Reader, exp: dict[str, Any]) -> ModelConfig | None:
 
 def _sweep(r: _Reader, sizes: dict[str, int]) -> dict[str, tuple[int, ...]]:
     legacy = r.doc.get("run", {}).get("sweep") if isinstance(r.doc.get("run"), dict) else None
+    if "sweep" in r.doc and legacy is not None:
+        raise r.error("run", "sweep", "and [sweep] both sweep sizes; keep one table ([sweep])")
     raw, section = (r.doc.get("sweep"), "sweep") if "sweep" in r.doc else (legacy or {}, "run.sweep")
     for k in raw if isinstance(raw, dict) else ():
         if k not in sizes:
             raise r.error(section, k, f"sweeps a size the experiment does not have ({', '.join(sizes)})")
     fields = {k: Field("ints+", f"values of {k}") for k in sizes}
     table = read_table(raw, fields, section, r.where(section))
+    for k, values in table.items():
+        twice = sorted({v for v in values if list(values).count(v) > 1})
+        if twice:
+            raise r.error(section, k, f"lists {twice[0]} twice; each point runs once, give each value once")
     return {k: tuple(v) for k, v in table.items()}
 
 

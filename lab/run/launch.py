@@ -39,6 +39,7 @@ FORCED = re.compile(r"--xla_force_host_platform_device_count=\S+")
 def free_port(port: int | None) -> int:
     """``port`` when it can be bound on loopback (else a clear error), or a free one the system picks."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is free; a listener is not
         try:
             s.bind(("127.0.0.1", port or 0))
         except OSError as exc:
@@ -222,6 +223,9 @@ def _calibrate_once(exp, run_args: Sequence[str], write: Callable[[str], None]) 
         return
     if default_catalog().get("cpu").calibrated:
         return
+    from lab.measure.calibrate import check_writable
+
+    check_writable()  # a spec folder that cannot take the spec: said now, by name, not after the calibration
     write("shardlab launch: no calibration for this host yet: calibrating it first, alone (quick)\n")
     done = subprocess.run(
         [sys.executable, "-m", "lab", "calibrate", "--quick", "--force"],

@@ -27,7 +27,7 @@ from lab.core.hardware import Chip
 from lab.core.table import dumps
 from lab.run import distributed as dist
 from lab.run import store
-from lab.run.environment import Progress, ensure_devices, environment, require_devices, resolve_hardware
+from lab.run.environment import MAX_EMULATED, Progress, ensure_devices, environment, require_devices, resolve_hardware
 from lab.run.experiment import WARMUP, Experiment, load_experiment
 from lab.run.point import LARGE_BYTES, estimate_or_refuse, host_bytes_per_device, run_point
 from lab.run.store import plain_name
@@ -98,6 +98,10 @@ def run_experiment(
     base = Path(out)
     if resume:
         _check_resumable(base, name, path, bool(exp.sweep))
+    if devices is not None and devices > MAX_EMULATED:
+        raise UserError(
+            f"--devices {devices}: at most {MAX_EMULATED} host devices can be emulated; give a smaller mesh"
+        )
     if devices is not None and devices < exp.devices:
         raise UserError(
             f"--devices {devices} is fewer than the {exp.devices} devices of the mesh {exp.mesh}; "
