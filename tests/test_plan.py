@@ -218,6 +218,15 @@ N = [1024, 2048]
         (KERNEL.replace("B = 64", "B = 63"), r"dim B=63 does not divide over X \(2 shards\)"),
         (SWEEP + "[run.sweep]\nN = [7]\n", r"\[run\]\.sweep and \[sweep\] both sweep sizes"),
         (SWEEP.replace("N = [1024, 2048]", "N = [1024, 1024]"), r"\[sweep\]\.N lists 1024 twice"),
+        (SWEEP.replace('axes = ["X"]', "axes = []"), r"exp.toml:\d+: \[experiment\]\.axes = \[\] names no mesh axis"),
+        (
+            TRAIN.replace('program = "train_step"', 'program = "train_step"\nmodel = "gpt9"'),
+            r"exp.toml:4: unknown model",
+        ),
+        (
+            TRAIN.replace('preset = "fsdp_tp"', 'preset = "fsdp_tp"\nheads = ["model", "model"]'),
+            r"exp.toml:\d+: sharding",
+        ),
     ],
 )
 def test_kernel_experiments_refuse_what_they_would_ignore(tmp_path, body, match):

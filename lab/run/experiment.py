@@ -277,6 +277,8 @@ def load_experiment(path: str | Path) -> Experiment:
     rules_table = r.table("rules", RULES)
     preset = rules_table.pop("preset", run.get("rules"))
     mesh = _mesh(r)
+    if "axes" in exp and not exp["axes"]:
+        raise r.error("experiment", "axes", "= [] names no mesh axis; name one or more, or leave axes out (all axes)")
     for a in exp.get("axes") or ():
         if a not in {m.name for m in mesh}:
             raise r.error(
@@ -290,7 +292,10 @@ def load_experiment(path: str | Path) -> Experiment:
     except UserError as exc:
         raise r.error("experiment", "program" if "program" in exp else "kernel", str(exc)) from None
     sizes = _sizes(r, spec.dims, spec.name)
-    model = _model(r, exp)
+    try:
+        model = _model(r, exp)
+    except UserError as exc:
+        raise UserError(f"{r.where('experiment')('model')}: {exc}") from None
     shape = complete_mesh(spec, {a.name: a.size for a in mesh})
     mesh = mesh + tuple(MeshAxis(a, 1) for a in shape if a not in {m.name for m in mesh})
     for key, axes in rules_table.items():
@@ -301,7 +306,10 @@ def load_experiment(path: str | Path) -> Experiment:
                 )
     rules = None
     if spec.needs_model or rules_table or preset:
-        rules = rules_from_table(rules_table, preset if spec.needs_model or preset else None)
+        try:
+            rules = rules_from_table(rules_table, preset if spec.needs_model or preset else None)
+        except UserError as exc:
+            raise UserError(f"{r.where('rules')(None)}: {exc}") from None
     opt = {k: v for k, v in options.items() if k not in ("remat", "optimizer", "param_dtype")}
     plan = Plan(
         program=spec.name,
