@@ -69,7 +69,8 @@ def test_attribution_factors_multiply_to_the_total_and_end_at_the_target(study):
     assert [a.target for a in study.attributions] == ["h100", "h200", "b200"]
     for a in study.attributions:
         assert isinstance(a, Attribution)
-        assert [s[0] for s in a.steps] == ["compute", "HBM", "interconnect", "memory capacity", "precision"]
+        steps = ["compute", "HBM", "interconnect", "memory capacity", "kernel efficiency", "precision"]
+        assert [s[0] for s in a.steps] == steps
         assert math.isclose(math.prod(s[2] for s in a.steps), a.total_factor, rel_tol=1e-9)
         # The days walk: each factor is the days before over the days after.
         before = study.rows[0].days

@@ -152,7 +152,7 @@ def cmd_calibrate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from lab.core.notation import parse_mesh
     from lab.run.environment import Progress, ensure_devices
 
-    if args.hardware_file:
+    if getattr(args, "hardware_file", None):
         raise UserError("calibrate measures this host and reads no chip file; drop --hardware-file")
     if args.out is not None and Path(args.out).suffix.lower() != ".json":
         raise UserError(f"--out {args.out!r}: the spec is written as JSON; give a path ending in .json")

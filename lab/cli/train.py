@@ -336,9 +336,19 @@ def _unfit_row(key: str, row) -> bool:
 
 def cmd_validate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from lab.studies.validate import run_validation
+    from lab.studies.validate_public import run_public_validation
 
-    v = run_validation()
-    return v.to_dict(), v.table()
+    data: dict[str, Any] = {}
+    texts = []
+    if args.group in ("calibration", "all"):
+        v = run_validation()
+        data["calibration"] = v.to_dict()
+        texts.append(v.table())
+    if args.group in ("public", "all"):
+        pv = run_public_validation()
+        data["public"] = pv.to_dict()
+        texts.append(pv.table())
+    return (data if args.group == "all" else next(iter(data.values()))), "\n\n".join(texts)
 
 
 def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, with_chip) -> None:
@@ -467,6 +477,13 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     command(sm, _study_memtech, allowed=_unfit_row)
 
     v = sub.add_parser("validate", parents=[common], help=help_of("validate"))
+    v.add_argument(
+        "--group",
+        choices=("calibration", "public", "all"),
+        default="calibration",
+        help="calibration: the published Megatron runs the efficiency model was chosen on (default); public: "
+        "measured runs it was never fitted to (MLPerf, framework blogs), error by class; all: both",
+    )
     command(v, cmd_validate)
 
 

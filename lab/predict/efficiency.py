@@ -1,32 +1,85 @@
-"""Achievable efficiency: what fraction of the roofline real kernels reach.
+"""Achievable efficiency: what fraction of the roofline real kernels reach, from measurements of the pieces.
 
-One documented model, the same for every estimate (no per-case constants):
+One documented model, the same for every estimate (no per-run constants). Each number below is a published
+measurement of one kernel or collective (``shared/reference/microbenchmarks.md``; the ids in the comments are
+its rows), per chip family where one was measured; a calibrated chip (``shardlab calibrate``) replaces them.
 
-* **Matmuls.** ``t = max(2 m k n / (eta(m, k, n) * peak), bytes / (MEMORY_FRACTION * W_hbm))`` with
-  ``eta(m, k, n) = PEAK_FRACTION[kind] * prod_{x in m, k, n} x / (x + TILE[kind])``.
-  The product is a smooth stand-in for tile quantisation: a dimension much larger than the
-  hardware tile costs nothing, one the size of a tile halves the rate (the MXU is 128 wide, 256 on
-  v6e; GPU tensor-core tiles are of the same order). ``PEAK_FRACTION`` is the best a large GEMM
-  reaches: the scaling book quotes about 95% on TPUs and 80-85% on H100/B200 (roofline.md); the GPU
-  value here was fitted once, on the Korthikanti et al. Table 5 iteration times (A100), and is
-  used unchanged for every GPU and every other case.
-* **Memory-bound ops** (norms, activations, softmax, optimizer): ``bytes / (MEMORY_FRACTION * W_hbm)``;
-  about 92-94% of HBM bandwidth is measured on H100 and GB200 (scaling-book gpus.md; Azure's GB200
-  report), 0.9 is used.
-* **Collectives**: the collective model's time divided by ``COLLECTIVE_FRACTION``: NCCL's best
-  8xH100 AllReduce reaches about 370 of 450 GB/s (gpus.md), TPU ICI about 95% (sharding.md).
+* **Matmuls.** ``t = max(2 m k n / (eta * peak), bytes / (hbm_fraction * W_hbm))`` with
+  ``eta = ceiling(chip, dtype) * prod_{x in m, k, n} x / (x + tile)``. The ceiling is the best a large GEMM
+  reaches in a brute-force shape search (A100 bf16 87%, H100/H200 bf16 80%, B200 bf16 78%; fp8 71-76% of its own
+  peak, so fp8 is 1.8x bf16 and not 2x); TPU v5e's XLA matmul at 8192^3 reaches 92%, and no figure is
+  published for the other TPUs, which take it. The product is a smooth stand-in for tile quantisation (the
+  MXU is 128 wide, 256 on v6e; GPU tensor-core tiles are of the same order): a dimension much larger than the
+  tile costs nothing, one the size of a tile halves the rate.
+* **Attention** (fused, flash-style): FLOPs over a measured kernel rate inside a training step, by kernel:
+  ``fa2`` (FlashAttention-2, what PyTorch SDPA runs: 58% of peak on A100, 33% on Hopper) or ``fa3``
+  (FlashAttention-3 / cuDNN, what Megatron/NeMo's Transformer Engine runs: 45% on H100/H200, FA4 37% on
+  B200, measured in an 8k-token step). TPUs (splash attention: nothing published) keep the matmul model.
+* **Memory-bound ops** (norms, activations, softmax, optimizer): ``bytes / (hbm_fraction * W_hbm)``, the
+  STREAM copy rate (A100 79%, H100 87%, H200 84%, GB200 92%); TPUs 90% (no published figure). Streaming
+  weights through skinny decode GEMMs reaches less: 68% of HBM on Hopper (mean of the DeepGEMM M=64 rows).
+* **Collectives**: the collective model's time over the fraction of the link a ring reaches: NVLink 78%
+  (A100), 81% (H100/H200), 75% (B200); NVLS all-reduce on 6 or more Hopper/Blackwell GPUs 107% (busbw);
+  across nodes 72% of the NIC rate (4-node H100 and B200 sweeps); TPU ICI 95%.
 """
 
 from __future__ import annotations
 
 from lab.core.hardware import Chip
-from lab.core.units import dtype_bytes
+from lab.core.units import canonical_dtype, dtype_bytes
 from lab.predict.collectives import collective_time
 
-PEAK_FRACTION = {"gpu": 0.80, "tpu": 0.95, "cpu": 1.0}
+# Best large-GEMM fraction of the dense peak, by chip family and dtype (microbenchmarks.md §1a, §1e).
+GEMM_CEILING: dict[tuple[str, str], float] = {
+    ("a100", "bf16"): 0.869,  # G1: 271.2 of 312 TFLOP/s
+    ("a100", "int8"): 0.869,  # no fp8 on A100; int8 assumed as bf16 (G25 measured it no faster)
+    ("h100", "bf16"): 0.803,  # G2: 794.5 of 989
+    ("h100", "fp8"): 0.709,  # G3: 1402.6 of 1979
+    ("h200", "bf16"): 0.803,  # G2 (the source: H200's bf16 matmul is the H100's)
+    ("h200", "fp8"): 0.734,  # G4: 1453.4 of 1979
+    ("b200", "bf16"): 0.776,  # G6: 1745 of 2250
+    ("b200", "fp8"): 0.763,  # G7: 3432.5 of 4500
+}
+GEMM_CEILING_TPU = 0.923  # G26: v5e jnp.matmul bf16 8192^3; no v4/v5p/v6e figure is published
+GEMM_CEILING_OTHER = {"gpu": 0.80, "tpu": GEMM_CEILING_TPU, "cpu": 1.0}  # a chip family with no measurement
 TILE = {"gpu": 128.0, "tpu": 128.0, "cpu": 1.0}
+
+# Fused attention, forward and backward together, as a fraction of the bf16 peak (microbenchmarks.md §2).
+ATTENTION_KERNELS = ("fa2", "fa3")
+ATTENTION: dict[tuple[str, str], float] = {
+    ("a100", "fa2"): 0.58,  # A13: FA2 at seq 8192, 179.5 of 312 (FA3 does not run on A100)
+    ("a100", "fa3"): 0.58,
+    ("h100", "fa2"): 0.33,  # A2, A13: FA2 on Hopper, 328-335 of 989
+    ("h100", "fa3"): 0.45,  # A16: FA3 inside an 8k-token training step on H200 (model-FLOP accounting)
+    ("h200", "fa2"): 0.33,  # A13: 329.3 of 989
+    ("h200", "fa3"): 0.45,  # A16
+    ("b200", "fa2"): 0.37,  # A16: FA4 in the same step (no FA2 figure; B200 runs the newest kernel)
+    ("b200", "fa3"): 0.37,
+}
+
+# STREAM copy rate as a fraction of HBM bandwidth (microbenchmarks.md §3).
+HBM_FRACTION = {"a100": 0.79, "h100": 0.87, "h200": 0.84, "b200": 0.92}  # H1, H2, H3, H4 (GB200)
+HBM_FRACTION_OTHER = {"gpu": 0.85, "tpu": 0.90, "cpu": 1.0}  # no TPU figure is published
+DECODE_WEIGHT_FRACTION = 0.68  # G16: DeepGEMM M=64 rows on H800 reach 50/73/80% of HBM (mean)
+
+# Fraction of the link a ring collective reaches (microbenchmarks.md §4).
+NVLINK_RING = {"a100": 0.775, "h100": 0.81, "h200": 0.81, "b200": 0.75}  # C1/C2, C6, C6, C8
+NVLS_ALL_REDUCE = {"h100": 1.07, "h200": 1.07, "b200": 0.93}  # C3/C5, C6, C8: busbw at 6-8 GPUs (NVLS)
+NIC_FRACTION = 0.72  # C14 (74%), C17 (71%): per-GPU NIC rate of inter-node all-reduce at >= 1 GiB
+ICI_FRACTION = 0.95  # C20: v5e AllGather at 95% of the link rate
+COLLECTIVE_FRACTION = {"gpu": 0.8, "tpu": ICI_FRACTION, "cpu": 1.0}  # a chip family with no measurement
+
+# Kept for callers that name them: the fractions of an unmeasured chip family.
+PEAK_FRACTION = GEMM_CEILING_OTHER
 MEMORY_FRACTION = 0.9
-COLLECTIVE_FRACTION = {"gpu": 0.8, "tpu": 0.95, "cpu": 1.0}
+
+
+def family(chip: Chip) -> str:
+    """The measured family a catalog chip belongs to (``a100-80gb`` -> ``a100``); its kind otherwise."""
+    for name in ("a100", "h100", "h200", "b200"):
+        if chip.name.startswith(name):
+            return name
+    return chip.kind
 
 
 def tile(chip: Chip) -> float:
@@ -34,22 +87,59 @@ def tile(chip: Chip) -> float:
     return 256.0 if chip.name == "tpu-v6e" else TILE[chip.kind]
 
 
-def matmul_efficiency(chip: Chip, m: float, k: float, n: float) -> float:
+def gemm_ceiling(chip: Chip, dtype: str = "bf16") -> float:
+    """The best fraction of ``dtype``'s peak a large GEMM reaches on this chip (module docstring)."""
+    if chip.kind == "tpu":
+        return GEMM_CEILING_TPU
+    dt = {"fp16": "bf16", "fp32": "bf16"}.get(canonical_dtype(dtype), canonical_dtype(dtype))
+    return GEMM_CEILING.get((family(chip), dt), GEMM_CEILING_OTHER[chip.kind])
+
+
+def matmul_efficiency(chip: Chip, m: float, k: float, n: float, dtype: str = "bf16") -> float:
     """Fraction of peak FLOP/s a GEMM of this shape reaches when compute-bound."""
     t = tile(chip)
-    return PEAK_FRACTION[chip.kind] * (m / (m + t)) * (k / (k + t)) * (n / (n + t))
+    return gemm_ceiling(chip, dtype) * (m / (m + t)) * (k / (k + t)) * (n / (n + t))
 
 
 def matmul_time(chip: Chip, m: float, k: float, n: float, dtype: str = "bf16", batch: float = 1.0) -> float:
     """Achievable time of ``batch`` independent ``[m, k] @ [k, n]`` products."""
     flops = 2.0 * batch * m * k * n
     nbytes = batch * (m * k + k * n + m * n) * dtype_bytes(dtype)
-    return max(flops / (matmul_efficiency(chip, m, k, n) * chip.flops(dtype)), memory_time(chip, nbytes))
+    return max(flops / (matmul_efficiency(chip, m, k, n, dtype) * chip.flops(dtype)), memory_time(chip, nbytes))
+
+
+def attention_efficiency(chip: Chip, kernel: str) -> float | None:
+    """A fused attention kernel's measured rate on this chip (fraction of the bf16 peak), or None where nothing
+    is published (TPUs, CPUs): the caller then prices attention as matmuls."""
+    return ATTENTION.get((family(chip), kernel))
+
+
+def hbm_fraction(chip: Chip) -> float:
+    """The fraction of HBM bandwidth a streaming kernel reaches on this chip (module docstring)."""
+    return HBM_FRACTION.get(family(chip), HBM_FRACTION_OTHER[chip.kind])
 
 
 def memory_time(chip: Chip, nbytes: float) -> float:
     """Achievable time of a memory-bound op moving ``nbytes`` through HBM."""
-    return nbytes / (MEMORY_FRACTION * chip.hbm_bandwidth)
+    return nbytes / (hbm_fraction(chip) * chip.hbm_bandwidth)
+
+
+def decode_weights_time(chip: Chip, nbytes: float) -> float:
+    """Streaming weights through the skinny GEMMs of a decode step (measured on Hopper; TPUs: the copy rate)."""
+    frac = DECODE_WEIGHT_FRACTION if chip.kind == "gpu" else hbm_fraction(chip)
+    return nbytes / (frac * chip.hbm_bandwidth)
+
+
+def collective_fraction(chip: Chip, kind: str, group: int, scope: str) -> float:
+    """The fraction of the modelled link rate a collective reaches (module docstring)."""
+    if chip.kind != "gpu":
+        return COLLECTIVE_FRACTION[chip.kind]
+    if scope == "cross-node":
+        return NIC_FRACTION
+    fam = family(chip)
+    if kind == "all-reduce" and group >= 6 and fam in NVLS_ALL_REDUCE:
+        return NVLS_ALL_REDUCE[fam]
+    return NVLINK_RING.get(fam, COLLECTIVE_FRACTION["gpu"])
 
 
 def collective_on(
@@ -88,4 +178,4 @@ def comm_time(
     c = collective_on(chip, kind, nbytes, group, scope=scope, members_per_node=members_per_node, axes=axes)
     if c is None:
         return 0.0
-    return c.time_s / COLLECTIVE_FRACTION[chip.kind]
+    return c.time_s / collective_fraction(chip, kind, group, scope)

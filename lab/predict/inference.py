@@ -244,7 +244,7 @@ def _mem_time(chip: Chip, nbytes: float, achievable: bool) -> float:
 
 
 def _flop_time(chip: Chip, flops: float, dtype: str, achievable: bool) -> float:
-    frac = eff.PEAK_FRACTION[chip.kind] if achievable else 1.0
+    frac = eff.gemm_ceiling(chip, dtype) if achievable else 1.0
     return flops / (frac * chip.flops(dtype))
 
 
@@ -253,7 +253,8 @@ def _comm(chip: Chip, kind: str, nbytes: float, group: int, achievable: bool) ->
         return 0.0, False
     scope = "node" if chip.topology == "torus" or group <= (chip.node_size or group) else "cross-node"
     c = eff.collective_on(chip, kind, nbytes, group, scope=scope)
-    return c.time_s / (eff.COLLECTIVE_FRACTION[chip.kind] if achievable else 1.0), c.latency_bound
+    frac = eff.collective_fraction(chip, kind, group, scope) if achievable else 1.0
+    return c.time_s / frac, c.latency_bound
 
 
 def _act_bytes(cfg: InferConfig) -> float:
@@ -295,7 +296,8 @@ def decode_step(cfg: InferConfig, context: int | None = None) -> dict[str, float
     mm = m.matmul_flops_per_token() * b / (cfg.tp * cfg.ep)
     att = m.attention_flops_per_token(ctx, causal=False) * b / (cfg.tp * cfg.ep)
     compute_s = _flop_time(chip, mm + att, cfg.compute, cfg.achievable)
-    weights_s = _mem_time(chip, weight_bytes, cfg.achievable)
+    # the weights stream through skinny GEMMs, which reach less of HBM than a copy (achievable)
+    weights_s = eff.decode_weights_time(chip, weight_bytes) if cfg.achievable else weight_bytes / chip.hbm_bandwidth
     kv_s = _mem_time(chip, kv_bytes, cfg.achievable)
     comm, lat = 0.0, False
     for kind, nbytes, calls, group, _ in comms(cfg, b):

@@ -80,6 +80,9 @@ class TrainConfig:
     optimizer: str = "adam"
     flash_attention: bool = True
     causal: bool = True  # for the MFU convention and flash attention's skipped blocks
+    # The fused attention kernel on GPUs (lab.predict.efficiency): fa2, what PyTorch SDPA and most stacks run;
+    # fa3, FlashAttention-3 / cuDNN (Megatron and NeMo with Transformer Engine).
+    attention_kernel: str = "fa2"
     # How the program is written, where XLA or a framework does it differently (the lab's own Transformer keeps
     # fp32 weights and separate Q/K/V and gate/up projections; Megatron-style defaults below).
     param_dtype: str = "bf16"  # bf16: mixed precision (fp32 master copy in the optimizer state); fp32: weights are it
@@ -144,6 +147,8 @@ def check_config(cfg: TrainConfig) -> None:
             raise UserError(f"--{name} must be a positive integer, got {v!r}")
     if lay.zero not in (0, 1, 2, 3):
         raise UserError(f"--zero {lay.zero} is not one of 0, 1, 2, 3")
+    if cfg.attention_kernel not in ("fa2", "fa3"):
+        raise UserError(f"--attention-kernel {cfg.attention_kernel!r} is not one of fa2, fa3")
     if lay.pp_schedule not in SCHEDULES:
         raise UserError(f"--pp-schedule {lay.pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
     if cfg.remat not in REMAT:

@@ -65,6 +65,9 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("memory capacity", ("hbm_bytes",)),
 )
 PRECISION_STEP = "precision"
+# The kernels' measured efficiency (lab/predict/efficiency.py: GEMM, attention, copy and NCCL rates) belongs to
+# the chip generation, not to a spec field: the walk's last field step hands it over.
+KERNEL_STEP = "kernel efficiency"
 
 # The two published readings the issue quotes; shown next to the model, never used by it.
 PAPER_SYSTEM_SPEEDUP = 35.0
@@ -224,8 +227,9 @@ class GenerationsStudy:
         ax1.legend(title="precision")
         ax1.margins(y=0.12)
 
-        steps = [name for name, _ in GROUPS] + [PRECISION_STEP]
-        step_colours = dict(zip(steps, ("#55A868", "#8172B2", "#C44E52", "#937860", "#DD8452"), strict=True))
+        steps = [name for name, _ in GROUPS] + [KERNEL_STEP, PRECISION_STEP]
+        colours = ("#55A868", "#8172B2", "#C44E52", "#937860", "#64B5CD", "#DD8452")
+        step_colours = dict(zip(steps, colours, strict=True))
         targets = [a.target for a in self.attributions]
         for i, a in enumerate(self.attributions):
             cum = 1.0
@@ -234,6 +238,8 @@ class GenerationsStudy:
                 ax2.bar(i, y1 - y0, 0.6, bottom=y0, color=step_colours[what], edgecolor="white", linewidth=0.5)
                 if factor >= 1.12:
                     ax2.text(i, math.sqrt(y0 * y1), f"x{factor:.2f}", ha="center", va="center", fontsize=8)
+                elif factor <= 0.97:  # a step that slows: hidden under the next bar, so said beside it
+                    ax2.text(i + 0.31, y1, f"{what.split()[0]}\nx{factor:.2f}", ha="left", va="center", fontsize=6)
                 cum *= factor
             ax2.text(i, cum * 1.04, f"x{a.total_factor:.2f}", ha="center", va="bottom", fontsize=9, weight="bold")
         for name in steps:
@@ -250,6 +256,7 @@ class GenerationsStudy:
         ax2.set_yticks(ticks, [f"{t:g}" for t in ticks])
         ax2.minorticks_off()
         ax2.set_xticks(range(len(targets)), targets)
+        ax2.set_xlim(-0.5, len(targets) - 0.2)  # room right of the last bar for a slowing step's label
         ax2.set_xlabel("target (walked from the baseline one spec group at a time)")
         ax2.set_ylabel(f"speed-up over {self.baseline.hardware} {self.baseline.precision} (x, log scale)")
         ax2.set_title("Where the speed-up comes from")
@@ -337,6 +344,11 @@ def _attribute(base: Chip, target: Chip, run_days: Callable[[Chip, str], float],
         after = run_days(chip, "bf16")
         steps.append((group, after, before / after))
         before = after
+    fields["name"] = target.name  # the target's own generation: its measured kernel rates
+    chip = Chip(**fields)
+    after = run_days(chip, "bf16")
+    steps.append((KERNEL_STEP, after, before / after))
+    before = after
     if "fp8" in target.peak_flops:
         after = run_days(chip, "fp8")
         steps.append((PRECISION_STEP, after, before / after))
@@ -388,9 +400,15 @@ def _readings(
             "to software and per-generation tuning."
         ),
         "precision": (
-            "fp8 rows run the linear layers at the chip's fp8 peak (2x bf16) with 1-byte operands; attention and "
+            "fp8 rows run the linear layers at the fp8 rate a large GEMM measures (1.8x bf16 on H100/H200, 2.0x on "
+            "B200; lab/predict/efficiency.py) with 1-byte operands; attention and "
             "the logits stay in bf16, as fp8 recipes keep them; activation memory, weights, gradients, optimizer "
             "state, collectives and memory-bound ops keep their bf16/fp32 bytes. MFU is against the row's own peak."
+        ),
+        "kernel efficiency": (
+            "the last field step hands over the target generation's measured kernel rates (GEMM, fused attention, "
+            "copy and NCCL fractions), which the spec fields do not carry; below 1 where the newer chip reaches a "
+            "smaller share of its larger peak."
         ),
         "memory capacity": (
             "hbm_bytes changes only whether the job fits, never the time, so its factor is 1; "

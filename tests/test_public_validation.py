@@ -1,0 +1,99 @@
+"""The second validation group (public runs never fitted to) and the measured pieces the efficiency model uses.
+
+The efficiency numbers are checked against the microbenchmark figures they restate (shared/reference/
+microbenchmarks.md), computed here from the published TFLOP/s and GB/s, not read back from the code.
+"""
+
+import json
+import math
+
+import pytest
+
+from lab.cli.main import main
+from lab.core.hardware import get_chip
+from lab.predict import efficiency as eff
+from lab.studies.public_runs import RUNS
+from lab.studies.validate_public import run_public_validation
+
+
+@pytest.fixture(scope="module")
+def public():
+    return run_public_validation()
+
+
+def test_every_public_run_is_cited_and_either_predicted_or_counted_with_its_reason(public):
+    assert len({r.case_id for r in RUNS}) == len(RUNS)
+    for row in public.rows:
+        run = row.run
+        assert run.source and run.grade in ("A", "B", "C") and run.measured > 0
+        if run.expressible is None:
+            assert row.error is not None and row.predicted is not None, row.detail
+        else:
+            assert row.error is None and row.detail.startswith("not expressible: ")
+    s = public.summary()
+    assert s["runs"] == len(RUNS) and s["predicted"] + s["not_expressible"] == len(RUNS)
+    groups = {r.run.group for r in public.rows}
+    assert {"GPU training", "TPU training", "GPU serving", "TPU serving"} <= groups
+
+
+def test_the_error_reads_as_a_time_whatever_the_source_measured(public):
+    """Negative means optimistic in every row: a throughput or an MFU is inverted before the ratio."""
+    for row in public.predicted:
+        run = row.run
+        if run.unit in ("s/step", "s/token"):
+            assert math.isclose(row.error, row.predicted / run.measured - 1, rel_tol=1e-12)
+        else:
+            assert math.isclose(row.error, run.measured / row.predicted - 1, rel_tol=1e-12)
+
+
+def test_the_cli_reports_the_group_and_its_classes(capsys):
+    assert main(["validate", "--group", "public", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) == {"rows", "classes", "summary"}
+    assert data["summary"]["targets"] == {"mean_abs_error": 0.12, "class_mean_error": 0.15, "one_sign": 0.75}
+    assert main(["validate", "--group", "all", "--json"]) == 0
+    both = json.loads(capsys.readouterr().out)
+    assert set(both) == {"calibration", "public"} and both["calibration"]["all_passed"] is True
+
+
+# ----- the measured pieces ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("chip", "dtype", "tflops", "peak"),
+    [
+        ("a100-80gb", "bf16", 271.2, 312),  # G1
+        ("h100", "bf16", 794.5, 989),  # G2
+        ("h100", "fp8", 1402.6, 1979),  # G3
+        ("h200", "fp8", 1453.4, 1979),  # G4
+        ("b200", "bf16", 1745.0, 2250),  # G6
+        ("b200", "fp8", 3432.5, 4500),  # G7
+        ("tpu-v5e", "bf16", 181.8, 197),  # G26
+    ],
+)
+def test_gemm_ceilings_are_the_measured_best_shapes(chip, dtype, tflops, peak):
+    assert eff.gemm_ceiling(get_chip(chip), dtype) == pytest.approx(tflops / peak, abs=0.001)
+
+
+def test_fp8_is_priced_at_its_measured_gain_not_twice_bf16():
+    h100 = get_chip("h100")
+    n = 16384.0
+    gain = eff.matmul_time(h100, n, n, n, "bf16") / eff.matmul_time(h100, n, n, n, "fp8")
+    assert gain == pytest.approx(1402.6 / 794.5, rel=1e-3)  # G3 / G2: 1.77x
+
+
+def test_hbm_and_collective_fractions_are_the_measured_ones():
+    assert eff.hbm_fraction(get_chip("h100")) == pytest.approx(2.90e12 / 3.35e12, abs=0.005)  # H2 copy
+    assert eff.hbm_fraction(get_chip("a100-80gb")) == pytest.approx(1.61e12 / 2.039e12, abs=0.005)  # H1 copy
+    h200 = get_chip("h200")
+    assert eff.collective_fraction(h200, "all-gather", 8, "node") == pytest.approx(361.4 / 450, abs=0.01)  # C6
+    assert eff.collective_fraction(h200, "all-reduce", 8, "node") == pytest.approx(480.0 / 450, abs=0.01)  # C6 NVLS
+    assert eff.collective_fraction(h200, "all-reduce", 4, "node") < 1.0  # NVLS needs more GPUs (C7)
+    assert eff.collective_fraction(h200, "all-gather", 64, "cross-node") == pytest.approx(0.72, abs=0.03)  # C14/C17
+
+
+def test_attention_kernels_run_at_their_measured_rates():
+    h100 = get_chip("h100")
+    assert eff.attention_efficiency(h100, "fa2") == pytest.approx(327.9 / 989, abs=0.01)  # A13
+    assert eff.attention_efficiency(get_chip("a100-80gb"), "fa2") == pytest.approx(179.5 / 312, abs=0.01)  # A13
+    assert eff.attention_efficiency(get_chip("tpu-v5e"), "fa2") is None  # nothing published: the matmul model
