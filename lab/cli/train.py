@@ -146,6 +146,7 @@ def train_config(args: argparse.Namespace, chip) -> TrainConfig:
         dtype=args.dtype,
         optimizer=args.optimizer,
         flash_attention=args.flash_attention,
+        attention_kernel=args.attention_kernel,
     )
 
 
@@ -413,6 +414,13 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     te.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
     te.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam")
     te.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=True)
+    te.add_argument(
+        "--attention-kernel",
+        choices=("fa2", "fa3"),
+        default="fa2",
+        help="the fused attention kernel on GPUs, at its measured rate: fa2 (PyTorch SDPA and most stacks; "
+        "default) or fa3 (FlashAttention-3 / cuDNN, as Megatron/NeMo's Transformer Engine runs it)",
+    )
     command(te, cmd_train_estimate)
 
     tl = tsub.add_parser("limits", parents=[common, hw], help="the book's DP, TP and FSDP thresholds")
