@@ -94,20 +94,10 @@ CHART_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg", "eps", "ps", "tif", "tiff")
 def in_path(what: str):
     """``type=`` of a file a command reads: a non-empty path without NUL bytes (an empty one would read as "not
     given" and be ignored); whether it exists and parses is checked by its loader, with the file named."""
-
-    def conv(s: str) -> str:
-        if not s.strip():
-            raise argparse.ArgumentTypeError("the path is empty; give a file path")
-        if "\0" in s:
-            raise argparse.ArgumentTypeError(f"{s!r} contains a NUL byte; give a file path")
-        return s
-
-    conv.__name__ = what
-    conv.kind = "path"
-    return conv
+    return text_arg(what, "a file path", kind="path")
 
 
-def text_arg(what: str, example: str):
+def text_arg(what: str, example: str, kind: str = "text"):
     """``type=`` of a non-empty name (an empty one would read as "not given" and be ignored)."""
 
     def conv(s: str) -> str:
@@ -118,7 +108,7 @@ def text_arg(what: str, example: str):
         return s
 
     conv.__name__ = what
-    conv.kind = "text"
+    conv.kind = kind
     return conv
 
 
