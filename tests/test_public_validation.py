@@ -97,3 +97,26 @@ def test_attention_kernels_run_at_their_measured_rates():
     assert eff.attention_efficiency(h100, "fa2") == pytest.approx(327.9 / 989, abs=0.01)  # A13
     assert eff.attention_efficiency(get_chip("a100-80gb"), "fa2") == pytest.approx(179.5 / 312, abs=0.01)  # A13
     assert eff.attention_efficiency(get_chip("tpu-v5e"), "fa2") is None  # nothing published: the matmul model
+
+
+def test_an_uneven_pipeline_split_with_embedding_and_loss_slots():
+    """Llama 3.1 405B's 126 layers on 8 stages x 8 chunks: 128 slots with the embedding and the loss (the MLPerf
+    405B configuration), 16 layers on the busiest stage; without the slots it is refused, naming them."""
+    from lab.core.errors import UserError
+    from lab.core.models import get_model
+    from lab.predict.train_config import Layout, TrainConfig
+    from lab.predict.training import estimate
+
+    m, h100 = get_model("llama3-405b"), get_chip("h100")
+    kw = dict(tp=8, pp=8, cp=2, dp=4, pp_schedule="interleaved", interleave=8, sequence_parallel=True)
+    slots = Layout(**kw, pp_embedding_slots=True)
+    assert slots.stage_layers(126) == 16 and Layout(pp=6).stage_layers(126) == 21
+    cfg = TrainConfig(m, h100, slots, seq_len=8192, global_batch=1152, microbatch=1, dtype="fp8")
+    est = estimate(cfg)
+    # 16 layers run on the busiest stage: it does the work of 128/8 layers per microbatch, not 126/8
+    per_layer = est.layer.fwd + est.layer.bwd + est.layer.recompute
+    assert est.breakdown["compute_s"] == pytest.approx(cfg.microbatches * 16 * per_layer, rel=1e-9)
+    with pytest.raises(UserError, match=r"does not divide 126 layers.*or --pp-embedding-slots"):
+        estimate(TrainConfig(m, h100, Layout(**kw), seq_len=8192, global_batch=1152, microbatch=1))
+    with pytest.raises(UserError, match=r"layers plus the embedding and loss slots \(128\)"):
+        estimate(TrainConfig(m, h100, Layout(pp=6, dp=8, pp_embedding_slots=True), seq_len=8192, global_batch=48))

@@ -112,6 +112,7 @@ def _layout(args: argparse.Namespace) -> Layout:
         sequence_parallel=args.sequence_parallel,
         pp_schedule=args.pp_schedule,
         interleave=args.interleave,
+        pp_embedding_slots=args.pp_embedding_slots,
     )
 
 
@@ -404,6 +405,12 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     te.add_argument("--sequence-parallel", action="store_true")
     te.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b")
     te.add_argument("--interleave", type=positive_int("--interleave"), default=1)
+    te.add_argument(
+        "--pp-embedding-slots",
+        action="store_true",
+        help="the embedding and the loss each take a layer's slot in the pipeline split (Megatron-Core's "
+        "account_for_embedding/loss_in_pipeline_split): layers + 2 must divide by pp x interleave",
+    )
     te.add_argument("--remat", choices=REMAT, default="selective")
     te.add_argument(
         "--checkpoints-per-layer",

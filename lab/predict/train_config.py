@@ -34,6 +34,9 @@ class Layout:
     pp_schedule: str = "1f1b"
     interleave: int = 1
     cross_node: tuple[str, ...] = ()  # roles whose group is known to cross the slow link (DCN / scale-out)
+    # Pipeline split: the embedding and the loss each take a layer's slot, on the first and the last stage
+    # (Megatron-Core's account_for_embedding/loss_in_pipeline_split): layers + 2 slots over pp x v chunks.
+    pp_embedding_slots: bool = False
 
     @property
     def chips(self) -> int:
@@ -52,6 +55,12 @@ class Layout:
     @property
     def v(self) -> int:
         return self.interleave if self.pp_schedule == "interleaved" else 1
+
+    def stage_layers(self, layers: int) -> float:
+        """Transformer layers on the busiest pipeline stage (slots, with ``pp_embedding_slots``)."""
+        if self.pp > 1 and self.pp_embedding_slots:
+            return (layers + 2) / self.pp
+        return layers / self.pp
 
     def describe(self) -> str:
         parts = [f"{k}={getattr(self, k)}" for k in ("dp", "fsdp", "tp", "pp", "cp", "ep") if getattr(self, k) > 1]
@@ -168,13 +177,21 @@ def check_config(cfg: TrainConfig) -> None:
         )
     if m.kv_heads % lay.tp and lay.tp % m.kv_heads:
         raise UserError(f"--tp {lay.tp} neither divides nor is a multiple of {m.kv_heads} KV heads")
-    if m.layers % (lay.pp * lay.v):
+    slots = m.layers + (2 if lay.pp_embedding_slots and lay.pp > 1 else 0)
+    if lay.pp_embedding_slots and lay.pp > 1 and slots % (lay.pp * lay.v):
+        raise UserError(
+            f"--pp {lay.pp}" + (f" x --interleave {lay.v}" if lay.v > 1 else "") + f" does not divide {m.layers} "
+            f"layers plus the embedding and loss slots ({slots})"
+        )
+    if not lay.pp_embedding_slots and m.layers % (lay.pp * lay.v):
         opts = [d for d in _divisors(m.layers) if d % lay.v == 0 or lay.v == 1]
+        slots_fit = (m.layers + 2) % (lay.pp * lay.v) == 0
         raise UserError(
             f"--pp {lay.pp}"
             + (f" x --interleave {lay.v}" if lay.v > 1 else "")
             + f" does not divide {m.layers} layers; try --pp "
             f"{_nearest(lay.pp, [d // lay.v for d in opts if d // lay.v >= 1] or [1])}"
+            + (", or --pp-embedding-slots (the embedding and the loss take a slot each)" if slots_fit else "")
         )
     if cfg.seq_len % lay.cp:
         raise UserError(f"--cp {lay.cp} does not divide --seq-len {cfg.seq_len}")

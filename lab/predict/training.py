@@ -296,7 +296,8 @@ def _fsdp_exposed(cfg: TrainConfig, lc: LayerCost, times: dict[Comm, float]) -> 
     beyond the logits'."""
     layer = {c.kind: t for c, t in times.items() if c.role == "fsdp" and c.per == "layer"}
     ag, rs = layer.get("all-gather", 0.0), layer.get("reduce-scatter", 0.0)
-    exposed = cfg.model.layers / cfg.layout.pp * (max(0.0, ag - lc.fwd) + max(0.0, ag + rs - lc.bwd - lc.recompute))
+    per_layer = max(0.0, ag - lc.fwd) + max(0.0, ag + rs - lc.bwd - lc.recompute)
+    exposed = cfg.layout.stage_layers(cfg.model.layers) * per_layer
     rest = sum(c.calls * t for c, t in times.items() if c.role == "fsdp" and c.per == "microbatch")
     return exposed + max(0.0, rest - _logits_time(cfg)) if rest else exposed
 
@@ -309,10 +310,14 @@ def estimate(cfg: TrainConfig, *, check: bool = True, layer: LayerCost | None = 
     lc = layer if layer is not None else layer_cost(cfg)
     # Each collective priced once; TP, EP and CP are the layer cost's (the planner caches those).
     times = {c: comm_time(cfg, c) for c in collectives(cfg, roles=("pp", "fsdp", "dp", "batch"))}
-    layers = m.layers / lay.pp
+    layers = lay.stage_layers(m.layers)
     n_mb = cfg.microbatches
 
-    compute_mb = layers * (lc.fwd + lc.bwd + lc.recompute) + _logits_time(cfg)
+    layer_t = lc.fwd + lc.bwd + lc.recompute
+    if lay.pp > 1 and lay.pp_embedding_slots:  # the last stage trades a layer for the loss; the busiest sets the pace
+        compute_mb = max(layers * layer_t, (layers - 1) * layer_t + _logits_time(cfg))
+    else:
+        compute_mb = layers * layer_t + _logits_time(cfg)
     tp_mb = layers * lc.tp_comm + lc.tp_microbatch
     ep_mb = layers * lc.ep_comm
     cp_mb = layers * lc.cp_exposed
@@ -370,7 +375,7 @@ def step_ops(est: TrainEstimate) -> list[dict[str, Any]]:
     every layer and microbatch), the logits, the optimizer, and every collective with its calls and bytes."""
     cfg, lc = est.config, est.layer
     m, lay = cfg.model, cfg.layout
-    runs = cfg.microbatches * m.layers / lay.pp  # layer executions per step
+    runs = cfg.microbatches * lay.stage_layers(m.layers)  # layer executions per step
     rows: dict[str, dict[str, Any]] = {}
     for name, kind, f, b, flops, nbytes in lc.ops:
         again = name in lc.recomputed

@@ -140,7 +140,7 @@ def _tp(cfg: TrainConfig) -> list[Comm]:
     if not lay.sequence_parallel:
         out = [on_act("all-reduce", row * fwd + col, "layer", f"TP AllReduces: {row} forward, {col} backward")]
     else:
-        grads = (2 * m.layers / lay.pp + 1) * m.d_model * cfg.grad_reduce_bytes
+        grads = (2 * lay.stage_layers(m.layers) + 1) * m.d_model * cfg.grad_reduce_bytes
         out = [
             on_act("all-gather", row * fwd + row, "layer", "SP AllGathers: forward, and the transposes"),
             on_act("all-gather", row, "layer", "SP inputs gathered again for the weight gradients", "dgrad"),
@@ -270,7 +270,7 @@ def calls_per_step(cfg: TrainConfig, c: Comm) -> float:
     if c.per == "step":
         return c.calls
     n = cfg.microbatches * c.calls
-    return n * cfg.model.layers / cfg.layout.pp if c.per == "layer" else n
+    return n * cfg.layout.stage_layers(cfg.model.layers) if c.per == "layer" else n
 
 
 __all__ = ["ROLES", "Comm", "calls_per_step", "collectives", "group_size", "place", "placement"]

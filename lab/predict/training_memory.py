@@ -123,7 +123,7 @@ def memory_per_chip(cfg: TrainConfig) -> Memory:
     per_layer = activation_bytes_per_layer(
         m, lay, cfg.seq_len, cfg.microbatch, cfg.remat, cfg.flash_attention, cfg.checkpoints_per_layer
     )
-    layers_per_stage = m.layers / lay.pp
+    layers_per_stage = lay.stage_layers(m.layers)
     if lay.pp == 1:
         in_flight = 1.0
     elif lay.pp_schedule == "gpipe":

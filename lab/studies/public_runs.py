@@ -148,7 +148,17 @@ TRAINING: tuple[PublicRun, ...] = (
             chips=chips,
             model="llama3-405b",
             overrides={"vocab": 32768},  # MLPerf swaps in the Mixtral 8x22B tokenizer (the submission's README)
-            layout={"dp": dp, "tp": tp, "pp": 8, "cp": 2, "zero": 1, "sequence_parallel": True},
+            layout={
+                "dp": dp,
+                "tp": tp,
+                "pp": 8,
+                "cp": 2,
+                "zero": 1,
+                "sequence_parallel": True,
+                "pp_schedule": "interleaved",
+                "interleave": 8,
+                "pp_embedding_slots": True,  # "asymmetric PP for embedding/loss" (the submission's config)
+            },
             seq_len=8192,
             global_batch=gbs,
             microbatch=1,
@@ -161,8 +171,6 @@ TRAINING: tuple[PublicRun, ...] = (
             stack="NVIDIA NeMo/Megatron, Transformer Engine fp8",
             assumed=MEGATRON_FP8,
             attention_kernel="fa3",
-            expressible="126 layers on 8 stages x 8 virtual chunks, with the embedding and the loss counted as "
-            "stages (an uneven split the training estimator cannot express)",
         )
         for case, chips, chip, dp, tp, gbs, step, log in (
             ("PT06", 512, "h100", 4, 8, 1152, 55.13, "NVIDIA/results/eos-dfw_n64_ngc25.01_nemo/llama31_405b"),
