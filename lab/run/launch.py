@@ -74,16 +74,23 @@ def child_env(rank: int, processes: int, port: int, local_devices: int) -> dict[
     return env
 
 
+# the runtime's own C++ log lines (glog: E1130 11:18:41.745958 ...); held back, since when one process fails the
+# others log the lost coordinator or peer before they are stopped, and that is an echo, not news
+RUNTIME_LOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d")
+
+
 @dataclass
 class _Proc:
     rank: int
     popen: subprocess.Popen
     stdout: list[str] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)  # runtime log lines: shown for the failed process, or at the end
     last_error: str = ""
 
 
-def _forward(proc: _Proc, stream, keep: bool, write: Callable[[str], None]) -> None:
-    """Copy one stream of one process, line by line, with its rank in front (``keep``: hold stdout instead)."""
+def _forward(proc: _Proc, stream, keep: bool, write: Callable[[str], None], state: dict) -> None:
+    """Copy one stream of one process, line by line, with its rank in front (``keep``: hold stdout instead).
+    Once a process has failed, the others' output is their reaction to it and is not copied."""
     for line in iter(stream.readline, ""):
         if NOISE.search(line):
             continue
@@ -93,7 +100,11 @@ def _forward(proc: _Proc, stream, keep: bool, write: Callable[[str], None]) -> N
         if ERROR.match(line):  # said once, in the launcher's own line naming the process
             proc.last_error = ERROR.sub("", line.strip())
             continue
-        write(f"[rank {proc.rank}] {line}")
+        if RUNTIME_LOG.match(line):
+            proc.held.append(f"[rank {proc.rank}] {line}")
+            continue
+        if state.get("failed") in (None, proc):
+            write(f"[rank {proc.rank}] {line}")
     stream.close()
 
 
@@ -118,7 +129,7 @@ def _how(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _watch(procs: Sequence[_Proc], threads: Sequence[threading.Thread]) -> tuple[int, _Proc | None]:
+def _watch(procs: Sequence[_Proc], threads: Sequence[threading.Thread], state: dict, write) -> tuple[int, _Proc | None]:
     """Wait for every process; at the first failure stop the rest. The exit code and the failed process."""
     failed: _Proc | None = None
     while any(p.popen.poll() is None for p in procs):
@@ -128,9 +139,14 @@ def _watch(procs: Sequence[_Proc], threads: Sequence[threading.Thread]) -> tuple
         time.sleep(POLL_S)
     failed = failed or next((p for p in procs if p.popen.returncode != 0), None)
     if failed is not None:
+        state["failed"] = failed  # from now on only its own output is copied
         _stop(procs)
     for t in threads:
         t.join(timeout=GRACE_S)
+    for p in procs:  # the runtime's log lines: the failed process's (its own account), or all of a clean run's
+        if failed is None or p is failed:
+            for line in p.held:
+                write(line)
     return (0, None) if failed is None else (failed.popen.returncode, failed)
 
 
@@ -168,6 +184,7 @@ def launch(
     cmd = [sys.executable, "-m", "lab", "run", experiment, *run_args, *(["--json"] if json_out else [])]
     procs: list[_Proc] = []
     threads: list[threading.Thread] = []
+    state: dict = {"failed": None}
     try:
         for rank in range(processes):
             popen = subprocess.Popen(
@@ -182,10 +199,10 @@ def launch(
             proc = _Proc(rank, popen)
             procs.append(proc)
             for stream, keep in ((popen.stdout, json_out and rank == 0), (popen.stderr, False)):
-                t = threading.Thread(target=_forward, args=(proc, stream, keep, write), daemon=True)
+                t = threading.Thread(target=_forward, args=(proc, stream, keep, write, state), daemon=True)
                 t.start()
                 threads.append(t)
-        code, failed = _watch(procs, threads)
+        code, failed = _watch(procs, threads, state, write)
     except KeyboardInterrupt:
         _stop(procs)
         raise Interrupted(f"stopped all {processes} processes; what each kept is in its run folder") from None
