@@ -72,15 +72,33 @@ def cmd_audit(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     plan = _with_flags(plan, args)
     from lab.core.hardware import default_catalog
 
+    topology = None
+    if args.topology is not None:
+        from lab.compile.target import parse_target, require_libtpu
+
+        topology = parse_target(args.topology)  # before JAX starts: a typo costs nothing
+        require_libtpu()
+        if args.hardware is None:  # priced on the topology's chip unless told otherwise
+            plan = dataclasses.replace(plan, hardware=topology.chip)
     # "calibrated" prices with this host's calibration (the cpu entry, replaced by specs/cpu.json when present);
     # resolved before JAX starts, so a bad --hardware is refused at once
     chip = default_catalog(args.hardware_file).get("cpu" if plan.hardware == "calibrated" else plan.hardware)
-    ensure_devices(plan.devices)
-    require_devices(plan.shape)
+    if topology is not None and plan.dtype not in chip.peak_flops:
+        raise UserError(
+            f"{topology.name} is priced on {chip.name}, which has no {plan.dtype} peak in the catalog; give --dtype "
+            f"bf16 (TPUs multiply in bf16) or --hardware NAME"
+        )
+    if topology is None:
+        ensure_devices(plan.devices)
+        require_devices(plan.shape)
+    else:
+        from lab.compile.target import quiet_absent_tpu
+
+        quiet_absent_tpu()
 
     from lab.compile.audit import audit_plan  # imports JAX
 
-    result = audit_plan(plan, chip)
+    result = audit_plan(plan, chip, topology)
     if args.hlo:
         try:
             Path(args.hlo).write_text(result.hlo_text)
@@ -130,6 +148,13 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     a.add_argument("--dtype", choices=("float32", "bfloat16", "fp32", "bf16"))
     a.add_argument("--axes", help="collective microkernels: mesh axes to span, e.g. X,Y")
     a.add_argument("--hardware", metavar="NAME", help="chip to price expected collectives for (default cpu)")
+    a.add_argument(
+        "--target",
+        dest="topology",
+        metavar="TOPOLOGY",
+        help="compile for a TPU topology that need not be here, e.g. v5e:2x4, v5p:2x2x2, v6e:4x4 (needs libtpu; "
+        "priced on that generation's chip unless --hardware is given)",
+    )
     a.add_argument("--hlo", type=out_path("--hlo"), metavar="PATH", help="also write the optimized HLO text here")
     a.add_argument("--strict", action="store_true", help="exit 1 when anything does not match")
     command(a, _dispatch)
@@ -138,7 +163,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
 def _dispatch(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if args.list:
         given = [repr(args.target)] if args.target is not None else []
-        flags = ("mesh", "sizes", "dtype", "axes", "hardware", "hlo")
+        flags = ("mesh", "sizes", "dtype", "axes", "hardware", "hlo", "topology")
         given += [f"--{k}" for k in flags if getattr(args, k) is not None]
         given += ["--strict"] if args.strict else []
         if given:  # they would be ignored: say so instead

@@ -63,6 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = "--debug" in argv
     sys.unraisablehook = keep_interrupts  # a Ctrl-C inside a finalizer is kept, not printed and lost
     argv = [a for a in argv if a != "--debug"]
+    if "jax" not in sys.modules:  # libtpu (the tpu extra) on a host without TPUs: no screen of its warnings
+        from lab.compile.target import quiet_absent_tpu
+
+        quiet_absent_tpu()
     try:
         args = build_parser(argv).parse_args(argv)
         data, text = args.func(args)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lab.compile.hlo import CompiledCollective, axes_of_groups, axes_of_pairs, collectives, dots, parse_module
+from lab.compile.target import Target, for_target, target_mesh
 from lab.core.hardware import Chip
 from lab.core.plan import Plan, kernel_plan
 from lab.core.table import render
@@ -73,6 +74,8 @@ class AuditResult:
     memory: dict[str, float] = field(default_factory=dict)
     source: str = ""
     layout: dict[str, Any] = field(default_factory=dict)  # the Transformer's rules, batch, seq and remat
+    compiled_for: str | None = None  # a TPU topology compiled for ahead of time (nothing ran), e.g. "v5e:2x4"
+    step_time_estimated_s: float | None = None  # the estimator's step, beside XLA's optimal_seconds
 
     @property
     def flops_match(self) -> bool:
@@ -85,30 +88,59 @@ class AuditResult:
         return all(e.match for e in self.entries) and not self.unexpected and self.flops_match
 
     def to_dict(self) -> dict[str, Any]:
+        return (
+            {
+                "target": self.target,
+                "mesh": self.mesh,
+                "sizes": self.sizes,
+                "dtype": self.dtype,
+                "backend": self.backend,
+                "emulated": self.backend == "cpu",
+                "hardware": self.hardware,
+                "source": self.source,
+                "entries": [e.to_dict() for e in self.entries],
+                "unexpected": list(self.unexpected),
+                "flops_predicted": self.flops_predicted,
+                "flops_compiled": self.flops_compiled,
+                "flops_match": self.flops_match,
+                "all_match": self.all_match,
+                "cost_analysis": self.cost_analysis,
+                "memory_analysis": self.memory_analysis,
+                "memory": self.memory,
+            }
+            | self.layout
+            | self._xla()
+        )
+
+    def _xla(self) -> dict[str, Any]:
+        """For a cross-compiled TPU program: what XLA says beside what the lab predicts (``xla`` in reports)."""
+        if self.compiled_for is None:
+            return {}
+        cost = self.cost_analysis
         return {
-            "target": self.target,
-            "mesh": self.mesh,
-            "sizes": self.sizes,
-            "dtype": self.dtype,
-            "backend": self.backend,
-            "emulated": self.backend == "cpu",
-            "hardware": self.hardware,
-            "source": self.source,
-            "entries": [e.to_dict() for e in self.entries],
-            "unexpected": list(self.unexpected),
-            "flops_predicted": self.flops_predicted,
-            "flops_compiled": self.flops_compiled,
-            "flops_match": self.flops_match,
-            "all_match": self.all_match,
-            "cost_analysis": self.cost_analysis,
-            "memory_analysis": self.memory_analysis,
-            "memory": self.memory,
-        } | self.layout
+            "compiled_for": self.compiled_for,
+            "xla": {
+                "memory": self.memory_analysis,
+                "cost": cost,
+                "lab": {
+                    "flops_per_device": self.flops_predicted,
+                    "step_time_s": self.step_time_estimated_s,
+                    "memory_per_device_bytes": self.memory.get("estimator_bytes"),
+                },
+                "optimal_over_estimated": (
+                    cost["optimal_seconds"] / self.step_time_estimated_s
+                    if cost.get("optimal_seconds") and self.step_time_estimated_s
+                    else None
+                ),
+            },
+        }
 
     def table(self) -> str:
         mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
         sizes = ",".join(f"{k}={v}" for k, v in self.sizes.items())
         where = f"{self.backend}, emulated" if self.backend == "cpu" else self.backend
+        if self.compiled_for:
+            where = f"TPU {self.compiled_for}, cross-compiled: nothing ran"
         head = f"audit {self.target} on mesh {mesh} ({where}), sizes {sizes}, {self.dtype}"
         if self.source:
             head += f"; expected: the {self.source}"
@@ -130,10 +162,29 @@ class AuditResult:
         if self.memory:
             m = self.memory
             out += (
-                f"\nmemory per device: compiled {fmt_bytes(m['compiled_bytes'])} (arguments + temporaries), "
+                f"\nmemory per device: compiled {fmt_bytes(m['compiled_bytes'])} (arguments, outputs and temporaries), "
                 f"estimator {fmt_bytes(m['estimator_bytes'])}: ratio {m['ratio']:.2f}"
             )
+        if self.compiled_for:
+            out += "\n" + self._xla_lines()
         return out + f"\nresult: {'all match' if self.all_match else 'MISMATCH'}"
+
+    def _xla_lines(self) -> str:
+        mem, cost = self.memory_analysis, self.cost_analysis
+        held = mem.get("argument_size_in_bytes", 0.0) + mem.get("temp_size_in_bytes", 0.0)
+        line = (
+            f"XLA (libtpu) per device: arguments {fmt_bytes(mem.get('argument_size_in_bytes', 0.0))}, temporaries "
+            f"{fmt_bytes(mem.get('temp_size_in_bytes', 0.0))}, output {fmt_bytes(mem.get('output_size_in_bytes', 0.0))}"
+            f" (held {fmt_bytes(held)})"
+        )
+        if "flops" in cost:
+            line += f"; cost: {cost['flops']:.6g} FLOPs, {fmt_bytes(cost.get('bytes accessed', 0.0))} accessed"
+        if cost.get("optimal_seconds") and self.step_time_estimated_s:
+            line += (
+                f"\nXLA's time estimate {fmt_seconds(cost['optimal_seconds'])} against the estimator's "
+                f"{fmt_seconds(self.step_time_estimated_s)} on {self.hardware}"
+            )
+        return line
 
 
 def _entry_row(e: AuditEntry) -> list[str]:
@@ -295,11 +346,22 @@ def compare(
 
 
 def _analyses(compiled) -> tuple[dict[str, float], dict[str, float]]:
-    cost = compiled.cost_analysis()
+    """XLA's own account of the program: ``cost_analysis()`` (FLOPs, bytes, transcendentals, and on TPU its time
+    estimate ``optimal_seconds``) and ``memory_analysis()`` per device, as plain floats."""
+    try:
+        cost = compiled.cost_analysis()
+    except (NotImplementedError, RuntimeError):  # a backend without the analysis
+        cost = {}
     if isinstance(cost, list | tuple):
         cost = cost[0] if cost else {}
-    cost = {k: float(v) for k, v in (cost or {}).items() if k in ("flops", "bytes accessed", "transcendentals")}
-    mem = compiled.memory_analysis()
+    keep = ("flops", "bytes accessed", "transcendentals", "optimal_seconds")
+    cost = {k: float(v) for k, v in (cost or {}).items() if k in keep}
+    if cost.get("optimal_seconds", 0.0) <= 0:  # libtpu gives a negative sentinel where it has no estimate
+        cost.pop("optimal_seconds", None)
+    try:
+        mem = compiled.memory_analysis()
+    except (NotImplementedError, RuntimeError):
+        mem = None
     names = (
         "argument_size_in_bytes",
         "output_size_in_bytes",
@@ -311,10 +373,16 @@ def _analyses(compiled) -> tuple[dict[str, float], dict[str, float]]:
 
 
 def _memory(est: ProgramEstimate, mem: dict[str, float]) -> dict[str, float]:
-    """XLA's memory per device (arguments + temporaries) beside the estimator's, for the Transformer."""
+    """XLA's memory per device beside the estimator's: arguments, outputs and temporaries, less what outputs
+    alias (a donated argument is held once)."""
     if not est.memory:
         return {}
-    compiled = mem.get("argument_size_in_bytes", 0.0) + mem.get("temp_size_in_bytes", 0.0)
+    compiled = (
+        mem.get("argument_size_in_bytes", 0.0)
+        + mem.get("output_size_in_bytes", 0.0)
+        + mem.get("temp_size_in_bytes", 0.0)
+        - mem.get("alias_size_in_bytes", 0.0)
+    )
     total = est.memory["total"]
     return {
         "compiled_bytes": compiled,
@@ -367,21 +435,28 @@ def _layout(plan: Plan) -> dict[str, Any]:
     return {"rules": rules, "remat": plan.remat} | {k: v for k, v in plan.sizes.items() if k in ("batch", "seq")}
 
 
-def compile_plan(plan: Plan):
-    """Build the Plan's program and compile it from abstract arguments: ``(built, compiled)``."""
+def compile_plan(plan: Plan, target: Target | None = None):
+    """Build the Plan's program and compile it from abstract arguments: ``(built, compiled)``. With a ``target``
+    (a TPU topology, :mod:`lab.compile.target`) the mesh is the topology's devices and the compiler libtpu's."""
     from kernels.registry import build
 
-    built = build(plan)
+    mesh = target_mesh(plan.shape, target) if target is not None else None
+    built = build(plan, mesh)
     return built, built.fn.lower(*built.abstract).compile()
 
 
-def audit_plan(plan: Plan, chip: Chip) -> AuditResult:
-    """Compile the Plan's program (nothing allocated) and audit it against its estimate on ``chip``."""
+def audit_plan(plan: Plan, chip: Chip, target: Target | None = None) -> AuditResult:
+    """Compile the Plan's program (nothing allocated) and audit it against its estimate on ``chip``; for a TPU
+    ``target`` when one is given (cross-compiled: nothing runs)."""
     import jax
 
-    est = estimate_program(plan, chip)
-    _, compiled = compile_plan(plan)
-    return audit_compiled(plan, compiled, est, jax.devices()[0].platform)
+    est = estimate_program(for_target(plan) if target is not None else plan, chip)
+    _, compiled = compile_plan(plan, target)
+    backend = "tpu" if target is not None else jax.devices()[0].platform
+    result = audit_compiled(plan, compiled, est, backend)
+    if target is not None:
+        result = dataclasses.replace(result, compiled_for=target.name, step_time_estimated_s=est.step_time_s)
+    return result
 
 
 def audit_kernel(

@@ -158,7 +158,7 @@ class Module:
         """Computations an instruction runs, with how many times."""
         out: list[tuple[str, float]] = []
         if instr.opcode == "while":
-            trips = _trip_count(instr)
+            trips = _trip_count(instr) or self._condition_trips(instr) or 1.0
             body = instr.attr("body")
             if body:
                 out.append((body.lstrip("%"), trips))
@@ -199,6 +199,23 @@ class Module:
                     stack.append((callee, times * n))
         return out
 
+    def _condition_trips(self, instr: Instruction) -> float | None:
+        """A scan's trip count from its condition, ``i < N`` with ``N`` a constant (the TPU compiler does not
+        annotate one); the counter is taken to start at 0, as ``lax.scan`` and ``fori_loop`` lower it."""
+        cond = (instr.attr("condition") or "").lstrip("%")
+        body = self.computations.get(cond, [])
+        consts = {}
+        for i in body:
+            m = re.fullmatch(r"\s*(-?\d+)\s*", i.operands_text) if i.opcode == "constant" else None
+            if m:
+                consts[i.name] = int(m.group(1))
+        for i in body:
+            if i.opcode == "compare" and "direction=LT" in i.attrs:
+                names = [o.strip().lstrip("%") for o in i.operands_text.split(",")]
+                if len(names) == 2 and names[1] in consts:
+                    return float(consts[names[1]])
+        return None
+
     def table(self, computation: str) -> dict[str, Instruction]:
         """Instructions of one computation by name (cached)."""
         cache = self.__dict__.setdefault("_tables", {})
@@ -224,7 +241,8 @@ class Module:
         return m.group(1) if m else ""
 
 
-def _trip_count(instr: Instruction) -> float:
+def _trip_count(instr: Instruction) -> float | None:
+    """The trip count XLA:CPU and XLA:GPU annotate (``known_trip_count``); None where it is not given."""
     cfg = instr.attr("backend_config")
     if cfg:
         try:
@@ -232,7 +250,7 @@ def _trip_count(instr: Instruction) -> float:
             return float(data["known_trip_count"]["n"])
         except (ValueError, KeyError, TypeError):
             pass
-    return 1.0
+    return None
 
 
 def _frames(text: str) -> dict[int, tuple[str, int, str]]:
@@ -413,54 +431,126 @@ def operand_shapes(module: Module, instr: Instruction) -> list[Shape]:
 
 
 def collectives(module: Module) -> list[CompiledCollective]:
-    """Every collective the program runs, in the collective model's byte convention."""
+    """Every collective the program runs, in the collective model's byte convention.
+
+    The TPU compiler writes some reduce-scatters as a fusion (``kind=kCustom, calls=%all-reduce-scatter...``) of an
+    all-reduce over a padded input and a dynamic slice: that fusion is one reduce-scatter of its operands."""
     out = []
+    inside: set[int] = set()  # instructions of such fusions, counted through the fusion
     for instr, times in module.walk():
-        kind = COLLECTIVES.get(instr.opcode)
-        if kind is None:
+        if id(instr) in inside:
             continue
-        ops = operand_shapes(module, instr)
-        results = list(instr.result)
-        if instr.opcode.endswith("-start") and len(results) > len(ops):
-            results = results[len(ops) :]  # (operands..., outputs...) tuples of async starts
-        groups = parse_replica_groups(instr.attr("replica_groups"))
-        pairs: list[tuple[int, int]] = []
-        if kind == "collective-permute":
-            pairs = [
-                (int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", instr.attr("source_target_pairs") or "")
-            ]
-        group = len(groups[0]) if groups and groups[0] else 0
-        op_bytes = sum(s.bytes for s in ops)
-        op_elems = sum(s.elements for s in ops)
-        res_bytes = sum(s.bytes for s in results)
-        res_elems = sum(s.elements for s in results)
-        if kind == "all-gather":
-            v, e = res_bytes, res_elems
-        elif kind == "all-to-all":
-            v, e = op_bytes * max(group, 1), op_elems * max(group, 1)
-        else:
-            v, e = op_bytes, op_elems
-        dtype = (ops or results)[0].dtype if (ops or results) else "?"
-        out.append(
-            CompiledCollective(
-                name=instr.name,
-                kind="permute" if kind == "collective-permute" else kind,
-                dtype=dtype,
-                bytes=v,
-                elements=e,
-                group_size=group,
-                groups=tuple(tuple(g) for g in (groups or [])),
-                pairs=tuple(pairs),
-                times=times,
-                op_name=module.op_name(instr),
-                source=module.source(instr),
-            )
-        )
+        callee = (instr.attr("calls") or "").lstrip("%") if instr.opcode == "fusion" else ""
+        if callee.startswith("all-reduce-scatter"):
+            body = module.computations.get(callee, [])
+            inside.update(id(i) for i in body)
+            reduce = next((i for i in body if COLLECTIVES.get(i.opcode) == "all-reduce"), None)
+            if reduce is not None:
+                out.append(_collective(module, instr, times, "reduce-scatter", reduce.attr("replica_groups")))
+            continue
+        kind = COLLECTIVES.get(instr.opcode)
+        if kind is not None:
+            out.append(_collective(module, instr, times, kind, instr.attr("replica_groups")))
     return out
 
 
+def _collective(module: Module, instr, times: float, kind: str, replica_groups: str | None) -> CompiledCollective:
+    ops = operand_shapes(module, instr)
+    results = list(instr.result)
+    if instr.opcode.endswith("-start") and len(results) > len(ops):
+        results = results[len(ops) :]  # (operands..., outputs...) tuples of async starts
+    groups = parse_replica_groups(replica_groups)
+    pairs: list[tuple[int, int]] = []
+    if kind == "collective-permute":
+        pairs = [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", instr.attr("source_target_pairs") or "")]
+    group = len(groups[0]) if groups and groups[0] else 0
+    op_bytes = sum(s.bytes for s in ops)
+    op_elems = sum(s.elements for s in ops)
+    res_bytes = sum(s.bytes for s in results)
+    res_elems = sum(s.elements for s in results)
+    if kind == "all-gather":
+        v, e = res_bytes, res_elems
+    elif kind == "all-to-all":
+        v, e = op_bytes * max(group, 1), op_elems * max(group, 1)
+    else:
+        v, e = op_bytes, op_elems
+    dtype = (ops or results)[0].dtype if (ops or results) else "?"
+    return CompiledCollective(
+        name=instr.name,
+        kind="permute" if kind == "collective-permute" else kind,
+        dtype=dtype,
+        bytes=v,
+        elements=e,
+        group_size=group,
+        groups=tuple(tuple(g) for g in (groups or [])),
+        pairs=tuple(pairs),
+        times=times,
+        op_name=module.op_name(instr),
+        source=module.source(instr),
+    )
+
+
+def _window(text: str | None, n: int) -> dict[str, list]:
+    """A convolution's ``window={size=4x2 stride=3x1 pad=0_0x1_1 lhs_dilate=4x1}`` per spatial dim."""
+    fields = dict(re.findall(r"(\w+)=([\w\-x]+)", (text or "").strip("{}")))
+    one = ["1"] * n
+
+    def ints(key: str, default: list[str]) -> list[int]:
+        return [int(v) for v in fields[key].split("x")] if key in fields else [int(v) for v in default]
+
+    pads = [tuple(int(x) for x in p.split("_")) for p in fields["pad"].split("x")] if "pad" in fields else [(0, 0)] * n
+    return {
+        "size": ints("size", one),
+        "stride": ints("stride", one),
+        "lhs_dilate": ints("lhs_dilate", one),
+        "rhs_dilate": ints("rhs_dilate", one),
+        "pad": pads,
+    }
+
+
+def _taps(n_in: int, n_out: int, size: int, stride: int, lo: int, lhs_dilate: int, rhs_dilate: int) -> int:
+    """(output, window) pairs of one spatial dim that land on an input element, not on padding or a hole of
+    the input's dilation: the TPU compiler writes a matmul's batch dims as such dilated windows."""
+    taps = 0
+    for o in range(n_out):
+        for k in range(size):
+            p = o * stride + k * rhs_dilate - lo
+            taps += p >= 0 and p % lhs_dilate == 0 and p // lhs_dilate < n_in
+    return taps
+
+
+def _convolution_flops(module: Module, instr) -> float | None:
+    """FLOPs of a ``convolution`` (the TPU compiler's form of a matmul, ``dim_labels=bf_io->bf``): two per
+    multiply-add, each output element summing the kernel's input features over the window taps that hit input."""
+    ops = operand_shapes(module, instr)
+    m = re.fullmatch(r"(\w+)_(\w+)->(\w+)", instr.attr("dim_labels") or "")
+    if len(ops) < 2 or not instr.result or not m:
+        return None
+    lhs_l, rhs_l, out_l = m.groups()
+    lhs, rhs, out = ops[0].dims, ops[1].dims, instr.result[0].dims
+    if (len(lhs_l), len(rhs_l), len(out_l)) != (len(lhs), len(rhs), len(out)):
+        return None
+    spatial = sorted({c for c in rhs_l if c.isdigit()})
+    win = _window(instr.attr("window"), len(spatial))
+    taps, out_spatial = 1, 1
+    for j, c in enumerate(spatial):
+        n_out = out[out_l.index(c)]
+        out_spatial *= n_out
+        taps *= _taps(
+            lhs[lhs_l.index(c)],
+            n_out,
+            win["size"][j],
+            win["stride"][j],
+            win["pad"][j][0],
+            win["lhs_dilate"][j],
+            win["rhs_dilate"][j],
+        )
+    per_position = instr.result[0].elements / max(out_spatial, 1)
+    return 2.0 * per_position * rhs[rhs_l.index("i")] * taps
+
+
 def dots(module: Module) -> list[CompiledDot]:
-    """Every matmul (``dot``, cuBLAS GEMM custom call) with its FLOPs."""
+    """Every matmul (``dot``, TPU ``convolution``, cuBLAS GEMM custom call) with its FLOPs."""
     out = []
     for instr, times in module.walk():
         if instr.opcode == "dot":
@@ -471,6 +561,10 @@ def dots(module: Module) -> list[CompiledDot]:
             if ops and out_shape:
                 k = math.prod(ops[0].dims[i] for i in cdims) if cdims else 1
                 out.append(CompiledDot(instr.name, 2.0 * out_shape.elements * k, str(out_shape.dims), times))
+        elif instr.opcode == "convolution":  # the TPU compiler's form of a matmul (dim_labels=bf_io->bf)
+            flops = _convolution_flops(module, instr)
+            if flops:
+                out.append(CompiledDot(instr.name, flops, str(instr.result[0].dims), times))
         elif (instr.opcode == "custom-call" and "gemm" in (instr.attr("custom_call_target") or "").lower()) or (
             instr.opcode == "custom-call" and "matmul" in (instr.attr("custom_call_target") or "").lower()
         ):

@@ -24,6 +24,7 @@ from typing import Any
 
 from lab.core.errors import UserError
 from lab.core.hardware import Chip
+from lab.core.notation import parse_matmul
 from lab.core.plan import Plan
 from lab.core.units import dtype_bytes
 from lab.predict.collectives import collective_time, over_axes
@@ -319,7 +320,13 @@ def _kernel(plan: Plan, chip: Chip) -> ProgramEstimate:
     comm = sum(o.time_s for o in ops if o.is_collective)
     step = max(compute, comm) if ring else compute + comm  # the ring kernels overlap each step with a matmul
     flops = sum(o.flops for o in ops)
-    held = {"total": max(local_bytes), "hbm_bytes": chip.hbm_bytes}  # operands after their gathers, and the result
+    # operands after their gathers and the result; a block holds all its weights and the hidden activation at once
+    # (counted once, though it is one matmul's output and the next one's input)
+    total = max(local_bytes)
+    if spec.family == "block":
+        hidden = parse_matmul(parts[1]).lhs.local_bytes(mesh, sizes, dtype)
+        total = sum(local_bytes) - hidden
+    held = {"total": total, "hbm_bytes": chip.hbm_bytes}
     return ProgramEstimate(plan.program, chip.name, step, tuple(ops), "sharded-matmul engine", flops, held)
 
 

@@ -156,7 +156,12 @@ def _tp(cfg: TrainConfig) -> list[Comm]:
                 dtype="fp32" if cfg.grad_reduce_bytes == 4 else "bf16",
             ),
         ]
-    out.append(on_act("all-reduce", 2, "microbatch", "vocab-parallel embedding (forward), logits (backward)"))
+    # The lookup's partial rows are summed in the table's dtype, and with fp32 weights the logits' input gradient
+    # comes out of an fp32-accumulating matmul: both fp32 there (the lab's Transformer), activations' elsewhere.
+    vocab_dt = "fp32" if cfg.param_dtype == "fp32" else dt
+    vocab_act = tokens * m.d_model * (4.0 if vocab_dt == "fp32" else cfg.act_bytes)
+    what = "vocab-parallel embedding (forward), logits (backward)"
+    out.append(Comm("tp", "all-reduce", vocab_act, 2, "microbatch", what, "", vocab_dt))
     softmax = tokens * SOFTMAX_BYTES
     out.append(
         Comm(

@@ -1,0 +1,156 @@
+"""Compiled truth for TPUs that are not here: ahead-of-time compilation for a named TPU topology.
+
+With libtpu installed (the ``tpu`` extra; it installs on any Linux x86-64 host), JAX describes a TPU slice it
+does not have (``jax.experimental.topologies.get_topology_desc("v5e:2x4", "tpu")``) and compiles for its
+devices: the HLO is the TPU compiler's, with the collectives, fusions and memory plan a real v5e-8 would run.
+Nothing executes, so there is no measured truth; the audit, XLA's ``memory_analysis()`` and its
+``cost_analysis()`` (FLOPs, bytes and the compiler's own time estimate, ``optimal_seconds``) stand beside the
+lab's predictions.
+
+:func:`parse_target` checks a name without starting JAX (so a typo is refused at once); :func:`target_mesh`
+builds the mesh of a Plan over the topology's devices.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+from dataclasses import dataclass
+
+from lab.core.errors import UserError
+
+# A topology name's generation -> the catalog chip that prices it. The names are libtpu's ("v5e:2x4"); the device
+# kinds are what JAX reports for that generation's devices (checked when the topology is built).
+GENERATIONS: dict[str, tuple[str, str]] = {
+    "v4": ("tpu-v4", "TPU v4"),
+    "v5e": ("tpu-v5e", "TPU v5 lite"),
+    "v5p": ("tpu-v5p", "TPU v5"),
+    "v6e": ("tpu-v6e", "TPU v6 lite"),
+}
+EXAMPLES = ("v5e:2x2", "v5e:2x4", "v5e:4x4", "v5p:2x2x1", "v5p:2x2x2", "v6e:2x4", "v6e:4x4")
+INSTALL = "pip install -e '.[tpu]' (libtpu installs on any Linux x86-64 host; ./scripts/test installs it there)"
+_NAME = re.compile(r"(v\w+?):(\d+(?:x\d+){1,2})")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A TPU topology to compile for: ``name`` as given (``v5e:2x4``), its generation, catalog chip and chips."""
+
+    name: str
+    generation: str
+    chip: str
+    device_kind: str
+    chips: int
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "topology": self.name,
+            "generation": self.generation,
+            "chip": self.chip,
+            "device_kind": self.device_kind,
+            "chips": self.chips,
+        }
+
+
+def parse_target(text: str) -> Target:
+    """``"v5e:2x4"`` -> a :class:`Target`; a :class:`UserError` listing the known forms for anything else."""
+    m = _NAME.fullmatch(text.strip().lower())
+    known = f"known generations: {', '.join(GENERATIONS)}; e.g. {', '.join(EXAMPLES)}"
+    if not m:
+        raise UserError(f"--target {text!r} is not a TPU topology name; give GENERATION:AxB[xC], {known}")
+    gen, dims = m.group(1), m.group(2)
+    if gen not in GENERATIONS:
+        raise UserError(f"--target {text!r}: unknown TPU generation {gen!r}; {known}")
+    chips = math.prod(int(d) for d in dims.split("x"))
+    if chips == 0:
+        raise UserError(f"--target {text!r} has no chips; {known}")
+    chip, kind = GENERATIONS[gen]
+    return Target(f"{gen}:{dims}", gen, chip, kind, chips)
+
+
+def require_libtpu() -> None:
+    """libtpu is importable, or a :class:`UserError` saying how to install it."""
+    if importlib.util.find_spec("libtpu") is None:
+        raise UserError(f"compiling for a TPU topology needs libtpu, which is not installed; {INSTALL}")
+
+
+def tpu_present() -> bool:
+    """Whether this host has TPU chips (the device files libtpu opens)."""
+    return any(os.path.exists(p) for p in ("/dev/accel0", "/dev/vfio/0"))
+
+
+def quiet_absent_tpu() -> None:
+    """On a host without TPUs, tell libtpu so before JAX loads it: otherwise every start prints a screen of
+    warnings about metadata servers and worker host names it cannot find. A TPU VM is left alone."""
+    if tpu_present() or importlib.util.find_spec("libtpu") is None:
+        return
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-8")  # any valid type: nothing runs on it
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+
+
+def topology_devices(target: Target) -> list:
+    """The devices of the topology (no TPU needed), checked against the generation's device kind."""
+    require_libtpu()
+    quiet_absent_tpu()
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(target.name, "tpu")
+    except Exception as exc:  # libtpu's errors are runtime errors of several kinds; say what was asked
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(
+            f"libtpu cannot describe the topology {target.name!r} ({first}); try one of {', '.join(EXAMPLES)}"
+        ) from None
+    devices = list(topo.devices)
+    kind = devices[0].device_kind
+    if kind != target.device_kind:
+        raise UserError(f"{target.name}: libtpu describes {kind!r} devices, not {target.device_kind!r}")
+    return devices
+
+
+def for_target(plan):
+    """The Plan as the TPU compiler builds it, for its estimate: the compiler adds the partial input gradients
+    of Q, K and V (and of gate and up) before one AllReduce each (XLA's all-reduce reassociation), as if the
+    projections were fused; XLA:CPU reduces each apart."""
+    import dataclasses
+
+    if not plan.is_transformer or plan.options.fused_projections:
+        return plan
+    return dataclasses.replace(plan, options=dataclasses.replace(plan.options, fused_projections=True))
+
+
+def target_mesh(plan_shape: dict[str, int], target: Target, devices: list | None = None):
+    """A mesh shaped as the Plan says over the topology's devices (all of them: a mesh is the whole slice)."""
+    import jax
+    import numpy as np
+    from jax.experimental import mesh_utils
+
+    devices = devices if devices is not None else topology_devices(target)
+    need = math.prod(plan_shape.values())
+    if need != len(devices):
+        shown = ",".join(f"{k}={v}" for k, v in plan_shape.items())
+        raise UserError(
+            f"the mesh {shown} has {need} devices and the topology {target.name} has {len(devices)}; give a mesh "
+            f"of {len(devices)} devices (--mesh) or a topology of {need} chips"
+        )
+    shape = tuple(plan_shape.values())
+    try:  # the ICI-aware layout (axes laid along the torus); any order where the topology does not allow it
+        grid = mesh_utils.create_device_mesh(shape, devices)
+    except (ValueError, NotImplementedError, AssertionError):
+        grid = np.array(devices).reshape(shape)
+    return jax.sharding.Mesh(grid, tuple(plan_shape))
+
+
+__all__ = [
+    "EXAMPLES",
+    "GENERATIONS",
+    "Target",
+    "for_target",
+    "parse_target",
+    "quiet_absent_tpu",
+    "require_libtpu",
+    "target_mesh",
+]
