@@ -506,9 +506,10 @@ def calibrate(
 
     say = progress or (lambda _text: None)
     mesh = _checked_mesh(mesh)
+    jmesh = make_mesh(mesh)  # a UserError when the host emulates too few devices: before the load is sampled
     before = _busy("before calibrating", force, say)
     start = time.perf_counter()
-    run = _Run(mesh, make_mesh(mesh), quick, say)  # make_mesh: UserError when the host emulates too few devices
+    run = _Run(mesh, jmesh, quick, say)
     today = datetime.date.today().isoformat()
     base = Catalog().get("cpu")  # the built-in placeholder, whatever specs/ holds
 
