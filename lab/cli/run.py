@@ -28,6 +28,7 @@ def cmd_run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         compile_only=args.compile_only,
         devices=args.devices,
         distributed=args.distributed,
+        target=args.topology,
     )
     r = result.report
     if "rank" in r:  # a process other than 0: its trace and a small JSON
@@ -231,6 +232,13 @@ def register(sub, common: argparse.ArgumentParser) -> None:
         "--compile-only",
         action="store_true",
         help="estimate, compile and audit without profiling (a Plan that does not fit is a warning, not an error)",
+    )
+    r.add_argument(
+        "--target",
+        dest="topology",
+        metavar="TOPOLOGY",
+        help="with --compile-only: compile for a TPU topology that need not be here, e.g. v5e:2x4 (needs libtpu; "
+        "priced on that generation's chip unless --hardware is given)",
     )
     r.add_argument(
         "--distributed",

@@ -519,7 +519,7 @@ def _taps(n_in: int, n_out: int, size: int, stride: int, lo: int, lhs_dilate: in
     return taps
 
 
-def _convolution_flops(module: Module, instr) -> float | None:
+def convolution_flops(module: Module, instr) -> float | None:
     """FLOPs of a ``convolution`` (the TPU compiler's form of a matmul, ``dim_labels=bf_io->bf``): two per
     multiply-add, each output element summing the kernel's input features over the window taps that hit input."""
     ops = operand_shapes(module, instr)
@@ -562,7 +562,7 @@ def dots(module: Module) -> list[CompiledDot]:
                 k = math.prod(ops[0].dims[i] for i in cdims) if cdims else 1
                 out.append(CompiledDot(instr.name, 2.0 * out_shape.elements * k, str(out_shape.dims), times))
         elif instr.opcode == "convolution":  # the TPU compiler's form of a matmul (dim_labels=bf_io->bf)
-            flops = _convolution_flops(module, instr)
+            flops = convolution_flops(module, instr)
             if flops:
                 out.append(CompiledDot(instr.name, flops, str(instr.result[0].dims), times))
         elif (instr.opcode == "custom-call" and "gemm" in (instr.attr("custom_call_target") or "").lower()) or (

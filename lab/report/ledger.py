@@ -27,6 +27,7 @@ from lab.compile.hlo import (
     axes_of_groups,
     axes_of_pairs,
     collectives,
+    convolution_flops,
     operand_shapes,
     parse_module,
 )
@@ -81,7 +82,7 @@ class PredictedOp:
 def _dots_in(module: Module, comp: str, depth: int = 0) -> list[Instruction]:
     out = []
     for instr in module.computations.get(comp, []):
-        if instr.opcode == "dot":
+        if instr.opcode in ("dot", "convolution"):  # the TPU compiler writes matmuls as convolutions
             out.append(instr)
         elif depth < 8:
             for callee, _ in module.calls(instr):
@@ -91,6 +92,8 @@ def _dots_in(module: Module, comp: str, depth: int = 0) -> list[Instruction]:
 
 def _dot_flops(module: Module, d: Instruction) -> tuple[float, str]:
     ops = operand_shapes(module, d)
+    if d.opcode == "convolution":
+        return convolution_flops(module, d) or 0.0, ops[0].dtype if ops else "f32"
     lhs_c = d.attr("lhs_contracting_dims") or "{}"
     cdims = [int(x) for x in lhs_c.strip("{}").split(",") if x.strip()]
     k = math.prod(ops[0].dims[i] for i in cdims) if ops and cdims else 1
@@ -140,7 +143,7 @@ def predict_ops(hlo_text: str, chip: Chip, mesh: dict[str, int], slow: tuple[str
             )
             out.append(PredictedOp(instr.name, kind, t, 0.0, nbytes, c.bytes, times, tuple(axes), scope))
             continue
-        dots = [instr] if instr.opcode == "dot" else []
+        dots = [instr] if instr.opcode in ("dot", "convolution") else []
         for callee, _ in module.calls(instr):
             dots += _dots_in(module, callee)
         if dots:

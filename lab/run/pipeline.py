@@ -73,6 +73,7 @@ def run_experiment(
     compile_only: bool = False,
     devices: int | None = None,
     distributed: bool = False,
+    target: str | None = None,
 ) -> RunResult:
     """Run one experiment file (every sweep point) and write its reports; nothing half-written is left behind.
 
@@ -108,6 +109,8 @@ def run_experiment(
             f"give --devices {exp.devices} or more, or leave it out"
         )
     store.check_out(base)  # before JAX starts or the host is calibrated
+    if target is not None:
+        return _run_for_target(exp, path, base, name, points, target, hardware, hardware_file, progress, compile_only)
     cluster = dist.detect(explicit=distributed)
     if cluster is not None and resume:
         raise UserError("--resume continues a run of one process; run the processes again without it")
@@ -140,6 +143,58 @@ def run_experiment(
         ) from None
 
 
+def _run_for_target(
+    exp: Experiment,
+    path: str,
+    base: Path,
+    name: str,
+    points,
+    target: str,
+    hardware,
+    hardware_file,
+    progress,
+    compile_only,
+) -> RunResult:
+    """``--compile-only --target v5e:2x4``: every point compiled for a TPU topology that is not here (nothing
+    runs), audited, and reported with XLA's memory and cost analyses beside the lab's predictions."""
+    from lab.compile.target import parse_target, quiet_absent_tpu, require_libtpu
+    from lab.core.hardware import default_catalog
+
+    topology = parse_target(target)
+    if not compile_only:
+        raise UserError(f"--target {topology.name} compiles for TPU chips that are not here; add --compile-only")
+    for label, plan in points:
+        if plan.devices != topology.chips:
+            raise UserError(
+                f"{exp.path}: {label + ': ' if label else ''}the mesh {plan.shape} has {plan.devices} devices and "
+                f"{topology.name} has {topology.chips} chips; give a topology of {plan.devices} chips"
+            )
+    require_libtpu()
+    chip = default_catalog(hardware_file).get(hardware or topology.chip)
+    for label, plan in points:
+        if plan.dtype not in chip.peak_flops:
+            raise UserError(
+                f"{exp.path}: {label + ': ' if label else ''}{chip.name} has no {plan.dtype} peak; set dtype = "
+                '"bfloat16" in the experiment (TPUs multiply in bf16) or price with --hardware NAME'
+            )
+    quiet_absent_tpu()
+    env = environment() | {
+        "backend": "tpu",
+        "device_kind": topology.device_kind,
+        "device_count": topology.chips,
+        "compiled_for": topology.to_dict(),
+    }
+    ctx = _Context(exp, path, chip, env, progress, True, target=topology)
+    try:
+        if not exp.sweep:
+            return _run_single(ctx, base, name, False)
+        return _run_sweep(ctx, base, name, points, False)
+    except OSError as exc:
+        raise UserError(
+            f"cannot write the run directory under {str(base)!r}: {exc.strerror} ({exc.filename}); pass --out DIR"
+        ) from None
+
+
 def _check_global_mesh(exp: Experiment) -> None:
     """Several processes run one mesh over all their devices: it must use every one of them."""
     import jax
@@ -163,6 +218,7 @@ class _Context:
     compile_only: bool
     rank: int = 0
     processes: int = 1
+    target: Any = None  # a lab.compile.target.Target compiled for ahead of time (nothing runs)
 
     def name(self, base: Path, wanted: str) -> str:
         """The run's name, chosen by process 0 and agreed by all; other processes write beside it."""
@@ -204,7 +260,15 @@ def _run_single(ctx: _Context, base: Path, name: str, resume: bool) -> RunResult
         if ctx.rank == 0:
             _provenance(ctx, tmp)
         report = run_point(
-            ctx.exp, ctx.exp.plan, tmp, ctx.chip, ctx.progress, ctx.env, compile_only=ctx.compile_only, final_dir=final
+            ctx.exp,
+            ctx.exp.plan,
+            tmp,
+            ctx.chip,
+            ctx.progress,
+            ctx.env,
+            compile_only=ctx.compile_only,
+            final_dir=final,
+            target=ctx.target,
         )
         store.mark_complete(tmp)
         final = _commit_run(tmp, final, report)
@@ -276,6 +340,7 @@ def _run_sweep(ctx: _Context, base: Path, name: str, points, resume: bool) -> Ru
                         ctx.env,
                         compile_only=ctx.compile_only,
                         final_dir=point,
+                        target=ctx.target,
                     )
                     store.mark_complete(tmp)
                     store.commit(tmp, point)

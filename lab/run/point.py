@@ -62,25 +62,38 @@ def estimate_or_refuse(
 
 
 def _compile_and_audit(
-    plan: Plan, est: ProgramEstimate | None, chip: Chip, env: dict[str, Any], progress, clock: _Clock, compile_only
+    plan: Plan,
+    est: ProgramEstimate | None,
+    chip: Chip,
+    env: dict[str, Any],
+    progress,
+    clock: _Clock,
+    compile_only,
+    target=None,
 ):
     """Build the program, compile it once from abstract arguments, check that the compiler's memory per device
-    fits the chip (before a byte is allocated), and audit the HLO against the estimate."""
+    fits the chip (before a byte is allocated), and audit the HLO against the estimate. With a ``target`` (a TPU
+    topology) the mesh is the topology's devices and the compiler libtpu's."""
     from kernels.registry import build
     from lab.compile.audit import audit_compiled
+    from lab.compile.target import target_mesh
 
-    progress(f"{plan.name} {dict(plan.sizes)}: building {plan.program} on mesh {plan.shape}")
-    built = build(plan)
+    where = f" for TPU {target.name} (cross-compiled)" if target is not None else ""
+    progress(f"{plan.name} {dict(plan.sizes)}: building {plan.program} on mesh {plan.shape}{where}")
+    built = build(plan, target_mesh(plan.shape, target) if target is not None else None)
     clock.lap("build_s")
     progress("compiling (abstract arguments) and auditing against the estimate")
     compiled = built.fn.lower(*built.abstract).compile()
-    _check_compiled_memory(plan, compiled, chip, compile_only)
+    _check_compiled_memory(plan, compiled, chip, compile_only, host=target is None)
     if est is None:
         return built, compiled, {"all_match": None, "note": "no estimate of this Plan: ledger only"}
-    return built, compiled, audit_compiled(plan, compiled, est, env["backend"]).to_dict()
+    result = audit_compiled(plan, compiled, est, env["backend"])
+    if target is not None:
+        result = dataclasses.replace(result, compiled_for=target.name, step_time_estimated_s=est.step_time_s)
+    return built, compiled, result.to_dict()
 
 
-def _check_compiled_memory(plan: Plan, compiled, chip: Chip, compile_only: bool) -> None:
+def _check_compiled_memory(plan: Plan, compiled, chip: Chip, compile_only: bool, host: bool = True) -> None:
     """What XLA says one device holds (arguments, outputs and temporaries) against the chip's memory: refused,
     or a warning under ``--compile-only``, so that a typo in a size is an error and not an allocation."""
     try:
@@ -89,7 +102,7 @@ def _check_compiled_memory(plan: Plan, compiled, chip: Chip, compile_only: bool)
     except (AttributeError, TypeError, NotImplementedError):  # a backend without the analysis
         return
     limit, what = chip.hbm_bytes, f"{chip.name} has"
-    host = host_bytes_per_device()
+    host = host_bytes_per_device() if host else None
     if host is not None and host < limit:  # emulated devices share the host's memory, whatever chip prices them
         limit, what = host, "this host has"
     if need <= limit:
@@ -213,6 +226,7 @@ def run_point(
     *,
     compile_only: bool = False,
     final_dir: Path | None = None,
+    target=None,
 ) -> dict[str, Any]:
     """Estimate, compile + audit, profile, parse and join one Plan; write its report into ``out_dir``.
 
@@ -223,8 +237,13 @@ def run_point(
 
     final_dir = final_dir or out_dir
     clock = _Clock()
-    est, note = estimate_or_refuse(plan, chip, compile_only, say=False)  # said once, before the first point
-    built, compiled, audit = _compile_and_audit(plan, est, chip, env, progress, clock, compile_only)
+    if target is not None:  # priced as the TPU compiler builds it (lab.compile.target.for_target)
+        from lab.compile.target import for_target
+
+        est, note = estimate_or_refuse(for_target(plan), chip, compile_only, say=False)
+    else:
+        est, note = estimate_or_refuse(plan, chip, compile_only, say=False)  # said once, before the first point
+    built, compiled, audit = _compile_and_audit(plan, est, chip, env, progress, clock, compile_only, target)
     hlo_text = compiled.as_text()
     rank = dist.rank()
     if rank == 0:
@@ -278,6 +297,7 @@ def run_point(
         "result": m.result,
         **processes,
         "audit": audit,
+        **({"compiled_for": env["compiled_for"], "xla": audit.get("xla")} if target is not None else {}),
         "tensorboard": str(final_dir / "tensorboard") if files else None,
         "perfetto_trace": str(final_dir / Path(files.perfetto).resolve().relative_to(out_dir.resolve()))
         if files and files.perfetto
