@@ -164,7 +164,7 @@ def _dispatch(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if args.list:
         given = [repr(args.target)] if args.target is not None else []
         flags = ("mesh", "sizes", "dtype", "axes", "hardware", "hlo", "topology")
-        given += [f"--{k}" for k in flags if getattr(args, k) is not None]
+        given += [f"--{'target' if k == 'topology' else k}" for k in flags if getattr(args, k) is not None]
         given += ["--strict"] if args.strict else []
         if given:  # they would be ignored: say so instead
             raise UserError(f"--list lists the kernels and takes nothing else; drop {', '.join(given)}")
