@@ -93,15 +93,19 @@ def test_dilated_window_taps():
 
 
 @needs_libtpu
-@pytest.mark.parametrize(("topology", "mesh"), [("v5e:2x4", "X=2,Y=4"), ("v5p:2x2x2", "X=2,Y=4"), ("v6e:4x4", "X=4,Y=4")])
+@pytest.mark.parametrize(
+    ("topology", "mesh"), [("v5e:2x4", "X=2,Y=4"), ("v5p:2x2x2", "X=2,Y=4"), ("v6e:4x4", "X=4,Y=4")]
+)
 def test_mlp_block_cross_compiles_and_matches(capsys, topology, mesh):
-    argv = ["audit", "tp_mlp", "--target", topology, "--mesh", mesh, "--dtype", "bf16", "--sizes", "B=512,D=1024,F=4096"]
+    sizes = "B=512,D=1024,F=4096"
+    argv = ["audit", "tp_mlp", "--target", topology, "--mesh", mesh, "--dtype", "bf16", "--sizes", sizes]
     assert main([*argv, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["backend"] == "tpu" and d["emulated"] is False and d["compiled_for"] == topology
     assert d["all_match"], d
     (ar,) = d["entries"]
-    assert ar["kind"] == "all-reduce" and ar["compiled_bytes"] == ar["predicted_bytes"] == 512 // int(mesh[2]) * 1024 * 2
+    x = int(mesh[2])  # B over X, bf16
+    assert ar["kind"] == "all-reduce" and ar["compiled_bytes"] == ar["predicted_bytes"] == 512 // x * 1024 * 2
     assert d["flops_compiled"] == d["flops_predicted"]
     assert BLOCK_MEMORY[0] <= d["memory"]["ratio"] <= BLOCK_MEMORY[1]
     assert d["xla"]["cost"]["flops"] > 0 and d["xla"]["memory"]["argument_size_in_bytes"] > 0
