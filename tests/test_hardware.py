@@ -15,6 +15,7 @@ CANONICAL = [
     "a100-40gb",
     "a100-80gb",
     "h100",
+    "h100-pcie",
     "h200",
     "b200",
     "cpu",
@@ -186,3 +187,38 @@ def test_catalog_entries_are_immutable():
     with pytest.raises(TypeError):
         chip.peak_flops["bf16"] = 1.0  # type: ignore[index]
     assert math.isclose(get_chip("h100").flops("bf16"), 9.89e14)
+
+
+# Device kinds as JAX reports them (the CUDA device name; libtpu's name), with the memory bytes_limit where the
+# kind alone leaves the part open.
+@pytest.mark.parametrize(
+    ("kind", "memory", "chip"),
+    [
+        ("NVIDIA H100 80GB HBM3", 79.1e9, "h100"),
+        ("NVIDIA H100 PCIe", 79.1e9, "h100-pcie"),
+        ("NVIDIA H200", 139.8e9, "h200"),
+        ("NVIDIA B200", 178e9, "b200"),
+        ("NVIDIA A100-SXM4-80GB", 79.1e9, "a100-80gb"),
+        ("NVIDIA A100-SXM4-40GB", 39.4e9, "a100-40gb"),
+        ("NVIDIA A100", 39.4e9, "a100-40gb"),
+        ("NVIDIA A100", 79.1e9, "a100-80gb"),
+        ("TPU v4", 32e9, "tpu-v4"),
+        ("TPU v5 lite", 15.7e9, "tpu-v5e"),
+        ("TPU v5", 95e9, "tpu-v5p"),
+        ("TPU v6 lite", 31.2e9, "tpu-v6e"),
+    ],
+)
+def test_device_kinds_map_to_their_exact_chip(kind, memory, chip):
+    from lab.run.environment import chip_for_device
+
+    assert chip_for_device(kind, memory) == chip
+    assert Catalog().get(chip).name == chip
+
+
+@pytest.mark.parametrize("kind", ["NVIDIA H100 NVL", "NVIDIA GH200 480GB", "TPU7x", "NVIDIA A100-PCIE-40GB"])
+def test_unknown_device_kinds_name_the_kind_and_the_way_out(kind):
+    from lab.run.environment import chip_for_device
+
+    with pytest.raises(UserError, match="--hardware NAME") as e:
+        chip_for_device(kind, 80e9)
+    assert repr(kind) in str(e.value) and "h100-pcie" in str(e.value)

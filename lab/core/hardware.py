@@ -544,6 +544,27 @@ CATALOG: tuple[Chip, ...] = (
         },
     ),
     _gpu(
+        "h100-pcie",
+        peak={"bf16": 7.56e14, "fp16": 7.56e14, "fp8": 1.513e15, "int8": 1.513e15, "fp32": 5.1e13},
+        hbm_bytes=80e9,
+        hbm_bw=2.0e12,
+        nvlink=6.4e10,
+        scaleout=5.0e10,
+        price=None,
+        aliases=("h100-pcie-80gb",),
+        extra_sources={
+            "peak_flops.bf16": "NVIDIA H100 PCIe datasheet: 1,513 TFLOPS BF16 with sparsity; 7.56e14 dense",
+            "peak_flops.fp16": "NVIDIA H100 PCIe datasheet: 1,513 TFLOPS FP16 with sparsity; 7.56e14 dense",
+            "peak_flops.fp8": "NVIDIA H100 PCIe datasheet: 3,026 TFLOPS FP8 with sparsity; 1.513e15 dense",
+            "peak_flops.int8": "NVIDIA H100 PCIe datasheet: 3,026 TOPS INT8 with sparsity; 1.513e15 dense",
+            "peak_flops.fp32": "NVIDIA H100 PCIe datasheet: 51 TFLOPS FP32",
+            "hbm_bytes": "NVIDIA H100 PCIe datasheet: 80 GB HBM2e",
+            "hbm_bandwidth": "NVIDIA H100 PCIe datasheet: 2 TB/s",
+            "link_bandwidth": "PCIe Gen5 x16: 64 GB/s each way (the datasheet's 128 GB/s is both ways); an NVLink "
+            "bridge joins pairs only",
+        },
+    ),
+    _gpu(
         "h200",
         peak={"bf16": 9.89e14, "fp16": 9.89e14, "fp8": 1.979e15, "int8": 1.979e15, "fp32": 6.7e13},
         hbm_bytes=141e9,

@@ -18,19 +18,45 @@ from typing import Any
 from lab.core.errors import UserError
 from lab.core.hardware import Chip, default_catalog, specs_dir
 
+# The device kinds JAX reports (the CUDA device name on GPUs, libtpu's name on TPUs), lower-cased, to the catalog
+# chip: matched whole, never by substring, so an H100 PCIe is not priced as an SXM part nor an A100 40GB as 80GB.
 DEVICE_KIND_TO_CHIP = {
-    "h200": "h200",
-    "h100": "h100",
-    "a100": "a100-80gb",
-    "b200": "b200",
+    "nvidia h100 80gb hbm3": "h100",
+    "nvidia h100 sxm5 80gb": "h100",
+    "nvidia h100": "h100",
+    "nvidia h100 pcie": "h100-pcie",
+    "nvidia h200": "h200",
+    "nvidia b200": "b200",
+    "nvidia a100-sxm4-80gb": "a100-80gb",
+    "nvidia a100-sxm4-40gb": "a100-40gb",
+    "tpu v3": "tpu-v3",
+    "tpu v4": "tpu-v4",
     "tpu v5 lite": "tpu-v5e",
     "tpu v5e": "tpu-v5e",
-    "tpu v5p": "tpu-v5p",
     "tpu v5": "tpu-v5p",
-    "tpu v4": "tpu-v4",
-    "tpu v6": "tpu-v6e",
-    "tpu v3": "tpu-v3",
+    "tpu v5p": "tpu-v5p",
+    "tpu v6 lite": "tpu-v6e",
+    "tpu v6e": "tpu-v6e",
 }
+# Kinds whose name leaves the part open: told apart by the memory JAX reports (bytes_limit is a little under the
+# HBM size, so the split is between the two sizes).
+BY_MEMORY = {"nvidia a100": (60e9, "a100-40gb", "a100-80gb")}
+
+
+def chip_for_device(device_kind: str, memory_bytes: float | None = None) -> str:
+    """The catalog chip of a device kind (and its memory where the kind does not settle it); a
+    :class:`UserError` naming the kind and ``--hardware`` for a kind the catalog does not have."""
+    kind = " ".join(device_kind.lower().split())
+    if kind in DEVICE_KIND_TO_CHIP:
+        return DEVICE_KIND_TO_CHIP[kind]
+    for prefix, (split, small, large) in BY_MEMORY.items():
+        if kind.startswith(prefix) and "pcie" not in kind and memory_bytes:
+            return small if memory_bytes < split else large
+    raise UserError(
+        f"device kind {device_kind!r} is not in the catalog (it has "
+        f"{', '.join(sorted(set(DEVICE_KIND_TO_CHIP.values())))}); price with the closest one (--hardware NAME, or "
+        'hardware = "NAME" in the experiment), add it with --hardware-file, or calibrate it (`shardlab calibrate`)'
+    )
 
 
 class Progress:
@@ -67,6 +93,7 @@ def resolve_hardware(
     progress: Callable[[str], None],
     mesh: dict[str, int],
     alone: bool = True,
+    device_memory: float | None = None,
 ) -> Chip:
     """``calibrated`` (default): this backend's calibration (calibrating the host first on CPU when none
     exists and this process runs ``alone``); otherwise a catalog name."""
@@ -96,17 +123,9 @@ def resolve_hardware(
         from lab.core.hardware import load_hardware_file
 
         return load_hardware_file(spec, catalog)[0]
-    kind = device_kind.lower()
-    for key, chip_name in DEVICE_KIND_TO_CHIP.items():
-        if key in kind:
-            progress(
-                f"no calibration for {backend}; pricing with the catalog's {chip_name} (device kind {device_kind!r})"
-            )
-            return catalog.get(chip_name)
-    raise UserError(
-        f"no calibration for backend {backend!r} (device kind {device_kind!r}) and no catalog match; "
-        f'run `shardlab calibrate` or set hardware = "<catalog name>" in the experiment'
-    )
+    chip_name = chip_for_device(device_kind, device_memory)
+    progress(f"no calibration for {backend}; pricing with the catalog's {chip_name} (device kind {device_kind!r})")
+    return catalog.get(chip_name)
 
 
 def _git_commit() -> str | None:
@@ -141,11 +160,22 @@ def environment() -> dict[str, Any]:
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "backend": devs[0].platform,
         "device_kind": devs[0].device_kind,
+        "device_memory_bytes": _device_memory(devs[0]),
         "device_count": len(devs),
         "host": platform.node(),
         "lab_commit": _git_commit(),
         "time": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
+
+
+def _device_memory(device) -> float | None:
+    """The memory JAX may use on one device (``bytes_limit``); None where the backend does not say (CPU)."""
+    try:
+        stats = device.memory_stats() or {}
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+    limit = stats.get("bytes_limit")
+    return float(limit) if limit else None
 
 
 def process_age_s() -> float | None:
@@ -180,4 +210,12 @@ def require_devices(mesh: dict[str, int]) -> None:
         )
 
 
-__all__ = ["DEVICE_KIND_TO_CHIP", "Progress", "ensure_devices", "environment", "require_devices", "resolve_hardware"]
+__all__ = [
+    "DEVICE_KIND_TO_CHIP",
+    "Progress",
+    "chip_for_device",
+    "ensure_devices",
+    "environment",
+    "require_devices",
+    "resolve_hardware",
+]

@@ -122,7 +122,14 @@ def run_experiment(
     require_devices(exp.mesh)
     env = environment()
     chip = resolve_hardware(
-        exp.plan.hardware, env["backend"], env["device_kind"], hardware_file, progress, exp.mesh, cluster is None
+        exp.plan.hardware,
+        env["backend"],
+        env["device_kind"],
+        hardware_file,
+        progress,
+        exp.mesh,
+        cluster is None,
+        env.get("device_memory_bytes"),
     )
     host = host_bytes_per_device()
     for label, plan in points:  # a Plan that does not fit is refused before anything compiles
