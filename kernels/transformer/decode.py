@@ -58,9 +58,10 @@ def prefill(
     mesh: Mesh | None = None,
     dtype: str = "float32",
 ) -> tuple[jax.Array, Cache]:
-    """Run the prompt ``[B, T]``: logits ``[B, T, V]`` and a KV cache ``[L, B, S, K, H]`` filled up to T."""
+    """Run the prompt ``[B, T]``: the last position's logits ``[B, 1, V]`` (what sampling reads; serving engines
+    make no others) and a KV cache ``[L, B, S, K, H]`` filled up to T."""
     lay = _layout(rules, mesh, dtype)
-    logits, (k, v) = _forward(params, tokens, cfg, lay, keep_kv=True)  # k, v: [L, B, T, K, H]
+    logits, (k, v) = _forward(params, tokens, cfg, lay, keep_kv=True, last_only=True)  # k, v: [L, B, T, K, H]
     pad = ((0, 0), (0, 0), (0, cfg.max_seq_len - tokens.shape[1]), (0, 0), (0, 0))
     cache_axes = cache_info(cfg, tokens.shape[0])["k"].logical_axes
     cache = {name: lay.constrain(jnp.pad(a.astype(lay.dtype), pad), cache_axes) for name, a in (("k", k), ("v", v))}

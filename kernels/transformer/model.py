@@ -390,7 +390,7 @@ def _logits(params: Params, x: jax.Array, cfg: ModelConfig, lay: _Layout) -> jax
         return lay.constrain(logits, ("batch", None, "vocab"))
 
 
-def _forward(params, tokens, cfg, lay, remat="none", *, keep_kv=False):
+def _forward(params, tokens, cfg, lay, remat="none", *, keep_kv=False, last_only=False):
     T = tokens.shape[1]
     positions = jnp.arange(T)
     x = _embed(params, tokens, cfg, lay)
@@ -404,7 +404,10 @@ def _forward(params, tokens, cfg, lay, remat="none", *, keep_kv=False):
         # prevent_cse=False: scan already keeps the recomputation from being merged with the forward pass.
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     x, kv = jax.lax.scan(body, x, params["layers"])
-    return _logits(params, lay.constrain(x, RESIDUAL), cfg, lay), kv
+    x = lay.constrain(x, RESIDUAL)
+    if last_only:  # a prompt's prefill samples from its last position only: the other logits are never made
+        x = x[:, -1:]
+    return _logits(params, x, cfg, lay), kv
 
 
 def forward(

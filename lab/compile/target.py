@@ -89,6 +89,9 @@ def quiet_absent_tpu() -> None:
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-8")  # any valid type: nothing runs on it
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # libtpu's one-process-per-host lockfile guards chips this host does not have: without this, a second
+    # cross-compilation at the same time fails ("multi-process lockfile")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def topology_devices(target: Target) -> list:

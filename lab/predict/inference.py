@@ -322,7 +322,9 @@ def prefill_terms(cfg: InferConfig) -> dict[str, float]:
     """Prefill of ``prefill_len`` tokens for every sequence, per chip: FLOPs, bytes and the roofline core."""
     m, chip, p = cfg.model, cfg.chip, cfg.prefill_len or 0
     tokens = cfg.batch * p
-    mm = m.matmul_flops_per_token() * tokens / cfg.chips
+    # the logits of each prompt's last position only: sampling reads nothing else, and engines make nothing else
+    logits = 2.0 * m.d_model * m.vocab * cfg.batch / cfg.chips if p else 0.0
+    mm = m.matmul_flops_per_token(include_logits=False) * tokens / cfg.chips + logits
     att = m.attention_flops_per_token(p, causal=cfg.flash_attention) * tokens / cfg.chips
     wbytes = param_bytes_per_chip(m, cfg.tp, cfg.ep, cfg.weights)
     kv_write = (
@@ -337,6 +339,7 @@ def prefill_terms(cfg: InferConfig) -> dict[str, float]:
     )
     return {
         "matmul_flops": mm,
+        "logits_flops": logits,
         "attention_flops": att,
         "weight_bytes": wbytes,
         "kv_bytes": kv_write,

@@ -41,17 +41,29 @@ def _params(m: ModelConfig, experts: float) -> dict[str, float]:
 
 
 def _split(
-    cfg: InferConfig, weight_bytes: float, kv_bytes: float, mm_flops: float, att_flops: float, memory_bound: bool
+    cfg: InferConfig,
+    weight_bytes: float,
+    kv_bytes: float,
+    mm_flops: float,
+    att_flops: float,
+    memory_bound: bool,
+    logits_flops: float | None = None,
 ) -> list[dict[str, Any]]:
-    """The roofline core of one pass, per op (see the module docstring)."""
+    """The roofline core of one pass, per op (see the module docstring); ``logits_flops``: the logits' share
+    where it is not every token's (a prefill's, its last positions only)."""
     m, chip = cfg.model, cfg.chip
     read = _params(m, m.experts)  # what is stored (and read when memory-bound)
     used = _params(m, m.experts_per_token)  # what a token multiplies by
-    total_read, total_used = sum(read.values()), sum(used[k] for k in MATMULS)
+    total_read = sum(read.values())
+    shared = MATMULS if logits_flops is None else tuple(k for k in MATMULS if k != "logits")
+    rest = mm_flops - (logits_flops or 0.0)
+    total_used = sum(used[k] for k in shared)
     ops = []
     for name in (*MATMULS, "embed", "norm"):
         w = weight_bytes * read[name] / total_read
-        flops = mm_flops * used[name] / total_used if name in MATMULS else 0.0
+        flops = rest * used[name] / total_used if name in shared else 0.0
+        if name == "logits" and logits_flops is not None:
+            flops = logits_flops
         t = _mem_time(chip, w, cfg.achievable) if memory_bound else _flop_time(chip, flops, cfg.compute, cfg.achievable)
         ops.append(
             {
@@ -103,7 +115,9 @@ def prefill_ops(cfg: InferConfig) -> list[dict[str, Any]]:
     """The prefill per chip, as named ops summing to :func:`prefill_terms`' ``step_s``."""
     p = prefill_terms(cfg)
     memory_bound = p["memory_s"] >= p["compute_s"]
-    ops = _split(cfg, p["weight_bytes"], p["kv_bytes"], p["matmul_flops"], p["attention_flops"], memory_bound)
+    ops = _split(
+        cfg, p["weight_bytes"], p["kv_bytes"], p["matmul_flops"], p["attention_flops"], memory_bound, p["logits_flops"]
+    )
     return ops + _collectives(cfg, cfg.replica_batch * (cfg.prefill_len or 0))
 
 

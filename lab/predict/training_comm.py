@@ -177,10 +177,18 @@ def _tp(cfg: TrainConfig) -> list[Comm]:
     return out
 
 
+def _output_table_share(m) -> float:
+    """The output embedding's share of the embedding parameters (0 when tied to the input one)."""
+    if m.tied_embeddings:
+        return 0.0
+    tables = m.embedding_params - m.d_model * (2 if m.norm == "layernorm" else 1)
+    return m.vocab * m.d_model / tables
+
+
 def _fsdp(cfg: TrainConfig) -> list[Comm]:
     m, lay = cfg.model, cfg.layout
     if lay.fsdp_eff <= 1:
-        return []
+        out = []
     wdt = "fp32" if cfg.weight_bytes == 4 else "bf16"
     gdt = "fp32" if cfg.grad_reduce_bytes == 4 else "bf16"
     layer = layer_params_local(m, lay)
@@ -213,6 +221,18 @@ def _fsdp(cfg: TrainConfig) -> list[Comm]:
             "fsdp", "all-gather", final * cfg.weight_bytes, 2, "microbatch", "FSDP: the final norm scale", "layer", wdt
         ),
         Comm("fsdp", "all-gather", rest * cfg.weight_bytes, 1, "microbatch", "FSDP: embeddings", "layer", wdt),
+        # fp32 weights computed in a 16-bit dtype: the cast sits between the gathered output table and its two
+        # uses, and XLA gathers it again for the logits' backward (the input table's lookup has no second use)
+        Comm(
+            "fsdp",
+            "all-gather",
+            rest * _output_table_share(m) * cfg.weight_bytes * (cfg.param_dtype == "fp32" and cfg.dtype != "fp32"),
+            1,
+            "microbatch",
+            "FSDP: the output table again, for the logits' backward",
+            "layer",
+            wdt,
+        ),
         Comm(
             "fsdp",
             "reduce-scatter",
@@ -224,6 +244,7 @@ def _fsdp(cfg: TrainConfig) -> list[Comm]:
             gdt,
         ),
     ]
+    return [c for c in out if c.bytes > 0]
 
 
 def _dp(cfg: TrainConfig) -> list[Comm]:
