@@ -294,7 +294,7 @@ def strategy(command: str, action: argparse.Action, work: Path):
     name = action.option_strings[0] if action.option_strings else action.dest
     if command == "audit" and kind is None and action.option_strings:  # with --list, even a valid value is refused
         valid = {"--mesh": "X=2,Y=4", "--sizes": "I=8", "--dtype": "bf16", "--axes": "X", "--hardware": "h100"}
-        valid["--target"] = "v5e:2x4"
+        valid |= {"--target": "v5e:2x4", "--model": "layers=2"}
         return st.one_of(st.just(valid[name]), TEXT)
     by_kind = {
         "int+": BAD_INT,

@@ -12,10 +12,8 @@ from typing import Any
 from lab.cli.args import command, out_path
 from lab.cli.commands import help_of
 from lab.core.errors import UserError
-from lab.core.notation import parse_mesh, parse_sizes
-from lab.core.plan import Plan, kernel_plan, make_mesh_axes
-from lab.core.programs import PROGRAMS, complete_mesh, get_program
-from lab.core.units import canonical_dtype
+from lab.core.plan import Plan, kernel_plan
+from lab.core.programs import PROGRAMS, get_program
 
 DEFAULT_MESH = {"X": 2, "Y": 4}
 DEFAULT_MATMUL_SIZES = {"I": 512, "J": 1024, "K": 2048}
@@ -37,16 +35,11 @@ def _kernel_plan(name: str) -> Plan:
 
 
 def _with_flags(plan: Plan, args: argparse.Namespace) -> Plan:
-    """The Plan with the command line's --mesh, --sizes, --dtype, --axes and --hardware, checked again."""
+    """The Plan with the command line's --mesh, --sizes, --dtype, --model, --axes and --hardware, checked again."""
+    from lab.run.overrides import override
+
+    plan, _ = override(plan, mesh=args.mesh, sizes=args.sizes, dtype=args.dtype, model=args.model)
     changes: dict[str, Any] = {}
-    if args.mesh is not None:  # an empty value is refused by its parser, never read as "not given"
-        mesh = complete_mesh(plan.spec, parse_mesh(args.mesh))
-        slow = tuple(a.name for a in plan.mesh if a.link == "slow")
-        changes["mesh"] = make_mesh_axes(mesh, slow)
-    if args.sizes is not None:
-        changes["sizes"] = dict(plan.sizes) | parse_sizes(args.sizes)
-    if args.dtype is not None:
-        changes["dtype"] = canonical_dtype(args.dtype)
     if args.axes is not None:
         axes = tuple(a.strip() for a in args.axes.split(","))
         if not all(axes):
@@ -54,8 +47,9 @@ def _with_flags(plan: Plan, args: argparse.Namespace) -> Plan:
         changes["axes"] = axes
     if args.hardware is not None:
         changes["hardware"] = args.hardware
-    plan = dataclasses.replace(plan, **changes)
-    plan.validate()
+    if changes:
+        plan = dataclasses.replace(plan, **changes)
+        plan.validate()
     return plan
 
 
@@ -146,6 +140,11 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     a.add_argument("--mesh", help=f"mesh axis sizes (default {','.join(f'{k}={v}' for k, v in DEFAULT_MESH.items())})")
     a.add_argument("--sizes", help="sizes, e.g. I=512,J=1024,K=2048 (collectives: N=elements per device; batch=16)")
     a.add_argument("--dtype", choices=("float32", "bfloat16", "fp32", "bf16"))
+    a.add_argument(
+        "--model",
+        metavar="FIELD=VALUE,...",
+        help="change the experiment's model, e.g. layers=2,d_model=1024 (base=llama3-8b starts from a catalog model)",
+    )
     a.add_argument("--axes", help="collective microkernels: mesh axes to span, e.g. X,Y")
     a.add_argument("--hardware", metavar="NAME", help="chip to price expected collectives for (default cpu)")
     a.add_argument(
@@ -163,7 +162,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
 def _dispatch(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if args.list:
         given = [repr(args.target)] if args.target is not None else []
-        flags = ("mesh", "sizes", "dtype", "axes", "hardware", "hlo", "topology")
+        flags = ("mesh", "sizes", "dtype", "model", "axes", "hardware", "hlo", "topology")
         given += [f"--{'target' if k == 'topology' else k}" for k in flags if getattr(args, k) is not None]
         given += ["--strict"] if args.strict else []
         if given:  # they would be ignored: say so instead

@@ -29,6 +29,8 @@ def cmd_run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         devices=args.devices,
         distributed=args.distributed,
         target=args.topology,
+        overrides={"mesh": args.mesh, "sizes": args.sizes, "dtype": args.dtype, "model": args.model},
+        scale_to_host=args.scale_to_host,
     )
     r = result.report
     if "rank" in r:  # a process other than 0: its trace and a small JSON
@@ -87,8 +89,14 @@ def run_text(result) -> str:
         return fmt_seconds(x) if x is not None else "-"
 
     cover = r.get("estimate_coverage")
+    scaled = r.get("scaled_to_host")
     lines = [
         f"{r['experiment']} on {r['devices']} {r['backend']} devices{emulated}",
+        *(
+            [f"SCALED to this host by 1/{scaled['factor']} (--scale-to-host; sizes in the report)"]
+            if scaled and scaled["factor"] > 1
+            else []
+        ),
         f"spec {hw['name']} (calibrated: {hw.get('calibrated', False)}); audit against the estimate: {verdict}",
         f"step: estimated {s(r['step_time_estimated_s'])}, predicted {s(r['step_time_predicted_s'])}, measured "
         f"{s(r['step_time_measured_s'])}; coverage {100 * r['coverage']:.1f}%"
@@ -232,6 +240,20 @@ def register(sub, common: argparse.ArgumentParser) -> None:
         "--compile-only",
         action="store_true",
         help="estimate, compile and audit without profiling (a Plan that does not fit is a warning, not an error)",
+    )
+    r.add_argument("--mesh", metavar="AXIS=N,...", help="the mesh instead of the experiment's, e.g. data=1,model=8")
+    r.add_argument("--sizes", metavar="DIM=N,...", help="sizes to change, e.g. batch=16,seq=2048")
+    r.add_argument("--dtype", choices=("float32", "bfloat16", "fp32", "bf16"), help="the compute dtype")
+    r.add_argument(
+        "--model",
+        metavar="FIELD=VALUE,...",
+        help="change the experiment's model, e.g. layers=2,d_model=1024 (base=llama3-8b starts from a catalog model)",
+    )
+    r.add_argument(
+        "--scale-to-host",
+        action="store_true",
+        help="on emulated CPU devices, divide widths and lengths by the smallest power of two that fits this host "
+        "(printed, and recorded in the report)",
     )
     r.add_argument(
         "--target",

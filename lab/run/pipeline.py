@@ -74,6 +74,8 @@ def run_experiment(
     devices: int | None = None,
     distributed: bool = False,
     target: str | None = None,
+    overrides: dict[str, str | None] | None = None,
+    scale_to_host: bool = False,
 ) -> RunResult:
     """Run one experiment file (every sweep point) and write its reports; nothing half-written is left behind.
 
@@ -89,6 +91,24 @@ def run_experiment(
     exp = load_experiment(path)
     if hardware:
         exp = dataclasses.replace(exp, plan=dataclasses.replace(exp.plan, hardware=hardware))
+    changed: dict[str, Any] = {}
+    if overrides and any(v is not None for v in overrides.values()):
+        from lab.run.overrides import override
+
+        try:
+            plan, changed = override(exp.plan, **overrides)
+        except UserError as exc:
+            raise UserError(f"{exp.path}: {exc}") from None
+        exp = dataclasses.replace(exp, plan=plan)
+    if scale_to_host and (exp.sweep or target is not None):
+        raise UserError(
+            "--scale-to-host scales one Plan on this host; "
+            + (
+                "drop --target (a cross-compiled run needs no host memory)"
+                if target
+                else "a sweep's points would scale differently: run one point (--sizes)"
+            )
+        )
     name = plain_name(run_id) if run_id else plain_name(exp.name, "[experiment].name")
     points = exp.points()
     for label, plan in points:  # every point checked for what the kernels need, before JAX starts
@@ -132,6 +152,10 @@ def run_experiment(
         env.get("device_memory_bytes"),
     )
     host = host_bytes_per_device()
+    if changed:
+        env["overrides"] = changed
+    if scale_to_host:
+        exp, points, env["scaled_to_host"] = _scale_to_host(exp, chip, host, env["backend"])
     for label, plan in points:  # a Plan that does not fit is refused before anything compiles
         try:
             estimate_or_refuse(plan, chip, compile_only, host_bytes=host)
@@ -200,6 +224,41 @@ def _run_for_target(
         raise UserError(
             f"cannot write the run directory under {str(base)!r}: {exc.strerror} ({exc.filename}); pass --out DIR"
         ) from None
+
+
+# --scale-to-host: what "fits this host" means. XLA:CPU holds up to about 3x the estimator's bytes at small sizes
+# (its temporaries; the toy train step's audit: 2.98x), so the estimate gets a quarter of the host's share; and
+# a step should take seconds, not hours, on this host's calibration, or the profile's repeats never finish.
+HOST_MEMORY_SHARE = 0.25
+HOST_STEP_S = 2.0
+
+
+def _scale_to_host(exp: Experiment, chip: Chip, host: float | None, backend: str):
+    """``--scale-to-host``: on emulated devices, the Plan divided until the estimator's memory per device fits
+    the host's share (unchanged when it fits already), said on stderr whatever --quiet says, and recorded."""
+    import sys
+
+    from lab.predict.program import estimate_program
+    from lab.run.overrides import describe, scale_to_host
+
+    if backend != "cpu" or host is None:
+        raise UserError(f"--scale-to-host scales a Plan down for emulated CPU devices; this run is on {backend}")
+
+    def fits(plan) -> bool:
+        try:
+            est = estimate_program(plan, chip)
+        except UserError:
+            return False
+        return bool(est.memory) and est.memory["total"] <= host * HOST_MEMORY_SHARE and est.step_time_s <= HOST_STEP_S
+
+    if fits(exp.plan):
+        record = {"factor": 1, "fields": {}}
+        print(f"shardlab: note: --scale-to-host: {exp.name} fits this host as it is; not scaled", file=sys.stderr)
+    else:
+        plan, record = scale_to_host(exp.plan, fits)
+        exp = dataclasses.replace(exp, plan=plan)
+        print(f"shardlab: note: {exp.name}: {describe(record)}", file=sys.stderr)
+    return exp, exp.points(), record
 
 
 def _check_global_mesh(exp: Experiment) -> None:

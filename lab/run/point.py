@@ -55,7 +55,8 @@ def estimate_or_refuse(
             f"{host_bytes / 2**30:.3g} GiB for each emulated device; shrink the sizes or shard more"
         )
     if warning and not compile_only:
-        raise UserError(warning + " (--compile-only compiles it anyway)")
+        hint = "; --scale-to-host runs it scaled down" if host_bytes is not None else ""
+        raise UserError(warning + f" (--compile-only compiles it anyway{hint})")
     if warning and say:
         print(f"shardlab: warning: {warning}", file=sys.stderr)
     return est, None
@@ -284,6 +285,7 @@ def run_point(
         "hardware": chip.to_dict(),
         "plan": plan.to_dict(),
         "compile_only": compile_only,
+        **{k: env[k] for k in ("overrides", "scaled_to_host") if k in env},
         "ops": row_dicts,
         "estimated_ops": named,
         "coverage": coverage,

@@ -1,0 +1,110 @@
+"""A Plan changed on the command line, and a real-size Plan scaled down to this host, said and recorded."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lab.cli.main import main
+from lab.core.errors import UserError
+from lab.run.experiment import load_experiment
+from lab.run.overrides import override, parse_model, scale_to_host
+
+ROOT = Path(__file__).resolve().parents[1]
+DECODE = str(ROOT / "experiments" / "llama3_8b_decode.toml")
+TRAIN = str(ROOT / "experiments" / "llama3_8b_train_2layer.toml")
+
+
+def test_parse_model_fields():
+    assert parse_model("layers=2,d-model=1024,tied_embeddings=true") == {
+        "layers": 2,
+        "d_model": 1024,
+        "tied_embeddings": True,
+    }
+    assert parse_model("base=llama3-8b,layers=1") == {"base": "llama3-8b", "layers": 1}
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [("", "empty"), ("layers", "not FIELD=VALUE"), ("layers=0", "positive whole"), ("layers=two", "positive whole")],
+)
+def test_bad_model_fields(text, match):
+    with pytest.raises(UserError, match=match):
+        parse_model(text)
+
+
+def test_override_changes_and_records_each_flag():
+    plan = load_experiment(TRAIN).plan
+    new, record = override(plan, mesh="data=4,model=2", sizes="batch=16", dtype="fp32", model="layers=1,d_ff=4096")
+    assert new.shape == {"data": 4, "model": 2} and new.sizes["batch"] == 16 and new.sizes["seq"] == 2048
+    assert new.dtype == "fp32" and new.model.layers == 1 and new.model.d_ff == 4096
+    assert new.model.d_model == plan.model.d_model == 4096  # untouched fields kept
+    assert record == {
+        "mesh": {"data": 4, "model": 2},
+        "sizes": {"batch": 16},
+        "dtype": "fp32",
+        "model": {"layers": 1, "d_ff": 4096},
+    }
+    assert override(plan) == (plan, {})
+
+
+def test_override_is_validated():
+    plan = load_experiment(TRAIN).plan
+    with pytest.raises(UserError, match="batch"):
+        override(plan, sizes="batch=3")  # not divisible by data=2
+    with pytest.raises(UserError, match="no model to change"):
+        override(load_experiment(str(ROOT / "experiments" / "tp_mlp.toml")).plan, model="layers=2")
+
+
+def test_scale_to_host_picks_the_smallest_power_of_two_that_fits():
+    plan = load_experiment(TRAIN).plan
+    # "fits" at d_model <= 1024: 4096 / 1024 = 4 is the smallest factor
+    scaled, record = scale_to_host(plan, lambda p: p.model.d_model <= 1024)
+    assert record["factor"] == 4 and scaled.model.d_model == 1024 and scaled.model.d_ff == 14336 // 4
+    assert scaled.model.vocab == 128256 // 4 and scaled.sizes["seq"] == 512 and scaled.sizes["batch"] == 8
+    assert scaled.model.layers == 2 and scaled.model.heads == 32  # depth and heads are kept
+    assert record["fields"]["model.d_model"] == [4096, 1024]
+    with pytest.raises(UserError, match="no power-of-two scale"):
+        scale_to_host(plan, lambda p: False)
+
+
+def test_a_real_size_run_that_does_not_fit_says_how_to_scale_it(tmp_path, capsys):
+    assert main(["run", TRAIN, "--out", str(tmp_path), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "GiB per device" in err and "--scale-to-host" in err and len(err.strip().splitlines()) == 1
+
+
+def test_scale_to_host_is_printed_and_recorded(tmp_path, capsys):
+    argv = ["run", DECODE, "--out", str(tmp_path), "--scale-to-host", "--compile-only", "--json", "--quiet"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    r = json.loads(out)
+    s = r["scaled_to_host"]
+    assert s["factor"] >= 2 and "scaled down by 1/" in err and "model.d_model 4096 -> " in err
+    assert r["plan"]["model"]["d_model"] == 4096 // s["factor"] and s["fields"]["model.d_model"][0] == 4096
+    assert r["sizes"]["prompt_len"] == 1024 // s["factor"]
+    saved = json.loads((Path(r["run_dir"]) / "report.json").read_text())
+    assert saved["scaled_to_host"] == s
+
+
+def test_run_overrides_are_recorded(tmp_path, capsys):
+    exp = str(ROOT / "experiments" / "train_dp.toml")
+    argv = ["run", exp, "--out", str(tmp_path), "--compile-only", "--json", "--quiet", "--model", "layers=1"]
+    assert main([*argv, "--sizes", "batch=16"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["overrides"] == {"sizes": {"batch": 16}, "model": {"layers": 1}}
+    assert r["plan"]["model"]["layers"] == 1 and r["sizes"]["batch"] == 16
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--scale-to-host", "--target", "v5e:2x4", "--compile-only"], "drop --target"),
+        (["--model", "layers=x"], "positive whole"),
+        (["--mesh", "data=3,model=4"], "not divisible by mesh axis 'data'"),
+    ],
+)
+def test_bad_overrides_exit_2(tmp_path, capsys, extra, match):
+    assert main(["run", DECODE, "--out", str(tmp_path), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert match in err and len(err.splitlines()) == 1, err
