@@ -19,13 +19,20 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "[bootstrap] creating $VENV with $("$PY" --version 2>&1)" >&2
   "$PY" -m venv "$VENV"
 fi
+# SHARDLAB_EXTRAS adds extras to the install: cuda on a GPU machine (jax[cuda12]), tpu on a TPU VM (libtpu; the dev
+# extra already brings it on Linux x86-64), profile for TensorBoard. A comma-separated list: SHARDLAB_EXTRAS=cuda
+EXTRAS="dev${SHARDLAB_EXTRAS:+,$SHARDLAB_EXTRAS}"
+case "$EXTRAS" in *[!a-z0-9,-]*)
+  echo "shardlab: error: SHARDLAB_EXTRAS=$SHARDLAB_EXTRAS: give extras from pyproject.toml separated by commas, e.g. cuda" >&2
+  exit 2;;
+esac
 STAMP="$VENV/.shardlab-install-stamp"
-WANT="$( (cat "$ROOT/pyproject.toml"; echo "$ROOT") | sha256sum | cut -d' ' -f1)"
+WANT="$( (cat "$ROOT/pyproject.toml"; echo "$ROOT"; echo "$EXTRAS") | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-  echo "[bootstrap] installing shardlab and its dev tools into .venv (first run takes a minute or two)" >&2
+  echo "[bootstrap] installing shardlab[$EXTRAS] into .venv (first run takes a minute or two)" >&2
   LOG="$VENV/install.log"
   if ! { "$VENV/bin/python" -m pip install --disable-pip-version-check --upgrade pip \
-         && "$VENV/bin/python" -m pip install --disable-pip-version-check -e "$ROOT[dev]"; } >"$LOG" 2>&1; then
+         && "$VENV/bin/python" -m pip install --disable-pip-version-check -e "$ROOT[$EXTRAS]"; } >"$LOG" 2>&1; then
     tail -n 30 "$LOG" >&2
     echo "shardlab: error: installing into .venv failed; the full log is $LOG" >&2
     exit 1

@@ -43,3 +43,26 @@ def test_shardlab_demo_emulates_its_mesh_however_it_is_started(tmp_path):
     assert r.returncode == 0, r.stderr
     check = json.loads(r.stdout)["placement_check"]
     assert check["ran"] and check["devices"] == 8 and check["mismatches"] == []
+
+
+@pytest.mark.parametrize(("n", "mesh"), [(1, "X=1,Y=1"), (4, "X=1,Y=4"), (8, "X=2,Y=4")])
+def test_the_main_job_on_an_accelerator_is_the_real_size_block_over_its_devices(monkeypatch, n, mesh):
+    import jax
+
+    from lab.cli.run import main_job
+
+    class Device:
+        device_kind = "NVIDIA H200"
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "device_count", lambda: n)
+    monkeypatch.setattr(jax, "devices", lambda: [Device()] * n)
+    job = main_job()
+    assert job["backend"] == "gpu" and "NVIDIA H200" in job["where"] and f"on {n} gpu device" in job["where"]
+    assert job["overrides"] == {"mesh": mesh, "sizes": "B=8192,D=4096,F=14336", "dtype": "bf16"}
+
+
+def test_the_main_job_on_the_host_is_the_toy_experiment():
+    from lab.cli.run import main_job
+
+    assert main_job() == {"backend": "cpu", "where": "on the emulated mesh", "overrides": {}}

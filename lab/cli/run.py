@@ -197,9 +197,13 @@ def cmd_calibrate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 def cmd_demo(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    import os
+
     from lab.run.demo import run_demo
     from lab.run.environment import ensure_devices
 
+    if args.backend == "cpu" and "jax" not in sys.modules:  # the emulated mesh, whatever accelerator is here
+        os.environ["JAX_PLATFORMS"] = "cpu"
     ensure_devices(8)  # before the placement check starts JAX: the demo's mesh, however shardlab was started
     if args.analytic_only and args.out is not None:
         raise UserError("--out names where the run goes, and --analytic-only runs nothing; drop one of them")
@@ -209,11 +213,35 @@ def cmd_demo(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from lab.run.pipeline import run_experiment
 
     experiment = EXPERIMENTS / "tp_mlp.toml"
-    result = run_experiment(str(experiment), args.out or "runs", quiet=args.json, hardware_file=args.hardware_file)
+    job = main_job()
+    result = run_experiment(
+        str(experiment),
+        args.out or "runs",
+        quiet=args.json,
+        hardware_file=args.hardware_file,
+        overrides=job["overrides"],
+    )
     shown = experiment.relative_to(Path.cwd()) if experiment.is_relative_to(Path.cwd()) else experiment
-    head = f"\n\n5. The main job on the emulated mesh: shardlab run {shown}\n"
-    data = report.data | {"run": result.report | {"run_dir": str(result.run_dir)}}
+    flags = "".join(f" --{k} {v}" for k, v in job["overrides"].items() if v)
+    head = f"\n\n5. The main job {job['where']}: shardlab run {shown}{flags}\n"
+    data = report.data | {"run": result.report | {"run_dir": str(result.run_dir)}, "backend": job["backend"]}
     return data, report.text + head + run_text(result)
+
+
+def main_job() -> dict[str, Any]:
+    """Where the demo's main job runs: the toy MLP block on 8 emulated CPU devices, or on an accelerator the
+    LLaMA-3-8B-sized block of sections 1-3 in bf16 over the devices there are (X=2,Y=4 with 8, else Y=all)."""
+    import jax
+
+    backend, n = jax.default_backend(), jax.device_count()
+    if backend == "cpu":
+        return {"backend": "cpu", "where": "on the emulated mesh", "overrides": {}}
+    from lab.run.demo import D_FF, D_MODEL, TOKENS
+
+    mesh = "X=2,Y=4" if n >= 8 else f"X=1,Y={n}"
+    sizes = f"B={TOKENS},D={D_MODEL},F={D_FF}"
+    where = f"on {n} {backend} device{'s' if n > 1 else ''} ({jax.devices()[0].device_kind})"
+    return {"backend": backend, "where": where, "overrides": {"mesh": mesh, "sizes": sizes, "dtype": "bf16"}}
 
 
 def register(sub, common: argparse.ArgumentParser) -> None:
@@ -303,6 +331,12 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     d.add_argument("--hardware", default="tpu-v5e", metavar="NAME", help="target chip to predict for")
     d.add_argument("--analytic-only", action="store_true", help="skip the run (compile, profile, ledger)")
     d.add_argument("--out", type=in_path("--out"), help="parent folder of the run directory (default runs/)")
+    d.add_argument(
+        "--backend",
+        choices=("auto", "cpu"),
+        default="auto",
+        help="auto (default): the accelerator when JAX finds one, else 8 emulated CPU devices; cpu: always emulate",
+    )
     d.set_defaults(func=cmd_demo)
 
 
