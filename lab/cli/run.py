@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,8 @@ def cmd_calibrate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         raise UserError("calibrate measures this host and reads no chip file; drop --hardware-file")
     if args.out is not None and Path(args.out).suffix.lower() != ".json":
         raise UserError(f"--out {args.out!r}: the spec is written as JSON; give a path ending in .json")
+    args.mesh_given = args.mesh is not None
+    args.mesh = args.mesh if args.mesh is not None else "X=2,Y=4"
     mesh = parse_mesh(args.mesh)
     n = 1
     for v in mesh.values():
@@ -179,12 +182,8 @@ def cmd_calibrate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     import jax
 
     backend = jax.default_backend()
-    if backend != "cpu":  # the fits below assume threads of one host; an accelerator needs its own
-        kind = jax.devices()[0].device_kind
-        raise UserError(
-            f"calibrate measures the emulated CPU host, not {backend} devices ({kind!r}); on {backend}, "
-            "`shardlab run` prices with the catalog chip of that device kind, or name one with --hardware"
-        )
+    if backend != "cpu":  # an accelerator: device-side trace times (lab.measure.calibrate_device)
+        return _calibrate_device(args)
     if jax.device_count() < n:
         raise UserError(f"--mesh {args.mesh} needs {n} devices but {jax.device_count()} are available")
     from lab.measure.calibrate import calibrate, check_writable, write_spec
@@ -194,6 +193,35 @@ def cmd_calibrate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     cal = calibrate(mesh, quick=args.quick, progress=say, force=args.force)
     path = write_spec(cal, args.out)
     return cal.to_dict() | {"path": str(path)}, cal.table() + f"\n\nwrote {path}"
+
+
+def _calibrate_device(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """``shardlab calibrate`` on a GPU or TPU: every device in one mesh axis unless --mesh says otherwise."""
+    import jax
+
+    from lab.core.notation import parse_mesh
+    from lab.core.table import render
+    from lab.core.units import fmt_rate, fmt_seconds
+    from lab.measure.calibrate_device import calibrate_device, write_device_spec
+    from lab.run.environment import Progress
+
+    n = jax.device_count()
+    mesh = parse_mesh(args.mesh) if args.mesh_given else {"X": n}
+    if math.prod(mesh.values()) > n:
+        raise UserError(f"--mesh {args.mesh} needs {math.prod(mesh.values())} devices; this machine has {n}")
+    say = None if (args.quiet or args.json) else Progress()
+    chip, warnings = calibrate_device(mesh, quick=args.quick, progress=say)
+    for w in warnings:
+        print(f"shardlab: warning: {w}", file=sys.stderr)
+    path = write_device_spec(chip, args.out)
+    rows = [[f"peak {dt}", fmt_rate(v, "FLOP/s")] for dt, v in chip.peak_flops.items()]
+    rows += [
+        ["HBM bandwidth", fmt_rate(chip.hbm_bandwidth, "B/s")],
+        ["link bandwidth", fmt_rate(chip.link_bandwidth, "B/s")],
+    ]
+    rows += [["collective latency", fmt_seconds(chip.launch_latency_s)]]
+    text = render(["term", "calibrated"], rows, title=f"{chip.name} calibrated on {n} {jax.default_backend()} devices")
+    return chip.fields() | {"path": str(path), "warnings": warnings}, text + f"\n\nwrote {path}"
 
 
 def cmd_demo(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -319,7 +347,11 @@ def register(sub, common: argparse.ArgumentParser) -> None:
         type=in_path("--out"),
         help="where to write the spec, a .json file (default specs/cpu.json)",
     )
-    c.add_argument("--mesh", default="X=2,Y=4", help="mesh for the collective fits (default X=2,Y=4)")
+    c.add_argument(
+        "--mesh",
+        default=None,
+        help="mesh for the collective fits (default X=2,Y=4 emulated; on an accelerator every device in one axis)",
+    )
     c.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about 15 s)")
     c.add_argument(
         "--force", action="store_true", help="keep a calibration taken on a busy host (marked so in the spec)"

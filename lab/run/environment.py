@@ -15,48 +15,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from lab.core.devices import DEVICE_KIND_TO_CHIP, chip_for_device, spec_name
 from lab.core.errors import UserError
 from lab.core.hardware import Chip, default_catalog, specs_dir
-
-# The device kinds JAX reports (the CUDA device name on GPUs, libtpu's name on TPUs), lower-cased, to the catalog
-# chip: matched whole, never by substring, so an H100 PCIe is not priced as an SXM part nor an A100 40GB as 80GB.
-DEVICE_KIND_TO_CHIP = {
-    "nvidia h100 80gb hbm3": "h100",
-    "nvidia h100 sxm5 80gb": "h100",
-    "nvidia h100": "h100",
-    "nvidia h100 pcie": "h100-pcie",
-    "nvidia h200": "h200",
-    "nvidia b200": "b200",
-    "nvidia a100-sxm4-80gb": "a100-80gb",
-    "nvidia a100-sxm4-40gb": "a100-40gb",
-    "tpu v3": "tpu-v3",
-    "tpu v4": "tpu-v4",
-    "tpu v5 lite": "tpu-v5e",
-    "tpu v5e": "tpu-v5e",
-    "tpu v5": "tpu-v5p",
-    "tpu v5p": "tpu-v5p",
-    "tpu v6 lite": "tpu-v6e",
-    "tpu v6e": "tpu-v6e",
-}
-# Kinds whose name leaves the part open: told apart by the memory JAX reports (bytes_limit is a little under the
-# HBM size, so the split is between the two sizes).
-BY_MEMORY = {"nvidia a100": (60e9, "a100-40gb", "a100-80gb")}
-
-
-def chip_for_device(device_kind: str, memory_bytes: float | None = None) -> str:
-    """The catalog chip of a device kind (and its memory where the kind does not settle it); a
-    :class:`UserError` naming the kind and ``--hardware`` for a kind the catalog does not have."""
-    kind = " ".join(device_kind.lower().split())
-    if kind in DEVICE_KIND_TO_CHIP:
-        return DEVICE_KIND_TO_CHIP[kind]
-    for prefix, (split, small, large) in BY_MEMORY.items():
-        if kind.startswith(prefix) and "pcie" not in kind and memory_bytes:
-            return small if memory_bytes < split else large
-    raise UserError(
-        f"device kind {device_kind!r} is not in the catalog (it has "
-        f"{', '.join(sorted(set(DEVICE_KIND_TO_CHIP.values())))}); price with the closest one (--hardware NAME, or "
-        'hardware = "NAME" in the experiment), add it with --hardware-file, or calibrate it (`shardlab calibrate`)'
-    )
 
 
 class Progress:
@@ -119,10 +80,12 @@ def resolve_hardware(
         path = write_spec(cal)
         progress(f"wrote {path}")
         return default_catalog(hardware_file).get("cpu")
-    if spec.is_file():
-        from lab.core.hardware import load_hardware_file
+    for path in (specs_dir() / spec_name(backend, device_kind), spec):  # this device kind's, then the backend's
+        if path.is_file():
+            from lab.core.hardware import load_hardware_file
 
-        return load_hardware_file(spec, catalog)[0]
+            progress(f"pricing with the calibration in {path}")
+            return load_hardware_file(path, catalog)[0]
     chip_name = chip_for_device(device_kind, device_memory)
     progress(f"no calibration for {backend}; pricing with the catalog's {chip_name} (device kind {device_kind!r})")
     return catalog.get(chip_name)
