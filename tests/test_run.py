@@ -189,18 +189,35 @@ def test_cli_run_bad_input_is_one_line():
     assert len([line for line in r.stderr.splitlines() if "error" in line]) == 1 and "Traceback" not in r.stderr
 
 
-def test_calibrate_on_an_accelerator_backend_says_what_to_do_instead(jax_devices, monkeypatch):
-    # No accelerator here: make JAX report one, and check that calibrate refuses before measuring anything.
+def test_calibrate_on_an_accelerator_writes_that_device_kinds_spec(jax_devices, monkeypatch, tmp_path):
+    # No accelerator here: make JAX report one, and check that calibrate measures it with the device-side path
+    # (stubbed: its measurements are tested in test_calibrate_device.py) and writes specs/<backend>-<kind>.json.
     import argparse
 
     import jax
 
     from lab.cli.run import cmd_calibrate
+    from lab.core.hardware import SPECS_DIR_ENV, get_chip
+    from lab.measure import calibrate_device as cd
 
+    monkeypatch.setenv(SPECS_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    args = argparse.Namespace(mesh="X=2,Y=4", quick=True, quiet=True, json=False, out=None)
-    with pytest.raises(UserError, match=r"emulated CPU host, not gpu devices .*--hardware"):
-        cmd_calibrate(args)
+    seen = {}
+
+    def fake(mesh, quick, progress):
+        seen["mesh"], seen["quick"] = mesh, quick
+        prov = {"backend": "gpu", "device_kind": "NVIDIA H200", "device_count": 8, "date": "2026-11-30"}
+        mm = [{"dtype": "bf16", "m": 1, "k": 1, "n": 1, "seconds": 1.0, "flops_per_s": 8e14}]
+        mem = [{"op": "copy", "bytes": 4e12, "seconds": 1.0}]
+        return cd.fitted_chip(get_chip("h200"), mm, mem, [], mesh, prov), ["one warning"]
+
+    monkeypatch.setattr(cd, "calibrate_device", fake)
+    args = argparse.Namespace(mesh=None, quick=True, quiet=True, json=False, out=None, force=False)
+    data, text = cmd_calibrate(args)
+    assert seen == {"mesh": {"X": 8}, "quick": True}  # every device in one axis by default
+    assert data["path"].endswith("gpu-nvidia-h200.json") and (tmp_path / "gpu-nvidia-h200.json").is_file()
+    assert data["peak_flops"]["bf16"] == 8e14 and data["warnings"] == ["one warning"]
+    assert "800 TFLOP/s" in text and "h200 calibrated on 8 gpu devices" in text
 
 
 def _get_json(url: str):

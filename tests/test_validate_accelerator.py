@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.studies.validate_accelerator import mfu
+from lab.run.validate_accelerator import mfu
 
 ROOT = Path(__file__).resolve().parents[1]
 

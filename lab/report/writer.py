@@ -180,6 +180,18 @@ def _processes(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _tools(report: dict[str, Any]) -> list[str]:
+    """The TensorBoard section: a link per profile tool, and why a tool is empty on emulated devices."""
+    links = report.get("tensorboard_tools") or []
+    if not links:
+        return []
+    lines = ["", "## TensorBoard", "", f"`tensorboard --logdir {report['tensorboard']}`, then:", ""]
+    for t in links:
+        empty = f": empty here, {t['empty_on_cpu']}" if t.get("empty_on_cpu") else ""
+        lines.append(f"- [{t['name']}]({t['url']}){empty}")
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
     hw = report["hardware"]
     title = (
@@ -228,6 +240,7 @@ def markdown(report: dict[str, Any]) -> str:
         + (f" Trace: `tensorboard --logdir {report['tensorboard']}`." if report.get("tensorboard") else ""),
         "",
     ]
+    lines += _tools(report)
     return "\n".join(lines)
 
 

@@ -301,6 +301,7 @@ def run_point(
         "audit": audit,
         **({"compiled_for": env["compiled_for"], "xla": audit.get("xla")} if target is not None else {}),
         "tensorboard": str(final_dir / "tensorboard") if files else None,
+        "tensorboard_tools": _tools(files, env["backend"]),
         "perfetto_trace": str(final_dir / Path(files.perfetto).resolve().relative_to(out_dir.resolve()))
         if files and files.perfetto
         else None,
@@ -308,6 +309,18 @@ def run_point(
     written = report.write_all(data, out_dir, timings=lambda: _timings(clock))
     progress(f"wrote {', '.join(written)}")
     return data
+
+
+def _tools(files, backend: str) -> list[dict[str, Any]] | None:
+    """Links to each TensorBoard profile tool for this run's trace (empty tools on CPU say why)."""
+    if not files:
+        return None
+    from lab.measure.xprof_tools import tool_links
+
+    try:
+        return tool_links(files, backend)
+    except UserError:  # a trace folder laid out otherwise: the report still names the logdir
+        return None
 
 
 def _process_summary(m: _Measured, final_dir: Path, rank: int) -> dict[str, Any]:
