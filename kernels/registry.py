@@ -219,7 +219,9 @@ def _kernel(spec: ProgramSpec) -> Kernel:
     return Kernel(spec.name, spec.family, spec.description, spec.notation, spec.dims, build)
 
 
-KERNELS: dict[str, Kernel] = {name: _kernel(spec) for name, spec in PROGRAMS.items() if spec.family != "transformer"}
+KERNELS: dict[str, Kernel] = {
+    name: _kernel(spec) for name, spec in PROGRAMS.items() if spec.family not in ("transformer", "user")
+}
 
 
 def get_kernel(name: str) -> Kernel:
@@ -241,6 +243,10 @@ def build(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0) -> Built:
         from kernels.transformer.decode import build_decode
 
         return build_decode(plan, mesh, seed=seed)
+    if plan.program == "user_model":
+        from kernels.user_model import build_user
+
+        return build_user(plan, mesh, seed=seed)
     jmesh = mesh if mesh is not None else make_mesh(plan.shape, slow=plan.slow_axes)
     return get_kernel(plan.program).build(jmesh, plan.sizes, plan.dtype, plan.axes, seed=seed)
 

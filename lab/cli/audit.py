@@ -90,6 +90,10 @@ def cmd_audit(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
         quiet_absent_tpu()
 
+    if plan.spec.family == "user":  # nothing estimates it: what it compiled to
+        from lab.compile.audit import inventory
+
+        return inventory(plan, topology)
     from lab.compile.audit import audit_plan  # imports JAX
 
     result = audit_plan(plan, chip, topology)

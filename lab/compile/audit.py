@@ -459,6 +459,51 @@ def audit_plan(plan: Plan, chip: Chip, target: Target | None = None) -> AuditRes
     return result
 
 
+def inventory(plan: Plan, target: Target | None = None) -> tuple[dict[str, Any], str]:
+    """A program no estimator describes (a user model): what it compiled to, with nothing to hold it to. Every
+    collective by kind and mesh axes with its bytes and instructions, the matmuls' FLOPs, XLA's analyses."""
+    import jax
+
+    _, compiled = compile_plan(plan, target)
+    text = compiled.as_text()
+    module = parse_module(text)
+    groups = _group_compiled(collectives(module), plan.shape)
+    rows = [
+        {"kind": kind, "axes": list(axes), "bytes": _total(cs), "instructions": [c.name for c in cs]}
+        for (kind, axes), cs in sorted(groups.items())
+    ]
+    cost, mem = _analyses(compiled)
+    backend = "tpu" if target is not None else jax.devices()[0].platform
+    data = {
+        "target": plan.name or plan.program,
+        "mesh": dict(plan.shape),
+        "sizes": dict(plan.sizes),
+        "backend": backend,
+        "emulated": backend == "cpu",
+        "compiled_for": target.name if target is not None else None,
+        "collectives": rows,
+        "flops_compiled": sum(d.flops * d.times for d in dots(module)),
+        "cost_analysis": cost,
+        "memory_analysis": mem,
+        "all_match": None,
+        "note": "no estimator describes this program: its compiled collectives and FLOPs, with nothing to match",
+    }
+    where = (
+        f"TPU {target.name}, cross-compiled" if target is not None else backend + (", emulated" * (backend == "cpu"))
+    )
+    head = f"compiled {data['target']} on mesh {','.join(f'{k}={v}' for k, v in plan.shape.items())} ({where})"
+    table = render(
+        ["kind", "axes", "bytes", "instructions"],
+        [[r["kind"], ",".join(r["axes"]) or "?", fmt_bytes(r["bytes"]), len(r["instructions"])] for r in rows],
+    )
+    held = sum(mem.get(k, 0.0) for k in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes"))
+    tail = (
+        f"FLOPs per device: {data['flops_compiled']:.6g} (compiled; no estimate of a user model to compare)\n"
+        f"XLA memory per device: {fmt_bytes(held - mem.get('alias_size_in_bytes', 0.0))}"
+    )
+    return data, f"{head}\n{table if rows else 'no collectives'}\n{tail}"
+
+
 def audit_kernel(
     name: str,
     mesh: dict[str, int],
@@ -490,4 +535,5 @@ __all__ = [
     "audit_plan",
     "compare",
     "compile_plan",
+    "inventory",
 ]

@@ -108,6 +108,7 @@ class Plan:
     optimizer: str = "adam"
     axes: tuple[str, ...] | None = None
     options: Options = field(default_factory=Options)
+    entry: str | None = None  # user_model: the function that builds the user's module (kernels/user_model.py)
 
     # ----- derived ------------------------------------------------------------------------------------
 
@@ -160,6 +161,19 @@ class Plan:
 
     # ----- checks -------------------------------------------------------------------------------------
 
+    def _validate_user(self) -> None:
+        """A user model: an entry point, rules for its logical dims, positive sizes of any names."""
+        if not self.entry:
+            raise UserError('user_model needs entry = "FILE.py:FUNCTION" (or "MODULE:FUNCTION") in [experiment]')
+        if self.rules is None:
+            raise UserError('user_model needs [rules]: the mesh axes of its logical dims (preset = "fsdp_tp", ...)')
+        self.rules.check_mesh(self.shape)
+        for k, v in self.sizes.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise UserError(f"user_model: size {k} = {v!r} must be a positive integer")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise UserError(f"dtype {self.dtype!r} is not one of float32, bfloat16")
+
     def validate(self, *, executable: bool = True) -> None:
         """Everything that can be checked without JAX; ``executable`` adds what the kernels need to build it.
 
@@ -175,6 +189,9 @@ class Plan:
                 raise UserError(
                     f"{spec.name}: no size for dim {d!r}; give {', '.join(f'{x} = <n>' for x in spec.dims)}"
                 )
+        if spec.family == "user":
+            self._validate_user()
+            return
         extra = sorted(set(self.sizes) - set(spec.dims))
         if extra:
             raise UserError(f"{spec.name}: unknown size {extra[0]!r}; its sizes are {', '.join(spec.dims)}")
@@ -285,6 +302,8 @@ class Plan:
         }
         if self.axes is not None:
             d["axes"] = list(self.axes)
+        if self.entry is not None:
+            d["entry"] = self.entry
         if self.model is not None:
             d["model"] = dataclasses.asdict(self.model)
         if self.rules is not None:
@@ -311,6 +330,8 @@ class Plan:
         lines += [f"hardware = {val(self.hardware)}", f"dtype = {val(dt)}"]
         if self.axes is not None:
             lines.append(f"axes = {val(self.axes)}")
+        if self.entry is not None:
+            lines.append(f"entry = {val(self.entry)}")
         lines += ["", "[mesh]"]
         for a in self.mesh:
             lines.append(

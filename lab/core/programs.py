@@ -187,6 +187,12 @@ _SPECS: tuple[ProgramSpec, ...] = (
         ("batch", "seq"),
     ),
     ProgramSpec(
+        "user_model",
+        "user",
+        "the user's flax nnx Module (an entry point), its parameters placed by the rules: one SGD train step",
+        (),
+    ),
+    ProgramSpec(
         "decode",
         "transformer",
         "the Transformer's greedy generation: prefill the prompt, then one token per step from the KV cache",

@@ -340,6 +340,11 @@ def estimate_program(plan: Plan, chip: Chip) -> ProgramEstimate:
         return _train(plan, chip)
     if plan.program == "decode":
         return _decode(plan, chip)
+    if plan.spec.family == "user":
+        raise UserError(
+            f"{plan.name or plan.program}: the estimators describe the lab's own programs, not a user model; run or "
+            "audit it to see its compiled ops priced by the roofline"
+        )
     return _kernel(plan, chip)
 
 

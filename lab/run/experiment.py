@@ -57,6 +57,7 @@ EXPERIMENT = {
     "axes": Field("strs", "collective microkernels: the mesh axes they span"),
     "question": Field("str", "what the experiment asks"),
     "model": Field("str", "a catalog model the [model] table overrides"),
+    "entry": Field("str", "user_model: FILE.py:FUNCTION (beside the experiment) or MODULE:FUNCTION building it"),
 }
 RUN = {
     "warmup": Field("int0", "untraced calls before the profiled ones"),
@@ -234,6 +235,34 @@ def _sizes(r: _Reader, dims: tuple[str, ...], program: str) -> dict[str, int]:
     return sizes
 
 
+def _user_sizes(r: _Reader) -> dict[str, int]:
+    """A user model's sizes: any names, each a positive integer (the entry point reads them)."""
+    raw = r.doc.get("sizes")
+    if not isinstance(raw, dict) or not raw:
+        raise UserError(f"{r.path}: missing the [sizes] table; user_model passes its sizes to the entry point")
+    return read_table(raw, {k: Field("int+", k) for k in raw}, "sizes", r.where("sizes"))
+
+
+def _entry(r: _Reader, exp: dict[str, Any], family: str) -> str | None:
+    """``entry``, a file path made absolute against the experiment's folder; only a user_model takes one."""
+    entry = exp.get("entry")
+    if entry is None:
+        if family == "user":
+            raise r.error("experiment", None, 'user_model needs entry = "FILE.py:FUNCTION" (or "MODULE:FUNCTION")')
+        return None
+    if family != "user":
+        raise r.error("experiment", "entry", "names the builder of a user_model; this program has its own")
+    target, sep, func = entry.rpartition(":")
+    if not sep or not target or not func:
+        raise r.error("experiment", "entry", f"= {entry!r} is not FILE.py:FUNCTION or MODULE:FUNCTION")
+    if target.endswith(".py"):
+        path = (r.path.parent / target).resolve()
+        if not path.is_file():
+            raise r.error("experiment", "entry", f"= {entry!r}: no file {str(path)!r}")
+        return f"{path}:{func}"
+    return entry
+
+
 def _model(r: _Reader, exp: dict[str, Any]) -> ModelConfig | None:
     table = r.table("model", MODEL)
     base = exp.get("model")
@@ -291,7 +320,8 @@ def load_experiment(path: str | Path) -> Experiment:
         spec = get_program(program)
     except UserError as exc:
         raise r.error("experiment", "program" if "program" in exp else "kernel", str(exc)) from None
-    sizes = _sizes(r, spec.dims, spec.name)
+    sizes = _sizes(r, spec.dims, spec.name) if spec.family != "user" else _user_sizes(r)
+    entry = _entry(r, exp, spec.family)
     try:
         model = _model(r, exp)
     except UserError as exc:
@@ -326,6 +356,7 @@ def load_experiment(path: str | Path) -> Experiment:
         optimizer={"adamw": "adam"}.get(options.get("optimizer", "adam"), options.get("optimizer", "adam")),
         axes=exp.get("axes"),
         options=_options(r, opt),
+        entry=entry,
     )
     try:  # what the estimators need; what the kernels need on top is checked before anything is built
         plan.validate(executable=False)

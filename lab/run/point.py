@@ -39,7 +39,10 @@ def estimate_or_refuse(
 ) -> tuple[ProgramEstimate | None, str | None]:
     """The Plan's estimate; a Plan the estimator refuses, or one that does not fit the chip (or ``host_bytes``
     per device, the host memory emulated devices share), is refused here, before anything compiles. Under
-    ``--compile-only`` both become a note or a warning (``say``: print it)."""
+    ``--compile-only`` both become a note or a warning (``say``: print it). A user's model has no estimate: its
+    compiled ops are priced by the roofline alone."""
+    if plan.spec.family == "user":
+        return None, "a user model: no estimator describes it; each compiled op is priced by the roofline"
     try:
         est = estimate_program(plan, chip)
     except UserError as exc:

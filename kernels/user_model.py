@@ -1,0 +1,192 @@
+"""The user's own model: a flax ``nnx`` Module whose parameters carry logical axis names, trained one step.
+
+An experiment names an entry point, ``entry = "models/tiny_flax_mlp.py:build"`` (a file beside the experiment) or
+``"package.module:build"``. The function is called with the experiment's sizes and returns the module and its
+inputs::
+
+    def build(sizes: dict[str, int]) -> tuple[nnx.Module, list[tuple[tuple[int, ...], str, tuple[str | None, ...]]]]:
+        model = MyModel(sizes["d"], sizes["f"], rngs=nnx.Rngs(0))   # kernels made with nnx.with_partitioning
+        return model, [((sizes["batch"], sizes["d"]), "float32", ("batch", "act_embed"))]
+
+Parameters are annotated as flax users write them (``nnx.with_partitioning(init, ("embed", "ffw"))``) with the
+logical dims of :mod:`lab.core.rules` (``batch``, ``embed``, ``act_embed``, ``heads``, ``kv_heads``, ``ffw``,
+``vocab``, ...); the Plan's rules map them to mesh axes, as they do for the lab's Transformer. The program is a
+train step: the loss is the mean square of the module's output (in float32), its gradient is taken with
+``jax.value_and_grad`` over the parameters, and plain SGD updates them (donated, carried from step to step).
+
+The module is built abstractly first (``nnx.eval_shape``, eager sharding off), so a real-size model is compiled
+without allocating it; real parameters are initialised on the devices, already sharded, when a run needs them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kernels.mesh import make_mesh
+from kernels.program import Built
+from lab.core.errors import UserError
+from lab.core.plan import Plan
+
+ENTRY = re.compile(r"^(?P<target>[\w./\-]+?(?:\.py)?):(?P<func>[A-Za-z_]\w*)$")
+LEARNING_RATE = 1e-2
+
+
+def load_entry(entry: str) -> Callable[[dict[str, int]], Any]:
+    """The function an entry names (``path/file.py:func`` or ``package.module:func``); a :class:`UserError` naming
+    what is missing otherwise."""
+    m = ENTRY.match(entry)
+    if not m:
+        raise UserError(f"entry {entry!r} is not FILE.py:FUNCTION or MODULE:FUNCTION (e.g. models/mlp.py:build)")
+    target, func = m.group("target"), m.group("func")
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise UserError(f"entry {entry!r}: no file {target!r}")
+        name = f"shardlab_user_{abs(hash(str(path.resolve())))}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:  # the user's file: say which and why, without our traceback
+            raise UserError(f"entry {entry!r}: importing {target} failed: {type(exc).__name__}: {exc}") from None
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise UserError(f"entry {entry!r}: cannot import {target!r} ({exc})") from None
+    fn = getattr(module, func, None)
+    if not callable(fn):
+        raise UserError(f"entry {entry!r}: {target} has no function {func!r}")
+    return fn
+
+
+def _abstract_model(plan: Plan):
+    """``(graphdef, abstract state, inputs)``: the entry called under ``nnx.eval_shape`` (nothing allocated)."""
+    from flax import nnx
+
+    fn = load_entry(plan.entry)
+    box: dict[str, Any] = {}
+
+    def make():
+        out = fn(dict(plan.sizes))
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nnx.Module)):
+            raise UserError(f"entry {plan.entry!r} must return (an nnx.Module, its inputs); got {type(out).__name__}")
+        box["inputs"] = out[1]
+        return out[0]
+
+    try:
+        with nnx.use_eager_sharding(False):
+            model = nnx.eval_shape(make)
+    except UserError:
+        raise
+    except Exception as exc:  # building the user's module failed: their code, their message
+        raise UserError(f"entry {plan.entry!r}: building the model failed: {type(exc).__name__}: {exc}") from None
+    graphdef, state = nnx.split(model)
+    return graphdef, state, _inputs(plan.entry, box["inputs"])
+
+
+def _inputs(entry: str, raw) -> list[tuple[tuple[int, ...], Any, tuple[str | None, ...]]]:
+    out = []
+    for i, item in enumerate(raw if isinstance(raw, list | tuple) else [None]):
+        try:
+            shape, dtype, axes = item
+            shape, dtype, axes = tuple(int(s) for s in shape), jnp.dtype(dtype), tuple(axes)
+        except (TypeError, ValueError):
+            raise UserError(
+                f"entry {entry!r}: input {i} must be (shape, dtype, logical axes), e.g. "
+                '((8, 512), "float32", ("batch", "act_embed")); got ' + repr(item)
+            ) from None
+        if len(axes) != len(shape):
+            raise UserError(f"entry {entry!r}: input {i} has {len(shape)} dims and {len(axes)} logical axes")
+        out.append((shape, dtype, axes))
+    return out
+
+
+def _sharding(plan: Plan, mesh: Mesh, logical: tuple[str | None, ...], shape: tuple[int, ...], what: str):
+    if len(logical) > len(shape):
+        raise UserError(f"{what}: {len(logical)} logical axes {logical} for {len(shape)} dims")
+    logical = tuple(logical) + (None,) * (len(shape) - len(logical))  # a shorter spec: the rest replicated
+    spec = plan.rules.spec(logical, what)
+    for dim, (n, axes) in enumerate(zip(shape, spec, strict=True)):
+        if axes is None:
+            continue
+        k = int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
+        if n % k:
+            raise UserError(
+                f"{what}: dim {dim} ({logical[dim]}) of size {n} does not divide over {axes} ({k} devices); give a "
+                f"size divisible by {k} or change the rules"
+            )
+    return NamedSharding(mesh, P(*spec))
+
+
+def build_user(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0) -> Built:
+    """The user's model as a train step on ``mesh`` (default: the Plan's, on the first devices)."""
+    from flax import nnx
+
+    plan.validate()
+    m = mesh if mesh is not None else make_mesh(plan.shape, slow=plan.slow_axes)
+    graphdef, state, inputs = _abstract_model(plan)
+    leaves, tree = jax.tree.flatten(state)
+    # an unannotated parameter has no spec (None): replicated
+    specs = jax.tree.leaves(nnx.get_partition_spec(state), is_leaf=lambda x: x is None or isinstance(x, P))
+    specs = [() if s is None else s for s in specs]
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    state_sh = jax.tree.unflatten(
+        tree,
+        [
+            _sharding(plan, m, tuple(s), leaf.shape, f"parameter {path}")
+            for leaf, s, path in zip(leaves, specs, paths, strict=True)
+        ],
+    )
+    in_sh = [_sharding(plan, m, axes, shape, f"input {i}") for i, (shape, _, axes) in enumerate(inputs)]
+
+    def step(state, *xs):
+        def loss_fn(st):
+            y = nnx.merge(graphdef, st)(*xs)
+            return jnp.mean(jnp.square(jnp.asarray(y, jnp.float32)))
+
+        loss, grads = jax.value_and_grad(loss_fn)(state)
+        return loss, jax.tree.map(lambda p, g: p - LEARNING_RATE * g, state, grads)
+
+    fn = jax.jit(
+        step, in_shardings=(state_sh, *in_sh), out_shardings=(NamedSharding(m, P()), state_sh), donate_argnums=0
+    )
+    abstract = (
+        jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_sh),
+        *(jax.ShapeDtypeStruct(shape, dt, sharding=s) for (shape, dt, _), s in zip(inputs, in_sh, strict=True)),
+    )
+    entry = load_entry(plan.entry)
+
+    def make_args():
+        def init():
+            with nnx.use_eager_sharding(False):
+                return nnx.split(entry(dict(plan.sizes))[0])[1]
+
+        params = jax.jit(init, out_shardings=state_sh)()
+        rng = np.random.default_rng(seed)
+        xs = []
+        for (shape, dt, _), s in zip(inputs, in_sh, strict=True):
+            host = rng.integers(0, 2, shape) if jnp.issubdtype(dt, jnp.integer) else rng.standard_normal(shape)
+            xs.append(jax.device_put(host.astype(dt), s))
+        return (params, *xs)
+
+    def carry(out, args):  # the parameters were donated: continue from the step's
+        return (out[1], *args[1:])
+
+    return Built(fn, abstract, make_args, carry=carry)
+
+
+__all__ = ["build_user", "load_entry"]
