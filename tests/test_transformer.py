@@ -333,7 +333,8 @@ def test_decode_after_prefill_matches_full_forward(tr):
     params = tr.init_params(cfg, PRESETS["single"], tr.transformer_mesh(SINGLE), jax.random.key(0))
     full = np.asarray(jax.jit(tr.forward, static_argnums=2)(params, seq, cfg))  # [B, T, V]
     logits, cache = jax.jit(tr.prefill, static_argnums=2)(params, seq[:, :PROMPT], cfg)
-    np.testing.assert_allclose(logits, full[:, :PROMPT], rtol=LOGIT_RTOL, atol=LOGIT_ATOL)
+    assert logits.shape == (B, 1, cfg.vocab)  # the prompt's last position only: what sampling reads
+    np.testing.assert_allclose(logits, full[:, PROMPT - 1 : PROMPT], rtol=LOGIT_RTOL, atol=LOGIT_ATOL)
     assert cache["k"].shape == (cfg.layers, B, cfg.max_seq_len, cfg.kv_heads, cfg.head_dim)
     step = jax.jit(tr.decode_step, static_argnums=4)
     for pos in range(PROMPT, PROMPT + STEPS):
