@@ -164,8 +164,13 @@ def run_experiment(
     import jax
 
     ctx = _Context(exp, path, chip, env, progress, compile_only, jax.process_index(), jax.process_count())
+    return _dispatch(ctx, base, name, points, resume)
+
+
+def _dispatch(ctx: _Context, base: Path, name: str, points, resume: bool) -> RunResult:
+    """One point or a sweep, into the run directory; a directory that cannot be written is the user's to fix."""
     try:
-        if not exp.sweep:
+        if not ctx.exp.sweep:
             return _run_single(ctx, base, name, resume)
         return _run_sweep(ctx, base, name, points, resume)
     except OSError as exc:
@@ -215,15 +220,7 @@ def _run_for_target(
         "device_count": topology.chips,
         "compiled_for": topology.to_dict(),
     }
-    ctx = _Context(exp, path, chip, env, progress, True, target=topology)
-    try:
-        if not exp.sweep:
-            return _run_single(ctx, base, name, False)
-        return _run_sweep(ctx, base, name, points, False)
-    except OSError as exc:
-        raise UserError(
-            f"cannot write the run directory under {str(base)!r}: {exc.strerror} ({exc.filename}); pass --out DIR"
-        ) from None
+    return _dispatch(_Context(exp, path, chip, env, progress, True, target=topology), base, name, points, False)
 
 
 # --scale-to-host: what "fits this host" means. XLA:CPU holds up to about 3x the estimator's bytes at small sizes
