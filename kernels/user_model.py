@@ -8,6 +8,9 @@ inputs::
         model = MyModel(sizes["d"], sizes["f"], rngs=nnx.Rngs(0))   # kernels made with nnx.with_partitioning
         return model, [((sizes["batch"], sizes["d"]), "float32", ("batch", "act_embed"))]
 
+A pure-JAX model returns ``(apply, params, inputs)`` instead: ``apply(params, *xs)`` and ``params`` as
+``{name: (shape, dtype, logical axes)}``, which the lab initialises N(0, 1/fan_in) (vectors at one).
+
 Parameters are annotated as flax users write them (``nnx.with_partitioning(init, ("embed", "ffw"))``) with the
 logical dims of :mod:`lab.core.rules` (``batch``, ``embed``, ``act_embed``, ``heads``, ``kv_heads``, ``ffw``,
 ``vocab``, ...); the Plan's rules map them to mesh axes, as they do for the lab's Transformer. The program is a
@@ -25,6 +28,7 @@ import importlib.util
 import re
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,44 +77,104 @@ def load_entry(entry: str) -> Callable[[dict[str, int]], Any]:
     return fn
 
 
-def _abstract_model(plan: Plan):
-    """``(graphdef, abstract state, inputs)``: the entry called under ``nnx.eval_shape`` (nothing allocated)."""
+@dataclass(frozen=True)
+class _Model:
+    """What the step needs of a user's model, whichever way it was written: the abstract parameters (a pytree of
+    ``ShapeDtypeStruct``), each leaf's logical axes (same order as the leaves), ``apply(params, *xs)``, ``init()``
+    (real parameters, traced under jit), and the inputs."""
+
+    params: Any
+    logical: list[tuple[str | None, ...]]
+    apply: Callable
+    init: Callable[[], Any]
+    inputs: list
+
+
+def _abstract_model(plan: Plan) -> _Model:
+    """The entry called once abstractly (``nnx.eval_shape`` for a Module; a pure-JAX entry describes its
+    parameters itself): nothing is allocated."""
     from flax import nnx
 
     fn = load_entry(plan.entry)
+    sizes = dict(plan.sizes)
     box: dict[str, Any] = {}
 
     def make():
-        out = fn(dict(plan.sizes))
-        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nnx.Module)):
-            raise UserError(f"entry {plan.entry!r} must return (an nnx.Module, its inputs); got {type(out).__name__}")
-        box["inputs"] = out[1]
-        return out[0]
+        out = fn(sizes)
+        box["out"] = out
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nnx.Module):
+            return out[0]
+        return nnx.Module()  # not a Module: the pure-JAX form, read below
 
     try:
         with nnx.use_eager_sharding(False):
-            model = nnx.eval_shape(make)
+            module = nnx.eval_shape(make)
     except UserError:
         raise
     except Exception as exc:  # building the user's module failed: their code, their message
         raise UserError(f"entry {plan.entry!r}: building the model failed: {type(exc).__name__}: {exc}") from None
-    graphdef, state = nnx.split(model)
-    return graphdef, state, _inputs(plan.entry, box["inputs"])
+    out = box["out"]
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nnx.Module):
+        graphdef, state = nnx.split(module)
+        specs = jax.tree.leaves(nnx.get_partition_spec(state), is_leaf=lambda x: x is None or isinstance(x, P))
+
+        def init():
+            with nnx.use_eager_sharding(False):
+                return nnx.split(fn(sizes)[0])[1]
+
+        return _Model(
+            state,
+            [() if sp is None else tuple(sp) for sp in specs],  # an unannotated parameter (None): replicated
+            lambda st, *xs: nnx.merge(graphdef, st)(*xs),
+            init,
+            _inputs(plan.entry, out[1]),
+        )
+    if isinstance(out, tuple) and len(out) == 3 and callable(out[0]) and isinstance(out[1], dict):
+        return _pure(plan.entry, *out)
+    raise UserError(
+        f"entry {plan.entry!r} must return (an nnx.Module, inputs) or (apply, params, inputs) with params a dict of "
+        f"name -> (shape, dtype, logical axes); got {type(out).__name__}"
+    )
 
 
-def _inputs(entry: str, raw) -> list[tuple[tuple[int, ...], Any, tuple[str | None, ...]]]:
+def _pure(entry: str, apply: Callable, params: dict, raw_inputs) -> _Model:
+    """A pure-JAX model: ``apply(params, *xs)`` and ``params`` as ``{name: (shape, dtype, logical axes)}``,
+    initialised N(0, 1/fan_in) (the first dim is fan-in), vectors at one."""
+    leaves = _inputs(entry, list(params.values()), what="parameter", names=list(params))
+    abstract = {k: jax.ShapeDtypeStruct(shape, dt) for k, (shape, dt, _) in zip(params, leaves, strict=True)}
+
+    def init():
+        key = jax.random.key(0)
+        out = {}
+        for i, (k, (shape, dt, _)) in enumerate(zip(params, leaves, strict=True)):
+            if len(shape) < 2:
+                out[k] = jnp.ones(shape, dt)
+            else:
+                w = jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) / np.sqrt(shape[0])
+                out[k] = w.astype(dt)
+        return out
+
+    by_name = dict(zip(params, (axes for _, _, axes in leaves), strict=True))
+    logical = [by_name[k] for k in sorted(params)]  # a dict's leaves come in its sorted keys' order
+    return _Model(abstract, logical, apply, init, _inputs(entry, raw_inputs))
+
+
+def _inputs(
+    entry: str, raw, what: str = "input", names: list[str] | None = None
+) -> list[tuple[tuple[int, ...], Any, tuple[str | None, ...]]]:
     out = []
     for i, item in enumerate(raw if isinstance(raw, list | tuple) else [None]):
+        label = f"{what} {names[i] if names else i}"
         try:
             shape, dtype, axes = item
             shape, dtype, axes = tuple(int(s) for s in shape), jnp.dtype(dtype), tuple(axes)
         except (TypeError, ValueError):
             raise UserError(
-                f"entry {entry!r}: input {i} must be (shape, dtype, logical axes), e.g. "
+                f"entry {entry!r}: {label} must be (shape, dtype, logical axes), e.g. "
                 '((8, 512), "float32", ("batch", "act_embed")); got ' + repr(item)
             ) from None
         if len(axes) != len(shape):
-            raise UserError(f"entry {entry!r}: input {i} has {len(shape)} dims and {len(axes)} logical axes")
+            raise UserError(f"entry {entry!r}: {label} has {len(shape)} dims and {len(axes)} logical axes")
         out.append((shape, dtype, axes))
     return out
 
@@ -134,29 +198,24 @@ def _sharding(plan: Plan, mesh: Mesh, logical: tuple[str | None, ...], shape: tu
 
 def build_user(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0) -> Built:
     """The user's model as a train step on ``mesh`` (default: the Plan's, on the first devices)."""
-    from flax import nnx
-
     plan.validate()
     m = mesh if mesh is not None else make_mesh(plan.shape, slow=plan.slow_axes)
-    graphdef, state, inputs = _abstract_model(plan)
-    leaves, tree = jax.tree.flatten(state)
-    # an unannotated parameter has no spec (None): replicated
-    specs = jax.tree.leaves(nnx.get_partition_spec(state), is_leaf=lambda x: x is None or isinstance(x, P))
-    specs = [() if s is None else s for s in specs]
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    model = _abstract_model(plan)
+    leaves, tree = jax.tree.flatten(model.params)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(model.params)[0]]
     state_sh = jax.tree.unflatten(
         tree,
         [
-            _sharding(plan, m, tuple(s), leaf.shape, f"parameter {path}")
-            for leaf, s, path in zip(leaves, specs, paths, strict=True)
+            _sharding(plan, m, axes, leaf.shape, f"parameter {path}")
+            for leaf, axes, path in zip(leaves, model.logical, paths, strict=True)
         ],
     )
+    inputs = model.inputs
     in_sh = [_sharding(plan, m, axes, shape, f"input {i}") for i, (shape, _, axes) in enumerate(inputs)]
 
     def step(state, *xs):
         def loss_fn(st):
-            y = nnx.merge(graphdef, st)(*xs)
-            return jnp.mean(jnp.square(jnp.asarray(y, jnp.float32)))
+            return jnp.mean(jnp.square(jnp.asarray(model.apply(st, *xs), jnp.float32)))
 
         loss, grads = jax.value_and_grad(loss_fn)(state)
         return loss, jax.tree.map(lambda p, g: p - LEARNING_RATE * g, state, grads)
@@ -165,17 +224,12 @@ def build_user(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0) -> Built:
         step, in_shardings=(state_sh, *in_sh), out_shardings=(NamedSharding(m, P()), state_sh), donate_argnums=0
     )
     abstract = (
-        jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_sh),
+        jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), model.params, state_sh),
         *(jax.ShapeDtypeStruct(shape, dt, sharding=s) for (shape, dt, _), s in zip(inputs, in_sh, strict=True)),
     )
-    entry = load_entry(plan.entry)
 
     def make_args():
-        def init():
-            with nnx.use_eager_sharding(False):
-                return nnx.split(entry(dict(plan.sizes))[0])[1]
-
-        params = jax.jit(init, out_shardings=state_sh)()
+        params = jax.jit(model.init, out_shardings=state_sh)()
         rng = np.random.default_rng(seed)
         xs = []
         for (shape, dt, _), s in zip(inputs, in_sh, strict=True):

@@ -94,7 +94,7 @@ def build(sizes):
         ({"entry": 'entry = "m.py"'}, "is not FILE.py:FUNCTION"),
         ({"entry": ""}, "needs entry"),
         ({"rules": ""}, "needs [rules]"),
-        ({"code": "def build(sizes):\n    return 3\n"}, "must return (an nnx.Module, its inputs)"),
+        ({"code": "def build(sizes):\n    return 3\n"}, "must return (an nnx.Module, inputs) or (apply, params"),
         ({"code": "raise RuntimeError('boom')\n"}, "importing"),
         ({"code": BAD_LOGICAL}, "unknown logical dim 'mlp'"),
         ({"sizes": "d = 63"}, "does not divide"),
@@ -104,6 +104,46 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path, capsys, kwargs, match):
     assert main(["audit", _exp(tmp_path, **kwargs)]) == 2
     err = capsys.readouterr().err.strip()
     assert match in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+
+
+PURE = """
+import jax
+import jax.numpy as jnp
+
+def apply(p, x):
+    return jax.nn.gelu(x @ p["w1"]) @ p["w2"] * p["scale"]
+
+def build(sizes):
+    d, f = sizes["d"], sizes["f"]
+    params = {
+        "w1": ((d, f), "float32", ("embed", "ffw")),
+        "w2": ((f, d), "float32", ("ffw", "embed")),
+        "scale": ((d,), "float32", (None,)),
+    }
+    return apply, params, [((sizes["batch"], d), "float32", ("batch", None))]
+"""
+
+
+def test_a_pure_jax_model_is_placed_by_the_rules_and_trains(tmp_path, jax_devices):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from kernels.registry import build
+
+    plan = load_experiment(_exp(tmp_path, code=PURE)).plan
+    built = build(plan)
+    params_spec = built.abstract[0]
+    assert params_spec["w1"].sharding.spec == P("data", "model") and params_spec["w1"].shape == (64, 128)
+    assert params_spec["w2"].sharding.spec == P("model", "data") and params_spec["scale"].sharding.spec == P(None)
+    params, x = built.args
+    host = {k: np.asarray(v) for k, v in params.items()}
+    assert np.all(host["scale"] == 1.0) and abs(float(np.std(host["w1"])) * np.sqrt(64) - 1) < 0.1  # N(0, 1/fan_in)
+    loss, new = built.fn(params, x)
+    xs = np.asarray(x)
+    want = np.mean(np.square(np.asarray(jax.nn.gelu(jnp.asarray(xs @ host["w1"])) @ host["w2"] * host["scale"])))
+    assert float(loss) == pytest.approx(float(want), rel=1e-5)
+    assert not np.allclose(np.asarray(new["w1"]), host["w1"])  # one SGD step moved the weights
 
 
 def test_entry_belongs_to_user_models_only(tmp_path):
