@@ -28,6 +28,12 @@ def _strictly_better(a: SweepPoint, b: SweepPoint) -> bool:
     return no_worse and (a.decode_step_s < b.decode_step_s or a.tokens_per_s_per_chip > b.tokens_per_s_per_chip)
 
 
+def _better_within_a_tie(a: SweepPoint, b: SweepPoint) -> bool:
+    """Faster or as fast, with throughput per chip at least 0.5% below b's at worst (the sweep's tie)."""
+    no_worse = a.decode_step_s <= b.decode_step_s and a.tokens_per_s_per_chip >= 0.995 * b.tokens_per_s_per_chip
+    return no_worse and (a.decode_step_s < b.decode_step_s or a.tokens_per_s_per_chip > b.tokens_per_s_per_chip)
+
+
 @pytest.mark.parametrize("name", ["h100", "v5e"])
 def test_pareto_points_are_non_dominated_and_cover_the_rest(name, request):
     s = request.getfixturevalue(name)
@@ -42,7 +48,7 @@ def test_pareto_points_are_non_dominated_and_cover_the_rest(name, request):
         )
     for p in s.points:
         if not p.pareto:
-            assert any(_strictly_better(q, p) for q in front), p
+            assert any(_better_within_a_tie(q, p) for q in front), p
     # Sorted by latency, the frontier trades latency for throughput monotonically.
     lat = [p.decode_step_s for p in front]
     tps = [p.tokens_per_s_per_chip for p in front]
@@ -57,6 +63,16 @@ def test_pareto_front_on_hand_made_points():
     pts = [pt(1.0, 10.0), pt(2.0, 20.0), pt(2.0, 15.0), pt(3.0, 5.0), pt(1.0, 10.0)]
     # Equal latency and lower throughput is dominated; exact duplicates stay (neither beats the other).
     assert pareto_front(pts) == [True, True, False, False, True]
+
+
+def test_a_slower_point_with_a_throughput_tie_is_dominated():
+    def pt(lat, tps):
+        return SweepPoint(1, 1, 1, 1, lat, tps, tps, None, "KV reads", True, False)
+
+    # llama3-8b on tpu-v5e, achievable: tp=8 batch 104 (22.59 ms, 575.4/chip) against tp=16 batch 223 (24.21 ms,
+    # 575.6/chip): 7% slower for 0.03% more is not on the frontier; 1% more throughput is
+    assert pareto_front([pt(22.59, 575.4), pt(24.21, 575.6)]) == [True, False]
+    assert pareto_front([pt(22.59, 575.4), pt(24.21, 581.2)]) == [True, True]
 
 
 def test_every_point_fits_and_topologies_are_pure_tensor_parallel(h100, v5e):
