@@ -329,3 +329,27 @@ def test_run_side_mistakes_found_by_the_sweep_are_one_line(argv, env, expected, 
     assert code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert expected in line and not (tmp_path / "o").exists(), line
+
+
+def test_every_flag_of_every_command_says_what_it_is_and_its_default():
+    import argparse
+
+    from lab.cli.main import build_parser
+
+    problems = []
+
+    def walk(p, path):
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sp in a.choices.items():
+                    walk(sp, [*path, name])
+            elif a.option_strings and a.dest != "help":
+                flag = f"{' '.join(path)} {a.option_strings[0]}"
+                said = a.default is None or a.default is False or a.default == argparse.SUPPRESS or a.nargs == 0
+                if not a.help or len(a.help) < 8:
+                    problems.append(f"{flag}: no help")
+                elif not said and "default" not in a.help.lower():
+                    problems.append(f"{flag}: default {a.default!r} not said")
+
+    walk(build_parser([]), [])
+    assert not problems, problems

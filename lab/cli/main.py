@@ -46,6 +46,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
             module.register(sub, common, hw, with_chip)
         else:
             module.register(sub, common)
+    if not chosen or {"-h", "--help"} & set(argv or ()):  # help is printed: every flag says its unit and default
+        from lab.cli.flag_help import document
+
+        document(p)
     return p
 
 
