@@ -290,3 +290,25 @@ def test_serving_commands(capsys, tmp_path):
     assert main(["study", "memory-tech", "--png", str(png2), "--json"]) == 0
     mem = json.loads(capsys.readouterr().out)
     assert png2.read_bytes()[:4] == b"\x89PNG" and mem["findings"]
+
+
+def test_a_gpu_decode_step_pays_its_kernels_fixed_costs():
+    import dataclasses
+
+    from lab.core.hardware import get_chip
+    from lab.core.models import get_model
+    from lab.predict.inference import InferConfig, decode_step
+    from lab.predict.inference_ops import decode_ops
+
+    m = get_model("llama2-70b")
+    cfg = InferConfig(model=m, chip=get_chip("a100-80gb"), batch=1, context=512, tp=8, achievable=True)
+    d = decode_step(cfg)
+    # 80 layers x (14 kernels x 0.9 us of graph gap + 8 small kernels x 1.5 us), microbenchmarks.md O2, O3
+    assert d["overhead_s"] == pytest.approx(80 * (14 * 0.9e-6 + 8 * 1.5e-6))
+    assert d["step_s"] == pytest.approx(d["kv_s"] + max(d["weights_s"], d["compute_s"]) + d["comm_s"] + d["overhead_s"])
+    ops = decode_ops(cfg)
+    assert sum(o["time_s"] for o in ops) == pytest.approx(d["step_s"])
+    assert [o for o in ops if o["name"] == "kernel launches"][0]["time_s"] == d["overhead_s"]
+    assert decode_step(dataclasses.replace(cfg, achievable=False))["overhead_s"] == 0.0  # the ideal roofline
+    tpu = dataclasses.replace(cfg, chip=get_chip("tpu-v5p"))
+    assert decode_step(tpu)["overhead_s"] == 0.0  # no per-op figure published for TPUs

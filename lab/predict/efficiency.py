@@ -21,6 +21,8 @@ its rows), per chip family where one was measured; a calibrated chip (``shardlab
 * **Collectives**: the collective model's time over the fraction of the link a ring reaches: NVLink 78%
   (A100), 81% (H100/H200), 75% (B200); NVLS all-reduce on 6 or more Hopper/Blackwell GPUs 107% (busbw);
   across nodes 72% of the NIC rate (4-node H100 and B200 sweeps); TPU ICI 95%.
+* **Fixed per-kernel costs of a decode step** (GPUs): each of a layer's ~14 kernels adds a CUDA-graph gap of
+  0.9 us and each of its ~8 small ones takes at least 1.5 us, about 25 us a layer, 2 ms for an 80-layer model.
 """
 
 from __future__ import annotations
@@ -28,6 +30,26 @@ from __future__ import annotations
 from lab.core.hardware import Chip
 from lab.core.units import canonical_dtype, dtype_bytes
 from lab.predict.collectives import collective_time
+
+# Fixed costs of a decode step's kernels on a GPU, where a layer's kernels take microseconds (microbenchmarks.md
+# §5): every kernel of a CUDA graph adds ~0.9 us between nodes (O2: 3.3 -> 0.9 us per kernel with graphs), and
+# an elementwise kernel takes ~1.5 us however few bytes it moves (O3: a 65,536-element add on H100, against
+# 0.23 us of bandwidth). TPUs: no per-op figure is published (O4 is a whole call's dispatch), so none is added.
+GRAPH_NODE_S = 0.9e-6  # O2
+SMALL_KERNEL_S = 1.5e-6  # O3
+# A LLaMA-style decoder layer's kernels in one decode step: the projections (QKV, out, gate/up, down: 4), two
+# collectives under TP, and eight small ones (two norms, rotary embedding, the KV-cache write, attention over
+# the cache at one query, the activation, two residual adds), counted as compiled decode stacks launch them.
+DECODE_KERNELS_PER_LAYER = 14
+DECODE_SMALL_KERNELS_PER_LAYER = 8
+
+
+def decode_kernel_overhead(chip: Chip, layers: int) -> float:
+    """Seconds of fixed per-kernel cost in one decode step (GPUs; 0 elsewhere): graph gaps and small kernels."""
+    if chip.kind != "gpu":
+        return 0.0
+    return layers * (DECODE_KERNELS_PER_LAYER * GRAPH_NODE_S + DECODE_SMALL_KERNELS_PER_LAYER * SMALL_KERNEL_S)
+
 
 # Best large-GEMM fraction of the dense peak, by chip family and dtype (microbenchmarks.md §1a, §1e).
 GEMM_CEILING: dict[tuple[str, str], float] = {

@@ -304,12 +304,14 @@ def decode_step(cfg: InferConfig, context: int | None = None) -> dict[str, float
         t, bound = _comm(chip, kind, nbytes, group, cfg.achievable)
         comm += calls * t
         lat = lat or (bound and kind != "all-gather")  # the sampling gather is tiny, not a TP verdict
+    fixed = eff.decode_kernel_overhead(chip, m.layers) if cfg.achievable else 0.0
     return {
         "kv_s": kv_s,
         "weights_s": weights_s,
         "compute_s": compute_s,
         "comm_s": comm,
-        "step_s": kv_s + max(weights_s, compute_s) + comm,
+        "overhead_s": fixed,
+        "step_s": kv_s + max(weights_s, compute_s) + comm + fixed,
         "latency_bound": lat,
         "weight_bytes": weight_bytes,
         "kv_bytes": kv_bytes,

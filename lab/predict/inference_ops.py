@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from lab.core.models import ModelConfig
+from lab.predict import efficiency as eff
 from lab.predict.inference import (
     InferConfig,
     _comm,
@@ -48,6 +49,7 @@ def _split(
     att_flops: float,
     memory_bound: bool,
     logits_flops: float | None = None,
+    decode: bool = False,
 ) -> list[dict[str, Any]]:
     """The roofline core of one pass, per op (see the module docstring); ``logits_flops``: the logits' share
     where it is not every token's (a prefill's, its last positions only)."""
@@ -64,7 +66,12 @@ def _split(
         flops = rest * used[name] / total_used if name in shared else 0.0
         if name == "logits" and logits_flops is not None:
             flops = logits_flops
-        t = _mem_time(chip, w, cfg.achievable) if memory_bound else _flop_time(chip, flops, cfg.compute, cfg.achievable)
+        if not memory_bound:
+            t = _flop_time(chip, flops, cfg.compute, cfg.achievable)
+        elif decode and cfg.achievable:  # the weights at the skinny-GEMM rate, as decode_step prices them all
+            t = eff.decode_weights_time(chip, w)
+        else:
+            t = _mem_time(chip, w, cfg.achievable)
         ops.append(
             {
                 "name": name,
@@ -107,7 +114,11 @@ def decode_ops(cfg: InferConfig, context: int | None = None) -> list[dict[str, A
     """One decode step per chip, as named ops summing to :func:`decode_step`'s ``step_s``."""
     d = decode_step(cfg, context)
     memory_bound = d["weights_s"] >= d["compute_s"]
-    ops = _split(cfg, d["weight_bytes"], d["kv_bytes"], d["matmul_flops"], d["attention_flops"], memory_bound)
+    ops = _split(
+        cfg, d["weight_bytes"], d["kv_bytes"], d["matmul_flops"], d["attention_flops"], memory_bound, decode=True
+    )
+    if d["overhead_s"]:
+        ops.append({"name": "kernel launches", "kind": "other", "time_s": d["overhead_s"], "flops": 0.0, "bytes": 0.0})
     return ops + _collectives(cfg, cfg.replica_batch)
 
 
