@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from typing import Any
 
@@ -307,10 +308,37 @@ def cmd_plan(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
 
     model = model_of(args)
     seq = args.seq_len or model.max_seq_len
-    result = plan(
-        model, chip, args.chips, args.batch_tokens, seq, top=args.top, dtype=args.dtype, optimizer=args.optimizer
-    )
-    return result.to_dict(), result.table()
+    if args.validate is None and (args.topology or args.out):
+        raise UserError("--target and --out belong to --validate K (compile and run the planner's best layouts)")
+    if args.validate is not None:
+        _check_validate(args)
+    top = args.top if args.validate is None else max(args.top, 500)  # enough to find K the train step runs
+    result = plan(model, chip, args.chips, args.batch_tokens, seq, top=top, dtype=args.dtype, optimizer=args.optimizer)
+    shown = dataclasses.replace(result, top=result.top[: args.top])
+    if args.validate is None:
+        return result.to_dict(), result.table()
+    from lab.run.plan_validate import table, validate_plan
+
+    dtype = "bfloat16" if args.dtype == "bf16" else "float32"
+    data = validate_plan(result, model, chip, args.validate, args.out or "runs/plan", target=args.topology, dtype=dtype)
+    return shown.to_dict() | {"validation": data}, shown.table() + "\n\n" + table(data)
+
+
+def _check_validate(args: argparse.Namespace) -> None:
+    """--validate K: the devices it runs on (emulated ones prepared before JAX starts), or the TPU topology."""
+    from lab.run.environment import MAX_EMULATED, ensure_devices
+
+    if args.topology:
+        from lab.compile.target import parse_target, require_libtpu
+
+        t = parse_target(args.topology)
+        if t.chips != args.chips:
+            raise UserError(f"--target {t.name} has {t.chips} chips; give --chips {t.chips}")
+        require_libtpu()
+        return
+    if args.chips > MAX_EMULATED:
+        raise UserError(f"--validate runs on this host's devices; --chips {args.chips} is more than it can emulate")
+    ensure_devices(args.chips, exact=True)
 
 
 def cmd_study_generations(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -451,6 +479,14 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     pl.add_argument("--top", type=positive_int("--top"), default=10)
     pl.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
     pl.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam")
+    pl.add_argument(
+        "--validate",
+        type=positive_int("--validate"),
+        metavar="K",
+        help="compile and run the K best layouts the train step executes, and compare the rankings",
+    )
+    pl.add_argument("--target", dest="topology", metavar="TOPOLOGY", help="with --validate: compile for this TPU")
+    pl.add_argument("--out", type=in_path("--out"), help="with --validate: where the runs go (default runs/plan)")
     command(pl, with_chip(cmd_plan))
 
     st = sub.add_parser("study", help=help_of("study"))

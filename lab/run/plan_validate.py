@@ -1,0 +1,214 @@
+"""``shardlab plan ... --validate K``: the planner checked by execution.
+
+The planner ranks layouts by their estimated step time; this takes its K best that the lab's Transformer can
+execute (data, FSDP and tensor parallelism, with or without sequence parallelism; one microbatch a step, as the
+train step runs), builds each as a Plan (:func:`lab.core.plan.plan_from_degrees`), compiles it (XLA's memory per
+device against the planner's fits verdict), runs and profiles it where it can (this host's devices), and ranks
+the layouts twice: by the estimate and by the measured step. Spearman's and Kendall's rank correlations say how
+well the planner orders what runs; a layout ranked wrongly is named with the op whose measured time departs
+most from its estimate. With ``--target`` (a TPU topology, cross-compiled) nothing runs: the memory verdicts
+are checked, and the ranking is the estimate's only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from lab.core.errors import UserError
+from lab.core.plan import Plan, plan_from_degrees
+from lab.core.table import render
+from lab.core.units import fmt_bytes, fmt_seconds
+
+
+def spearman(a: list[float], b: list[float]) -> float | None:
+    """Spearman's rank correlation (average ranks for ties); None for fewer than 2 points or a constant list."""
+    ra, rb = _ranks(a), _ranks(b)
+    if len(a) < 2 or statistics.pstdev(ra) == 0 or statistics.pstdev(rb) == 0:
+        return None
+    return statistics.correlation(ra, rb)
+
+
+def kendall(a: list[float], b: list[float]) -> float | None:
+    """Kendall's tau-b over every pair; None for fewer than 2 points."""
+    if len(a) < 2:
+        return None
+    conc = disc = ta = tb = 0
+    for i, j in itertools.combinations(range(len(a)), 2):
+        da, db = a[i] - a[j], b[i] - b[j]
+        if da == 0 and db == 0:
+            continue
+        if da == 0:
+            ta += 1
+        elif db == 0:
+            tb += 1
+        elif (da > 0) == (db > 0):
+            conc += 1
+        else:
+            disc += 1
+    denom = math.sqrt((conc + disc + ta) * (conc + disc + tb))
+    return (conc - disc) / denom if denom else None
+
+
+def _ranks(xs: list[float]) -> list[float]:
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    ranks = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def executable(est) -> bool:
+    """What the lab's train step runs: no pipeline, context or expert parallelism, one microbatch a step."""
+    lay = est.config.layout
+    return lay.pp == 1 and lay.cp == 1 and lay.ep == 1 and lay.zero in (0, 3) and est.config.microbatches == 1
+
+
+def layout_label(est) -> str:
+    lay, c = est.config.layout, est.config
+    parts = [f"{k}={v}" for k, v in (("dp", lay.dp), ("fsdp", lay.fsdp), ("tp", lay.tp)) if v > 1] or ["1 chip"]
+    return " ".join(parts) + (" sp" if lay.sequence_parallel else "") + f", remat {c.remat}"
+
+
+def candidates(result, k: int) -> list:
+    """The planner's K best executable layouts, best first; a UserError when it found none."""
+    chosen = [e for e in result.top if executable(e)][:k]
+    if not chosen:
+        raise UserError(
+            "none of the planner's layouts is one the lab's train step executes (no pipeline, context or expert "
+            "parallelism, one microbatch a step); give more --batch-tokens per chip or fewer chips"
+        )
+    return chosen
+
+
+def to_plan(est, model, dtype: str, hardware: str) -> Plan:
+    lay, c = est.config.layout, est.config
+    return plan_from_degrees(
+        model,
+        hardware=hardware,
+        batch=c.global_batch,
+        seq_len=c.seq_len,
+        dp=lay.dp,
+        fsdp=lay.fsdp,
+        tp=lay.tp,
+        sequence_parallel=lay.sequence_parallel,
+        dtype=dtype,
+        param_dtype="fp32",  # the lab's Transformer keeps fp32 weights
+        remat=c.remat,
+        name=layout_label(est).replace(" ", "_").replace(",", "").replace("=", ""),
+    )
+
+
+def _worst_op(report: dict[str, Any]) -> str:
+    """The named op whose measured time departs most from its estimate (the op that explains a misranking)."""
+    rows = [o for o in report.get("estimated_ops") or [] if o.get("measured_s") and o.get("estimated_s")]
+    if not rows:
+        return "-"
+    o = max(rows, key=lambda r: abs(r["measured_s"] - r["estimated_s"]))
+    return f"{o['name']} ({fmt_seconds(o['estimated_s'])} est., {fmt_seconds(o['measured_s'])} meas.)"
+
+
+def validate_plan(result, model, chip, k: int, out: str, *, target: str | None = None, dtype: str = "float32"):
+    """Compile (and where possible run) the planner's K best executable layouts; the comparison's data."""
+    from lab.compile.audit import _analyses, compile_plan
+    from lab.compile.target import parse_target
+    from lab.run.environment import Progress, environment
+    from lab.run.experiment import Experiment
+    from lab.run.point import run_point
+
+    topology = parse_target(target) if target else None
+    chosen = candidates(result, k)
+    plans = [to_plan(e, model, dtype, chip.name) for e in chosen]
+    for p in plans:
+        p.validate()
+    say = Progress()
+    env = environment()
+    rows = []
+    for i, (est, plan) in enumerate(zip(chosen, plans, strict=True)):
+        say(f"layout {i + 1} of {len(plans)}: {layout_label(est)}")
+        if topology is not None:
+            _, compiled = compile_plan(plan, topology)
+            mem, measured, report = _analyses(compiled)[1], None, {}
+        else:
+            out_dir = Path(out) / f"validate-{i + 1}"
+            out_dir.mkdir(parents=True, exist_ok=True)
+            report = run_point(Experiment(plan=plan, warmup=3, repeats=5), plan, out_dir, chip, lambda _s: None, env)
+            mem, measured = report["audit"].get("memory_analysis", {}), report["step_time_measured_s"]
+        held = sum(mem.get(f"{k}_size_in_bytes", 0.0) for k in ("argument", "output", "temp"))
+        held -= mem.get("alias_size_in_bytes", 0.0)
+        rows.append(
+            {
+                "layout": layout_label(est),
+                "planner_step_s": est.step_time_s,
+                "planner_fits": est.memory.fits,
+                "planner_memory_bytes": est.memory.total,
+                "compiled_memory_bytes": held,
+                "compiled_fits": held <= chip.hbm_bytes,
+                "measured_step_s": measured,
+                "worst_op": _worst_op(report),
+            }
+        )
+    return _summary(rows, chip, topology)
+
+
+def _summary(rows: list[dict[str, Any]], chip, topology) -> dict[str, Any]:
+    pred = [r["planner_step_s"] for r in rows]
+    meas = [r["measured_step_s"] for r in rows]
+    ran = all(m is not None for m in meas)
+    if ran:
+        pr, mr = _ranks(pred), _ranks(meas)
+        for r, a, b in zip(rows, pr, mr, strict=True):
+            r["predicted_rank"], r["measured_rank"] = int(a), int(b)
+            r["misranked"] = a != b
+    return {
+        "hardware": chip.name,
+        "compiled_for": topology.name if topology else None,
+        "layouts": rows,
+        "memory_agrees": all(r["planner_fits"] == r["compiled_fits"] for r in rows),
+        "spearman": spearman(pred, meas) if ran else None,
+        "kendall": kendall(pred, meas) if ran else None,
+    }
+
+
+def table(data: dict[str, Any]) -> str:
+    rows = [
+        [
+            r.get("predicted_rank", i + 1),
+            r.get("measured_rank", "-"),
+            r["layout"],
+            fmt_seconds(r["planner_step_s"]),
+            fmt_seconds(r["measured_step_s"]) if r["measured_step_s"] is not None else "-",
+            f"{fmt_bytes(r['planner_memory_bytes'])} / {fmt_bytes(r['compiled_memory_bytes'])}",
+            ("fits" if r["planner_fits"] else "NO") + " / " + ("fits" if r["compiled_fits"] else "NO"),
+            r["worst_op"] if r.get("misranked") else "",
+        ]
+        for i, r in enumerate(data["layouts"])
+    ]
+    where = f"compiled for TPU {data['compiled_for']} (nothing ran)" if data["compiled_for"] else "run on this host"
+    text = render(
+        ["est. rank", "meas. rank", "layout", "estimated", "measured", "memory planner / XLA", "fits", "misranked by"],
+        rows,
+        title=f"the planner's best executable layouts, {where}, priced on {data['hardware']}",
+    )
+    verdict = "agree" if data["memory_agrees"] else "DISAGREE"
+    text += f"\nmemory verdicts (planner against XLA's memory analysis): {verdict}"
+    if data["spearman"] is not None or data["kendall"] is not None:
+        s, k = data["spearman"], data["kendall"]
+        text += (
+            f"\nrank correlation, estimated against measured: Spearman {s:.2f}, Kendall {k:.2f}"
+            if s is not None
+            else ""
+        )
+    return text
+
+
+__all__ = ["candidates", "executable", "kendall", "spearman", "table", "to_plan", "validate_plan"]
