@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from kernels import blocks
 from kernels import collective_matmul as cm
 from kernels import collectives as coll
+from kernels import ring_attention as ra
 from kernels import sharded_matmul as sm
 from kernels.mesh import make_mesh
 from kernels.program import Built
@@ -209,8 +210,28 @@ def _build_block(
     )
 
 
+def _build_attention(
+    name: str,
+    mesh: Mesh,
+    sizes: Mapping[str, int],
+    dtype=np.float32,
+    axes: tuple[str, ...] | None = None,
+    *,
+    seed: int = 0,
+) -> Built:
+    """Ring attention: q, k, v standard-normal ``[B, T, H, D]``, T over ``context``, B over ``data``."""
+    del axes
+    _check_sizes(name, sizes, ("B", "T", "H", "D"))
+    ra.check_mesh(mesh, sizes)  # UserError naming T or B and a size that divides, before anything compiles
+    shape = tuple(int(sizes[d]) for d in ("B", "T", "H", "D"))
+    sharding = NamedSharding(mesh, ra.qkv_spec(mesh))
+    return _placed(ra.ring_attention(mesh), [shape] * 3, [sharding] * 3, _dtype(dtype), seed, ra.reference_attention)
+
+
 def _kernel(spec: ProgramSpec) -> Kernel:
-    if spec.family == "collective":
+    if spec.family == "attention":
+        build = partial(_build_attention, spec.name)
+    elif spec.family == "collective":
         build = partial(_build_collective, spec.name, spec.name.removeprefix("collective_"))
     elif spec.family == "block":
         build = partial(_build_block, spec.name)
@@ -220,16 +241,21 @@ def _kernel(spec: ProgramSpec) -> Kernel:
 
 
 KERNELS: dict[str, Kernel] = {
-    name: _kernel(spec) for name, spec in PROGRAMS.items() if spec.family not in ("transformer", "user")
+    name: _kernel(spec) for name, spec in PROGRAMS.items() if spec.family not in ("transformer", "user", "attention")
+}
+# Kernels over named axes other than X and Y (ring attention: data, context), kept apart from KERNELS, whose
+# every entry builds on the X/Y meshes and the I, J, K / B, D, F / N sizes the kernel sweeps use.
+ATTENTION_KERNELS: dict[str, Kernel] = {
+    name: _kernel(spec) for name, spec in PROGRAMS.items() if spec.family == "attention"
 }
 
 
 def get_kernel(name: str) -> Kernel:
     """The registered kernel ``name``; a :class:`UserError` listing the valid names otherwise."""
-    try:
-        return KERNELS[name]
-    except KeyError:
-        raise UserError(f"unknown kernel {name!r}; valid: {', '.join(KERNELS)}") from None
+    found = KERNELS.get(name) or ATTENTION_KERNELS.get(name)
+    if found is None:
+        raise UserError(f"unknown kernel {name!r}; valid: {', '.join([*KERNELS, *ATTENTION_KERNELS])}")
+    return found
 
 
 def build(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0) -> Built:
@@ -255,10 +281,12 @@ def output_spec(kernel: Kernel, mesh: Mesh, axes: tuple[str, ...] | None = None)
     """The ``PartitionSpec`` a kernel's output has: the notation's output, or the collective's layout."""
     if kernel.family == "block":
         return blocks.TP_MLP_OUT
+    if kernel.family == "attention":
+        return ra.qkv_spec(mesh)
     if kernel.notation is not None:
         return parse_matmul(kernel.notation).out.to_partition_spec()
     kind = kernel.name.removeprefix("collective_")
     return coll.layout(kind, mesh, coll.check_axes(mesh, axes), 1)[3]
 
 
-__all__ = ["KERNELS", "Built", "Kernel", "build", "get_kernel", "output_spec"]
+__all__ = ["ATTENTION_KERNELS", "KERNELS", "Built", "Kernel", "build", "get_kernel", "output_spec"]

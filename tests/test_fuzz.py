@@ -323,6 +323,7 @@ def strategy(command: str, action: argparse.Action, work: Path):
         "--sizes": BAD_ASSIGNMENTS,
         "--mesh": BAD_ASSIGNMENTS,
         "target": BAD_TARGET,
+        "--target": TEXT,  # plan --target without --validate, or a name that is no TPU topology
     }
     return by_name.get(name)
 

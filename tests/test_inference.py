@@ -308,7 +308,7 @@ def test_a_gpu_decode_step_pays_its_kernels_fixed_costs():
     assert d["step_s"] == pytest.approx(d["kv_s"] + max(d["weights_s"], d["compute_s"]) + d["comm_s"] + d["overhead_s"])
     ops = decode_ops(cfg)
     assert sum(o["time_s"] for o in ops) == pytest.approx(d["step_s"])
-    assert [o for o in ops if o["name"] == "kernel launches"][0]["time_s"] == d["overhead_s"]
+    assert next(o for o in ops if o["name"] == "kernel launches")["time_s"] == d["overhead_s"]
     assert decode_step(dataclasses.replace(cfg, achievable=False))["overhead_s"] == 0.0  # the ideal roofline
     tpu = dataclasses.replace(cfg, chip=get_chip("tpu-v5p"))
     assert decode_step(tpu)["overhead_s"] == 0.0  # no per-op figure published for TPUs

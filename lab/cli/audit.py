@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from lab.cli.args import command, out_path
+from lab.cli.args import command, out_path, text_arg
 from lab.cli.commands import help_of
 from lab.core.errors import UserError
 from lab.core.plan import Plan, kernel_plan
@@ -19,6 +19,8 @@ DEFAULT_MESH = {"X": 2, "Y": 4}
 DEFAULT_MATMUL_SIZES = {"I": 512, "J": 1024, "K": 2048}
 DEFAULT_BLOCK_SIZES = {"B": 512, "D": 1024, "F": 4096}
 DEFAULT_COLLECTIVE_SIZES = {"N": 262144}
+DEFAULT_ATTENTION_SIZES = {"B": 4, "T": 1024, "H": 8, "D": 64}
+DEFAULT_ATTENTION_MESH = {"data": 2, "context": 4}
 
 
 def _kernel_plan(name: str) -> Plan:
@@ -28,10 +30,13 @@ def _kernel_plan(name: str) -> Plan:
             f"{name} needs a model and sharding rules: audit an experiment file, e.g. "
             f"`shardlab audit experiments/{'decode_tp' if name == 'decode' else 'train_fsdp_tp'}.toml`"
         )
-    default = {"collective": DEFAULT_COLLECTIVE_SIZES, "block": DEFAULT_BLOCK_SIZES}.get(
-        spec.family, DEFAULT_MATMUL_SIZES
-    )
-    return kernel_plan(name, DEFAULT_MESH, default, hardware="cpu")
+    default = {
+        "collective": DEFAULT_COLLECTIVE_SIZES,
+        "block": DEFAULT_BLOCK_SIZES,
+        "attention": DEFAULT_ATTENTION_SIZES,
+    }.get(spec.family, DEFAULT_MATMUL_SIZES)
+    mesh = DEFAULT_ATTENTION_MESH if spec.family == "attention" else DEFAULT_MESH
+    return kernel_plan(name, mesh, default, hardware="cpu")
 
 
 def _with_flags(plan: Plan, args: argparse.Namespace) -> Plan:
@@ -155,6 +160,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
         "--target",
         dest="topology",
         metavar="TOPOLOGY",
+        type=text_arg("--target", "a TPU topology such as v5e:2x4"),
         help="compile for a TPU topology that need not be here, e.g. v5e:2x4, v5p:2x2x2, v6e:4x4 (needs libtpu; "
         "priced on that generation's chip unless --hardware is given)",
     )

@@ -315,6 +315,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
         "--target",
         dest="topology",
         metavar="TOPOLOGY",
+        type=text_arg("--target", "a TPU topology such as v5e:2x4"),
         help="with --compile-only: compile for a TPU topology that need not be here, e.g. v5e:2x4 (needs libtpu; "
         "priced on that generation's chip unless --hardware is given)",
     )

@@ -25,6 +25,7 @@ from lab.cli.args import (
     positive_float,
     positive_int,
     scale_arg,
+    text_arg,
     write_chart,
 )
 from lab.cli.commands import help_of
@@ -308,7 +309,7 @@ def cmd_plan(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
 
     model = model_of(args)
     seq = args.seq_len or model.max_seq_len
-    if args.validate is None and (args.topology or args.out):
+    if args.validate is None and (args.topology is not None or args.out is not None):
         raise UserError("--target and --out belong to --validate K (compile and run the planner's best layouts)")
     if args.validate is not None:
         _check_validate(args)
@@ -328,7 +329,7 @@ def _check_validate(args: argparse.Namespace) -> None:
     """--validate K: the devices it runs on (emulated ones prepared before JAX starts), or the TPU topology."""
     from lab.run.environment import MAX_EMULATED, ensure_devices
 
-    if args.topology:
+    if args.topology is not None:
         from lab.compile.target import parse_target, require_libtpu
 
         t = parse_target(args.topology)
@@ -485,7 +486,13 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
         metavar="K",
         help="compile and run the K best layouts the train step executes, and compare the rankings",
     )
-    pl.add_argument("--target", dest="topology", metavar="TOPOLOGY", help="with --validate: compile for this TPU")
+    pl.add_argument(
+        "--target",
+        dest="topology",
+        metavar="TOPOLOGY",
+        type=text_arg("--target", "a TPU topology such as v5e:2x4"),
+        help="with --validate: compile for this TPU",
+    )
     pl.add_argument("--out", type=in_path("--out"), help="with --validate: where the runs go (default runs/plan)")
     command(pl, with_chip(cmd_plan))
 

@@ -8,16 +8,19 @@ kernel registry (``kernels/registry.py``) attaches a builder to every name here,
 * **kernels**: the book's sharded matmuls (``A[I_X, J] * B[J, K_Y]``), collective matmuls, the Megatron MLP
   block: dims ``I, J, K`` (``B, D, F`` for the block) over mesh axes ``X`` and ``Y``;
 * **collectives**: one collective over ``axes`` of any mesh, ``N`` elements per device;
+* **attention**: ring attention, ``q, k, v [B, T, H, D]`` with T over mesh axis ``context`` (B over ``data``);
 * **transformer**: the LLaMA-style model's train step and greedy decode, placed by sharding rules.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral
 
 from lab.core.errors import UserError
 
 MLP_NOTATION = "In[B_X, D] * Win[D, F_Y] -> H[B_X, F_Y]; H[B_X, F_Y] * Wout[F_Y, D] -> Out[B_X, D]"
+ATTENTION_AXES = ("data", "context")  # ring attention: B over data, T over context
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,14 @@ _SPECS: tuple[ProgramSpec, ...] = (
         ("X", "Y"),
     ),
     ProgramSpec(
+        "ring_attention",
+        "attention",
+        "causal ring attention: q stays, K and V blocks ppermuted round the context ring, c-1 steps, online softmax",
+        ("B", "T", "H", "D"),
+        None,
+        ATTENTION_AXES,
+    ),
+    ProgramSpec(
         "train_step",
         "transformer",
         "the Transformer's training step: forward, backward and one AdamW update",
@@ -221,4 +232,31 @@ def complete_mesh(spec: ProgramSpec, mesh: dict[str, int]) -> dict[str, int]:
     return out
 
 
-__all__ = ["MLP_NOTATION", "PROGRAMS", "ProgramSpec", "complete_mesh", "get_program"]
+def check_attention_sizes(name: str, mesh: dict[str, int], sizes: dict[str, int]) -> None:
+    """Ring attention's sizes: positive integers, T divisible by the ``context`` axis, B by ``data``.
+
+    Raises:
+        UserError: naming the dim, its size, the axis and a size that would divide.
+    """
+    for dim in ("B", "T", "H", "D"):
+        v = sizes.get(dim)
+        if isinstance(v, bool) or not isinstance(v, Integral) or v <= 0:
+            raise UserError(f"{name}: dim {dim}={v!r} must be a positive integer")
+    for dim, axis in (("B", ATTENTION_AXES[0]), ("T", ATTENTION_AXES[1])):
+        n, v = mesh.get(axis, 1), sizes[dim]
+        if v % n:
+            raise UserError(
+                f"{name}: dim {dim}={v} does not divide over mesh axis {axis} ({n} devices); "
+                f"use a multiple of {n}, e.g. {dim}={max(n, v // n * n)}"
+            )
+
+
+__all__ = [
+    "ATTENTION_AXES",
+    "MLP_NOTATION",
+    "PROGRAMS",
+    "ProgramSpec",
+    "check_attention_sizes",
+    "complete_mesh",
+    "get_program",
+]

@@ -7,7 +7,8 @@
   separate Q/K/V and gate/up projections, plain softmax attention, vocab-parallel embedding and loss);
 * its **decode** (prefill, then one token per step, every step reading the whole allocated cache) with the
   inference estimator (:mod:`lab.predict.inference`);
-* the **kernels** with the sharded-matmul engine (:mod:`lab.predict.sharded_matmul`) and the collective model.
+* the **kernels** with the sharded-matmul engine (:mod:`lab.predict.sharded_matmul`) and the collective model;
+  ring attention with the roofline and the collective model (:func:`_ring_attention`).
 
 The result is a list of :class:`OpEstimate` named like the kernels' ``jax.named_scope`` s (compute) or by what
 they carry (collectives, each over the mesh axes of its parallelism). The compiled-program audit checks the
@@ -30,6 +31,7 @@ from lab.core.units import dtype_bytes
 from lab.predict.collectives import collective_time, over_axes
 from lab.predict.inference import InferConfig, estimate_inference
 from lab.predict.inference_ops import generate_ops
+from lab.predict.roofline import roofline
 from lab.predict.sharded_matmul import plan_sharded_matmul
 from lab.predict.train_config import Layout, TrainConfig
 from lab.predict.training import estimate, step_ops
@@ -277,8 +279,51 @@ def _collective_op(
     return OpEstimate(name, kind, steps * one, bytes=v, calls=steps, axes=axes, dtype=dtype)
 
 
+def _ring_attention(plan: Plan, chip: Chip) -> ProgramEstimate:
+    """Ring attention (kernels/ring_attention.py) per device: c blocks of attention, c - 1 passes of K and V.
+
+    FLOPs: each of the c blocks is two matmuls (scores ``q k^T`` and ``p v``) of ``2 * B/data * T/c * T/c * H * D``
+    each, ``4 * B/data * T/c * T * H * D`` in all. That is non-causal attention's work, not half of it: the kernel
+    drops a future block's update with a select, so the compiled dots still compute every block (which blocks lie
+    in the future depends on the device), and the causal saving is not realised; the estimate counts what is
+    compiled. Collective: K and V travel stacked as one ``[2, B/data, T/c, H, D]`` block, so each of the c - 1 ring
+    steps is one collective-permute of ``2 * B/data * T/c * H * D`` elements (no combining or splitting to
+    describe). Time: the pass of step s and the block computation of step s read only the block held, so they can
+    run at once (asynchronous collective-permutes on TPU and GPU): the step is max(compute, comm), as for the
+    collective matmuls. Compute is priced by the roofline on the HBM traffic of this unfused kernel (below).
+    """
+    plan.validate(executable=False)  # its sizes B, T, H, D, whole over data and context (a UserError naming them)
+    mesh, dtype = plan.shape, plan.dtype
+    b = dtype_bytes(dtype)
+    bt, t, h, d = (plan.sizes[k] for k in ("B", "T", "H", "D"))
+    c = mesh.get("context", 1)
+    bl, tl = bt / mesh.get("data", 1), t / c
+    block = bl * tl * h * d * b  # one of q, k, v or out on one device
+    acc = bl * tl * h * d * 4  # the float32 running output
+    scores = bl * h * tl * tl * (4 + b)  # one block's float32 scores and its probabilities in the compute dtype
+    flops = 4 * bl * tl * t * h * d
+    # HBM per block: q, K, V read; scores and probabilities written and read once (the kernel is not fused: they
+    # are materialised); the running output read and written. Then the output written once.
+    hbm = c * (3 * block + 2 * scores + 2 * acc) + block
+    cost = roofline(chip, flops, hbm, dtype, op="attention/ring")
+    ops = [OpEstimate("attention/ring", "attention", cost.time_s, flops, hbm, scope="attention/ring")]
+    if c > 1:
+        name = f"{c - 1} ring steps of K, V over context"
+        ops.append(_collective_op("permute", ("context",), (c - 1) * 2 * block, dtype, chip, plan, name, c - 1))
+    compute = ops[0].time_s
+    comm = sum(o.time_s for o in ops[1:])
+    # q, k, v, out; the stacked K and V held and the one arriving; one block's scores; the running state
+    held = {"total": 8 * block + scores + acc + 2 * bl * h * tl * 4, "hbm_bytes": chip.hbm_bytes}
+    note = "every block is computed (future blocks' updates dropped by a select): the causal saving is not realised"
+    return ProgramEstimate(
+        plan.program, chip.name, max(compute, comm), tuple(ops), "ring-attention model", flops, held, (note,)
+    )
+
+
 def _kernel(plan: Plan, chip: Chip) -> ProgramEstimate:
     spec, mesh, dtype = plan.spec, plan.shape, plan.dtype
+    if spec.family == "attention":
+        return _ring_attention(plan, chip)
     b = dtype_bytes(dtype)
     sizes = dict(plan.sizes)
     ops: list[OpEstimate] = []
