@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kernels import blocks
+from kernels import blocks, moe
 from kernels import collective_matmul as cm
 from kernels import collectives as coll
 from kernels import ring_attention as ra
@@ -228,9 +228,32 @@ def _build_attention(
     return _placed(ra.ring_attention(mesh), [shape] * 3, [sharding] * 3, _dtype(dtype), seed, ra.reference_attention)
 
 
+def _build_moe(
+    name: str,
+    mesh: Mesh,
+    sizes: Mapping[str, int],
+    dtype=np.float32,
+    axes: tuple[str, ...] | None = None,
+    *,
+    seed: int = 0,
+) -> Built:
+    """The MoE MLP: x ``[T, D]``, router ``[D, E]``, expert weights ``[E, D, F]`` and ``[E, F, D]``, standard-normal;
+    T over ``data`` x ``expert``, E over ``expert``."""
+    del axes
+    _check_sizes(name, sizes, ("T", "D", "F", "E"))
+    moe.check_mesh(mesh, sizes)  # UserError naming E or T and a size that divides, before anything compiles
+    t, d, f, e = (int(sizes[k]) for k in ("T", "D", "F", "E"))
+    shardings = [NamedSharding(mesh, s) for s in moe.in_specs(mesh)]
+    shapes = [(t, d), (d, e), (e, d, f), (e, d, f), (e, f, d)]
+    reference = partial(moe.reference_moe, groups=moe.token_groups(mesh))
+    return _placed(moe.moe_mlp(mesh), shapes, shardings, _dtype(dtype), seed, reference)
+
+
 def _kernel(spec: ProgramSpec) -> Kernel:
     if spec.family == "attention":
         build = partial(_build_attention, spec.name)
+    elif spec.family == "moe":
+        build = partial(_build_moe, spec.name)
     elif spec.family == "collective":
         build = partial(_build_collective, spec.name, spec.name.removeprefix("collective_"))
     elif spec.family == "block":
@@ -240,21 +263,23 @@ def _kernel(spec: ProgramSpec) -> Kernel:
     return Kernel(spec.name, spec.family, spec.description, spec.notation, spec.dims, build)
 
 
+# Programs that need a model are built from their Plan (below); kernels over named axes other than X and Y (ring
+# attention: data, context; the MoE MLP: data, expert) are kept apart in AXIS_KERNELS, since every entry of
+# KERNELS builds on the X/Y meshes and the I, J, K / B, D, F / N sizes the kernel sweeps use.
+AXIS_FAMILIES = ("attention", "moe")
 KERNELS: dict[str, Kernel] = {
-    name: _kernel(spec) for name, spec in PROGRAMS.items() if spec.family not in ("transformer", "user", "attention")
+    name: _kernel(spec) for name, spec in PROGRAMS.items() if spec.family not in ("transformer", "user", *AXIS_FAMILIES)
 }
-# Kernels over named axes other than X and Y (ring attention: data, context), kept apart from KERNELS, whose
-# every entry builds on the X/Y meshes and the I, J, K / B, D, F / N sizes the kernel sweeps use.
-ATTENTION_KERNELS: dict[str, Kernel] = {
-    name: _kernel(spec) for name, spec in PROGRAMS.items() if spec.family == "attention"
+AXIS_KERNELS: dict[str, Kernel] = {
+    name: _kernel(spec) for name, spec in PROGRAMS.items() if spec.family in AXIS_FAMILIES
 }
 
 
 def get_kernel(name: str) -> Kernel:
     """The registered kernel ``name``; a :class:`UserError` listing the valid names otherwise."""
-    found = KERNELS.get(name) or ATTENTION_KERNELS.get(name)
+    found = KERNELS.get(name) or AXIS_KERNELS.get(name)
     if found is None:
-        raise UserError(f"unknown kernel {name!r}; valid: {', '.join([*KERNELS, *ATTENTION_KERNELS])}")
+        raise UserError(f"unknown kernel {name!r}; valid: {', '.join([*KERNELS, *AXIS_KERNELS])}")
     return found
 
 
@@ -283,10 +308,12 @@ def output_spec(kernel: Kernel, mesh: Mesh, axes: tuple[str, ...] | None = None)
         return blocks.TP_MLP_OUT
     if kernel.family == "attention":
         return ra.qkv_spec(mesh)
+    if kernel.family == "moe":
+        return moe.token_spec(mesh)
     if kernel.notation is not None:
         return parse_matmul(kernel.notation).out.to_partition_spec()
     kind = kernel.name.removeprefix("collective_")
     return coll.layout(kind, mesh, coll.check_axes(mesh, axes), 1)[3]
 
 
-__all__ = ["ATTENTION_KERNELS", "KERNELS", "Built", "Kernel", "build", "get_kernel", "output_spec"]
+__all__ = ["AXIS_KERNELS", "KERNELS", "Built", "Kernel", "build", "get_kernel", "output_spec"]

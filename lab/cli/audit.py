@@ -21,6 +21,8 @@ DEFAULT_BLOCK_SIZES = {"B": 512, "D": 1024, "F": 4096}
 DEFAULT_COLLECTIVE_SIZES = {"N": 262144}
 DEFAULT_ATTENTION_SIZES = {"B": 4, "T": 1024, "H": 8, "D": 64}
 DEFAULT_ATTENTION_MESH = {"data": 2, "context": 4}
+DEFAULT_MOE_SIZES = {"T": 1024, "D": 256, "F": 512, "E": 8}
+DEFAULT_MOE_MESH = {"data": 2, "expert": 4}
 
 
 def _kernel_plan(name: str) -> Plan:
@@ -34,8 +36,9 @@ def _kernel_plan(name: str) -> Plan:
         "collective": DEFAULT_COLLECTIVE_SIZES,
         "block": DEFAULT_BLOCK_SIZES,
         "attention": DEFAULT_ATTENTION_SIZES,
+        "moe": DEFAULT_MOE_SIZES,
     }.get(spec.family, DEFAULT_MATMUL_SIZES)
-    mesh = DEFAULT_ATTENTION_MESH if spec.family == "attention" else DEFAULT_MESH
+    mesh = {"attention": DEFAULT_ATTENTION_MESH, "moe": DEFAULT_MOE_MESH}.get(spec.family, DEFAULT_MESH)
     return kernel_plan(name, mesh, default, hardware="cpu")
 
 

@@ -9,18 +9,26 @@ kernel registry (``kernels/registry.py``) attaches a builder to every name here,
   block: dims ``I, J, K`` (``B, D, F`` for the block) over mesh axes ``X`` and ``Y``;
 * **collectives**: one collective over ``axes`` of any mesh, ``N`` elements per device;
 * **attention**: ring attention, ``q, k, v [B, T, H, D]`` with T over mesh axis ``context`` (B over ``data``);
+* **moe**: a mixture-of-experts MLP, ``x [T, D]`` with T over ``data`` x ``expert`` and E experts over ``expert``;
 * **transformer**: the LLaMA-style model's train step and greedy decode, placed by sharding rules.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 from numbers import Integral
 
 from lab.core.errors import UserError
 
 MLP_NOTATION = "In[B_X, D] * Win[D, F_Y] -> H[B_X, F_Y]; H[B_X, F_Y] * Wout[F_Y, D] -> Out[B_X, D]"
 ATTENTION_AXES = ("data", "context")  # ring attention: B over data, T over context
+MOE_AXES = ("data", "expert")  # the MoE MLP: T over data x expert, the experts over expert
+# The MoE MLP's routing options. A Plan's [options] configure the Transformer only (a kernel takes none), so the
+# Plan cannot carry them: they are fixed here, where the kernel (kernels/moe.py) and its estimate both read them.
+MOE_TOPK = 2  # experts per token
+MOE_CAPACITY_FACTOR = 1.25  # slots per expert per device: ceil(topk * tokens per device * factor / E)
 
 
 @dataclass(frozen=True)
@@ -192,6 +200,14 @@ _SPECS: tuple[ProgramSpec, ...] = (
         ATTENTION_AXES,
     ),
     ProgramSpec(
+        "moe_mlp",
+        "moe",
+        "mixture-of-experts SwiGLU MLP, top-2 of E experts over the expert axis: AllToAll dispatch and combine",
+        ("T", "D", "F", "E"),
+        None,
+        MOE_AXES,
+    ),
+    ProgramSpec(
         "train_step",
         "transformer",
         "the Transformer's training step: forward, backward and one AdamW update",
@@ -251,12 +267,43 @@ def check_attention_sizes(name: str, mesh: dict[str, int], sizes: dict[str, int]
             )
 
 
+def moe_capacity(tokens: int, experts: int, topk: int = MOE_TOPK, factor: float = MOE_CAPACITY_FACTOR) -> int:
+    """Slots per expert in one device's send buffer: ``ceil(topk * tokens * factor / experts)`` (exact arithmetic,
+    so a product that is whole is not rounded up by a float's last bit)."""
+    return math.ceil(Fraction(topk * tokens) * Fraction(str(factor)) / experts)
+
+
+def check_moe_sizes(name: str, mesh: dict[str, int], sizes: dict[str, int]) -> None:
+    """The MoE MLP's sizes: positive integers, E divisible by the ``expert`` axis, T by ``data`` x ``expert``.
+
+    Raises:
+        UserError: naming the dim, its size, the axes and a size that would divide.
+    """
+    for dim in ("T", "D", "F", "E"):
+        v = sizes.get(dim)
+        if isinstance(v, bool) or not isinstance(v, Integral) or v <= 0:
+            raise UserError(f"{name}: dim {dim}={v!r} must be a positive integer")
+    data, expert = (mesh.get(a, 1) for a in MOE_AXES)
+    for dim, n, over in (("E", expert, "mesh axis expert"), ("T", data * expert, "mesh axes data x expert")):
+        v = sizes[dim]
+        if v % n:
+            raise UserError(
+                f"{name}: dim {dim}={v} does not divide over {over} ({n} devices); "
+                f"use a multiple of {n}, e.g. {dim}={max(n, v // n * n)}"
+            )
+
+
 __all__ = [
     "ATTENTION_AXES",
     "MLP_NOTATION",
+    "MOE_AXES",
+    "MOE_CAPACITY_FACTOR",
+    "MOE_TOPK",
     "PROGRAMS",
     "ProgramSpec",
     "check_attention_sizes",
+    "check_moe_sizes",
     "complete_mesh",
     "get_program",
+    "moe_capacity",
 ]

@@ -8,7 +8,8 @@
 * its **decode** (prefill, then one token per step, every step reading the whole allocated cache) with the
   inference estimator (:mod:`lab.predict.inference`);
 * the **kernels** with the sharded-matmul engine (:mod:`lab.predict.sharded_matmul`) and the collective model;
-  ring attention with the roofline and the collective model (:func:`_ring_attention`).
+  ring attention (:func:`_ring_attention`) and the MoE MLP (:func:`_moe_mlp`) with the roofline and the collective
+  model.
 
 The result is a list of :class:`OpEstimate` named like the kernels' ``jax.named_scope`` s (compute) or by what
 they carry (collectives, each over the mesh axes of its parallelism). The compiled-program audit checks the
@@ -27,6 +28,7 @@ from lab.core.errors import UserError
 from lab.core.hardware import Chip
 from lab.core.notation import parse_matmul
 from lab.core.plan import Plan
+from lab.core.programs import MOE_CAPACITY_FACTOR, MOE_TOPK, moe_capacity
 from lab.core.units import dtype_bytes
 from lab.predict.collectives import collective_time, over_axes
 from lab.predict.inference import InferConfig, estimate_inference
@@ -320,10 +322,76 @@ def _ring_attention(plan: Plan, chip: Chip) -> ProgramEstimate:
     )
 
 
+def _moe_mlp(plan: Plan, chip: Chip) -> ProgramEstimate:
+    """The MoE MLP (kernels/moe.py) per device: route t tokens, AllToAll them to the experts, run the experts,
+    AllToAll the results back.
+
+    With ``n`` devices on ``expert`` and ``t = T / (data * n)`` tokens per device, each expert has ``C = ceil(k * t
+    * capacity_factor / E)`` slots in each device's send buffer (k and the factor: ``MOE_TOPK``,
+    ``MOE_CAPACITY_FACTOR``, which the Plan cannot carry). FLOPs: the router matmul ``2 * t * D * E``, plus the
+    experts' three matmuls (gate, up, down) of ``2 * D * F`` per slot over the ``n * C`` slots each of the ``E / n``
+    local experts receives: ``6 * D * F * E * C``. That counts every slot the compiled program computes, padding
+    included: the dots multiply all ``E * C`` slots whether a token fills them or not (an empty slot holds zeros),
+    so the work is that of ``E * C >= k * t * capacity_factor`` slots (about the capacity factor times the ``k * t``
+    assignments the router makes), not of the assignments alone. Collectives: dispatch and combine are one
+    AllToAll over ``expert`` each, of the send buffer ``[E, C, D]`` a device holds before and after (``E * C * D``
+    elements); in the collective model's convention (the array whole over the axis, as
+    ``lab.compile.hlo.collectives`` reads an AllToAll: its operand times the group) that is ``V = n * E * C * D *
+    dtype bytes`` each. Time: the four stages depend on each other (route, dispatch, experts, combine), so they
+    add. Compute is priced by the roofline on the HBM traffic of the unfused stages (below).
+    """
+    plan.validate(executable=False)  # T, D, F, E; E whole over expert, T over data x expert (a UserError)
+    mesh, dtype = plan.shape, plan.dtype
+    b = dtype_bytes(dtype)
+    t_all, d, f, e = (plan.sizes[k] for k in ("T", "D", "F", "E"))
+    n = mesh.get("expert", 1)
+    t = t_all // (mesh.get("data", 1) * n)
+    c = moe_capacity(t, e, MOE_TOPK, MOE_CAPACITY_FACTOR)
+    slots = e * c  # the send buffer's rows, and the rows the local experts receive
+    buffer = slots * d * b
+    router_flops = 2 * t * d * e
+    expert_flops = 3 * 2 * d * f * slots
+    # HBM: the router reads x and W_router and writes float32 logits; the experts read their weights and the
+    # received slots (twice: gate and up), write and read float32 gate and up, write and read the activation, and
+    # write their output.
+    router_hbm = t * d * b + d * e * b + t * e * 4
+    expert_hbm = 3 * (e // n) * d * f * b + 2 * buffer + slots * f * (4 * 4 + 2 * b) + buffer
+    router = roofline(chip, router_flops, router_hbm, dtype, op="moe/router")
+    experts = roofline(chip, expert_flops, expert_hbm, dtype, op="moe/experts")
+    ops = [
+        OpEstimate("moe/router", "matmul", router.time_s, router_flops, router_hbm, scope="moe/router"),
+        OpEstimate("moe/experts", "matmul", experts.time_s, expert_flops, expert_hbm, scope="moe/experts"),
+    ]
+    if n > 1:
+        for stage in ("dispatch", "combine"):
+            name = f"{stage} [E, C, D] over expert"
+            ops.append(_collective_op("all-to-all", ("expert",), n * buffer, dtype, chip, plan, name))
+    # x and out; the router and the local experts' weights; the send and received buffers both ways; the float32
+    # gate and up and the activation of every slot
+    weights = d * e * b + 3 * (e // n) * d * f * b
+    held = {"total": 2 * t * d * b + weights + 4 * buffer + slots * f * (8 + b), "hbm_bytes": chip.hbm_bytes}
+    note = (
+        f"top-{MOE_TOPK} routing, capacity factor {MOE_CAPACITY_FACTOR}: {slots} expert slots computed per device "
+        f"for {MOE_TOPK * t} assignments (padding included)"
+    )
+    return ProgramEstimate(
+        plan.program,
+        chip.name,
+        sum(o.time_s for o in ops),
+        tuple(ops),
+        "MoE model",
+        router_flops + expert_flops,
+        held,
+        (note,),
+    )
+
+
 def _kernel(plan: Plan, chip: Chip) -> ProgramEstimate:
     spec, mesh, dtype = plan.spec, plan.shape, plan.dtype
     if spec.family == "attention":
         return _ring_attention(plan, chip)
+    if spec.family == "moe":
+        return _moe_mlp(plan, chip)
     b = dtype_bytes(dtype)
     sizes = dict(plan.sizes)
     ops: list[OpEstimate] = []

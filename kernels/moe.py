@@ -1,0 +1,230 @@
+"""A mixture-of-experts MLP with expert parallelism: E experts over a mesh axis named ``expert``.
+
+``x [T, D] -> Out[T, D]`` with the tokens split over every device (``T`` over ``data`` x ``expert``; over
+``expert`` alone when the mesh has no ``data`` axis) and the experts' SwiGLU weights ``W_gate, W_up [E, D, F]``,
+``W_down [E, F, D]`` over ``expert`` (replicated over ``data``). The router ``W_router [D, E]`` is replicated. So
+each device holds ``t = T / (data * expert)`` tokens and ``E / expert`` experts, as expert-parallel layers run.
+
+Per device, in four named scopes:
+
+* ``moe/router``: float32 logits ``x W_router``, a softmax over the E experts, the top ``k`` (default 2) of them,
+  their probabilities renormalised to sum to one. Every (token, choice) assignment gets a slot in its expert's
+  buffer, first come first served in **choice-major order** (every token's first choice, in token order, then
+  every token's second choice), so a token's first choice is dropped only when its expert is full of first
+  choices. Each expert has ``C = ceil(k * t * capacity_factor / E)`` slots (capacity factor 1.25 by default); an
+  assignment past them is dropped: it contributes nothing to its token's output (a token whose every choice is
+  dropped gets zero; the residual connection around the layer is the caller's).
+* ``moe/dispatch``: the send buffer ``[E, C, D]`` (empty slots stay zero) goes to the experts' devices with one
+  ``all_to_all`` over ``expert``: device ``j`` receives the ``[E / expert, C, D]`` block of its experts from every
+  device of its expert group.
+* ``moe/experts``: each local expert's gated MLP ``(silu(h W_gate) * h W_up) W_down`` on all ``expert * C``
+  slots it received, padding included (the compiled program computes every slot; the products accumulate in
+  float32).
+* ``moe/combine``: a second ``all_to_all`` returns the results to the tokens' devices, in the send buffer's
+  layout; each token sums its kept choices weighted by the router.
+
+Capacity, and so dropping, is per device (per group of ``t`` consecutive tokens): :func:`reference_moe` applies the
+same rule to the same groups on one device, so outputs agree exactly whether or not tokens are dropped.
+:func:`load_report` says how the routing loads the experts. The routing options are the module constants of
+``lab.core.programs`` (``MOE_TOPK``, ``MOE_CAPACITY_FACTOR``) unless given here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from lab.core.errors import UserError
+from lab.core.programs import MOE_AXES, MOE_CAPACITY_FACTOR, MOE_TOPK, check_moe_sizes, moe_capacity
+
+DATA, EXPERT = MOE_AXES
+SCOPES = ("moe/router", "moe/dispatch", "moe/experts", "moe/combine")
+
+MoeFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def token_spec(mesh: Mesh) -> P:
+    """``[T_(data, expert), D]``: the layout of x and the output (T over expert alone without a data axis)."""
+    return P((DATA, EXPERT) if DATA in mesh.axis_names else EXPERT, None)
+
+
+def in_specs(mesh: Mesh) -> tuple[P, P, P, P, P]:
+    """x, the router ``[D, E]`` (replicated), and ``W_gate, W_up [E_expert, D, F]``, ``W_down [E_expert, F, D]``."""
+    experts = P(EXPERT, None, None)
+    return (token_spec(mesh), P(None, None), experts, experts, experts)
+
+
+def token_groups(mesh: Mesh) -> int:
+    """How many devices split the tokens (each routes its own ``T / groups`` with its own capacity)."""
+    shape = dict(mesh.shape)
+    return shape.get(DATA, 1) * shape[EXPERT]
+
+
+def _require_expert(mesh: Mesh) -> None:
+    if EXPERT not in mesh.axis_names:
+        raise UserError(
+            f"moe_mlp needs a mesh axis named {EXPERT!r}; the mesh has {', '.join(mesh.axis_names)}. "
+            f'Give a missing axis size 1, e.g. {{"{DATA}": 2, "{EXPERT}": 4}}'
+        )
+
+
+def _route(x: jax.Array, w_router: jax.Array, topk: int) -> tuple[jax.Array, jax.Array]:
+    """Router weights ``[t, k]`` (float32, the top-k softmax probabilities renormalised) and experts ``[t, k]``."""
+    logits = jnp.einsum("td,de->te", x, w_router, preferred_element_type=jnp.float32)
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), topk)
+    return weights / jnp.sum(weights, axis=-1, keepdims=True), experts
+
+
+def _slots(experts: jax.Array, n_experts: int, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """Each assignment's slot ``expert * C + position`` in the send buffer (``E * C`` when dropped) and whether it
+    is kept, flattened choice-major (``[k * t]``: every first choice, then every second choice)."""
+    flat = experts.T.reshape(-1)
+    onehot = (flat[:, None] == jnp.arange(n_experts)).astype(jnp.int32)  # [k*t, E]
+    earlier = jnp.cumsum(onehot, axis=0) - onehot  # assignments to each expert before this one
+    position = jnp.take_along_axis(earlier, flat[:, None], axis=1)[:, 0]
+    keep = position < capacity
+    return jnp.where(keep, flat * capacity + position, n_experts * capacity), keep
+
+
+def moe_mlp(mesh: Mesh, *, topk: int = MOE_TOPK, capacity_factor: float = MOE_CAPACITY_FACTOR) -> MoeFn:
+    """The jitted ``shard_map`` program ``(x, w_router, w_gate, w_up, w_down) -> out`` (module docstring)."""
+    _require_expert(mesh)
+    n = mesh.shape[EXPERT]
+
+    def body(x, w_router, w_gate, w_up, w_down):
+        # x [t, D]; w_router [D, E]; w_gate, w_up [E/n, D, F]; w_down [E/n, F, D]
+        t, d = x.shape
+        local = w_gate.shape[0]
+        e = local * n
+        c = moe_capacity(t, e, topk, capacity_factor)
+        with jax.named_scope(SCOPES[0]):
+            weights, experts = _route(x, w_router, topk)
+            slot, keep = _slots(experts, e, c)
+        with jax.named_scope(SCOPES[1]):
+            token = jnp.tile(jnp.arange(t), topk)  # the token of each assignment, choice-major
+            send = jnp.zeros((e * c, d), x.dtype).at[slot].set(x[token], mode="drop", unique_indices=True)
+            # [E, C, D] split over the expert group by expert; received: [n (source), E/n, C, D]
+            recv = jax.lax.all_to_all(send.reshape(e, c, d), EXPERT, 0, 0, tiled=True)
+        with jax.named_scope(SCOPES[2]):
+            h = recv.reshape(n, local, c, d).transpose(1, 0, 2, 3).reshape(local, n * c, d)
+            gate = jnp.einsum("esd,edf->esf", h, w_gate, preferred_element_type=jnp.float32)
+            up = jnp.einsum("esd,edf->esf", h, w_up, preferred_element_type=jnp.float32)
+            act = (jax.nn.silu(gate) * up).astype(x.dtype)
+            y = jnp.einsum("esf,efd->esd", act, w_down, preferred_element_type=jnp.float32).astype(x.dtype)
+            y = y.reshape(local, n, c, d).transpose(1, 0, 2, 3).reshape(e, c, d)
+        with jax.named_scope(SCOPES[3]):
+            back = jax.lax.all_to_all(y, EXPERT, 0, 0, tiled=True).reshape(e * c, d)  # the send buffer's layout
+            got = back[jnp.where(keep, slot, 0)].astype(jnp.float32)  # [k*t, D]
+            w = jnp.where(keep, weights.T.reshape(-1), 0.0)
+            out = jnp.sum((w[:, None] * got).reshape(topk, t, d), axis=0)
+        return out.astype(x.dtype)
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs(mesh), out_specs=token_spec(mesh)))
+
+
+# ----- the single-device reference and the load report ---------------------------------------------------------
+
+
+def _kept(experts: np.ndarray, groups: int, n_experts: int, capacity: int) -> np.ndarray:
+    """``[T, k]``: whether each assignment fits its expert's capacity, group by group of ``T / groups`` tokens,
+    counting first come first served, every first choice before any second choice (a plain loop)."""
+    total, k = experts.shape
+    t = total // groups
+    kept = np.zeros((total, k), bool)
+    for g in range(groups):
+        filled = [0] * n_experts
+        for j in range(k):
+            for i in range(g * t, (g + 1) * t):
+                ex = int(experts[i, j])
+                if filled[ex] < capacity:
+                    filled[ex] += 1
+                    kept[i, j] = True
+    return kept
+
+
+def _routing(x, w_router, groups: int, topk: int, capacity_factor: float):
+    total, n_experts = x.shape[0], w_router.shape[1]
+    if total % groups:
+        raise UserError(f"moe_mlp: T={total} does not divide into {groups} token groups")
+    capacity = moe_capacity(total // groups, n_experts, topk, capacity_factor)
+    weights, experts = _route(jnp.asarray(x), jnp.asarray(w_router), topk)
+    return weights, experts, _kept(np.asarray(experts), groups, n_experts, capacity), capacity
+
+
+def reference_moe_jax(
+    x,
+    w_router,
+    w_gate,
+    w_up,
+    w_down,
+    *,
+    groups: int,
+    topk: int = MOE_TOPK,
+    capacity_factor: float = MOE_CAPACITY_FACTOR,
+) -> jax.Array:
+    """The layer on one device, float32: every expert applied to every token (dense), each token's kept choices
+    summed with the router's weights. ``groups``: how many devices split the tokens in the sharded program (the
+    capacity is per group). Differentiable in the expert weights; the routing is read from concrete ``x`` and
+    ``w_router`` (do not trace them)."""
+    weights, experts, kept, _ = _routing(x, w_router, groups, topk, capacity_factor)
+    x32 = jnp.asarray(x, jnp.float32)
+    gate = jnp.einsum("td,edf->tef", x32, jnp.asarray(w_gate, jnp.float32), precision="highest")
+    up = jnp.einsum("td,edf->tef", x32, jnp.asarray(w_up, jnp.float32), precision="highest")
+    y = jnp.einsum("tef,efd->ted", jax.nn.silu(gate) * up, jnp.asarray(w_down, jnp.float32), precision="highest")
+    chosen = jnp.take_along_axis(y, experts[:, :, None], axis=1)  # [T, k, D]
+    return jnp.sum(jnp.where(kept, weights, 0.0)[:, :, None] * chosen, axis=1)
+
+
+def reference_moe(x, w_router, w_gate, w_up, w_down, *, groups: int, **options) -> np.ndarray:
+    """:func:`reference_moe_jax` as a numpy array."""
+    return np.asarray(reference_moe_jax(x, w_router, w_gate, w_up, w_down, groups=groups, **options))
+
+
+def load_report(
+    x, w_router, *, groups: int, topk: int = MOE_TOPK, capacity_factor: float = MOE_CAPACITY_FACTOR
+) -> dict[str, Any]:
+    """How the router loads the experts for these inputs: per expert the assignments routed to it and those kept
+    (``kept`` sums to ``k * T - dropped``), the fraction of assignments dropped, and the imbalance (the busiest
+    expert's routed count over the mean)."""
+    _, experts, kept, capacity = _routing(x, w_router, groups, topk, capacity_factor)
+    experts = np.asarray(experts)
+    n_experts = w_router.shape[1]
+    routed = np.bincount(experts.ravel(), minlength=n_experts)
+    kept_counts = np.bincount(experts[kept], minlength=n_experts)
+    dropped = int(experts.size - kept.sum())
+    return {
+        "capacity": capacity,
+        "groups": groups,
+        "routed": routed.tolist(),
+        "kept": kept_counts.tolist(),
+        "dropped": dropped,
+        "dropped_fraction": dropped / experts.size,
+        "imbalance": float(routed.max() / routed.mean()),
+    }
+
+
+def check_mesh(mesh: Mesh, sizes: Mapping[str, int]) -> None:
+    """The sizes against a JAX mesh: E divides over ``expert``, T over ``data`` x ``expert`` (a UserError)."""
+    _require_expert(mesh)
+    check_moe_sizes("moe_mlp", dict(mesh.shape), sizes)
+
+
+__all__ = [
+    "DATA",
+    "EXPERT",
+    "SCOPES",
+    "check_mesh",
+    "in_specs",
+    "load_report",
+    "moe_mlp",
+    "reference_moe",
+    "reference_moe_jax",
+    "token_groups",
+    "token_spec",
+]
