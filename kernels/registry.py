@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from kernels import blocks, moe
 from kernels import collective_matmul as cm
 from kernels import collectives as coll
+from kernels import pipeline as pp
 from kernels import ring_attention as ra
 from kernels import sharded_matmul as sm
 from kernels.mesh import make_mesh
@@ -249,11 +250,29 @@ def _build_moe(
     return _placed(moe.moe_mlp(mesh), shapes, shardings, _dtype(dtype), seed, reference)
 
 
+def _build_pipeline(
+    name: str,
+    mesh: Mesh,
+    sizes: Mapping[str, int],
+    dtype=np.float32,
+    axes: tuple[str, ...] | None = None,
+    *,
+    seed: int = 0,
+) -> Built:
+    """The pipelined MLP's GPipe train step: stage-stacked weights ``[p, Lmax, D, F]``, ``[p, Lmax, F, D]`` over
+    ``pipe``, x ``[B, D]`` over ``data``; the even split ``L / p`` (a Plan carries no other)."""
+    del axes
+    _check_sizes(name, sizes, ("B", "D", "F", "L", "M"))
+    return pp.build(mesh, sizes, _dtype(dtype), seed)  # UserError naming L, B or M first, before anything compiles
+
+
 def _kernel(spec: ProgramSpec) -> Kernel:
     if spec.family == "attention":
         build = partial(_build_attention, spec.name)
     elif spec.family == "moe":
         build = partial(_build_moe, spec.name)
+    elif spec.family == "pipeline":
+        build = partial(_build_pipeline, spec.name)
     elif spec.family == "collective":
         build = partial(_build_collective, spec.name, spec.name.removeprefix("collective_"))
     elif spec.family == "block":
@@ -264,9 +283,10 @@ def _kernel(spec: ProgramSpec) -> Kernel:
 
 
 # Programs that need a model are built from their Plan (below); kernels over named axes other than X and Y (ring
-# attention: data, context; the MoE MLP: data, expert) are kept apart in AXIS_KERNELS, since every entry of
-# KERNELS builds on the X/Y meshes and the I, J, K / B, D, F / N sizes the kernel sweeps use.
-AXIS_FAMILIES = ("attention", "moe")
+# attention: data, context; the MoE MLP: data, expert; the pipelined MLP: data, pipe) are kept apart in
+# AXIS_KERNELS, since every entry of KERNELS builds on the X/Y meshes and the I, J, K / B, D, F / N sizes the kernel
+# sweeps use.
+AXIS_FAMILIES = ("attention", "moe", "pipeline")
 KERNELS: dict[str, Kernel] = {
     name: _kernel(spec) for name, spec in PROGRAMS.items() if spec.family not in ("transformer", "user", *AXIS_FAMILIES)
 }
@@ -310,6 +330,8 @@ def output_spec(kernel: Kernel, mesh: Mesh, axes: tuple[str, ...] | None = None)
         return ra.qkv_spec(mesh)
     if kernel.family == "moe":
         return moe.token_spec(mesh)
+    if kernel.family == "pipeline":  # a train step: the loss (replicated) and the updated weights, laid out so
+        return pp.weight_spec()
     if kernel.notation is not None:
         return parse_matmul(kernel.notation).out.to_partition_spec()
     kind = kernel.name.removeprefix("collective_")

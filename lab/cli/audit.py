@@ -23,6 +23,8 @@ DEFAULT_ATTENTION_SIZES = {"B": 4, "T": 1024, "H": 8, "D": 64}
 DEFAULT_ATTENTION_MESH = {"data": 2, "context": 4}
 DEFAULT_MOE_SIZES = {"T": 1024, "D": 256, "F": 512, "E": 8}
 DEFAULT_MOE_MESH = {"data": 2, "expert": 4}
+DEFAULT_PIPELINE_SIZES = {"B": 64, "D": 256, "F": 1024, "L": 8, "M": 4}
+DEFAULT_PIPELINE_MESH = {"data": 2, "pipe": 4}
 
 
 def _kernel_plan(name: str) -> Plan:
@@ -37,8 +39,10 @@ def _kernel_plan(name: str) -> Plan:
         "block": DEFAULT_BLOCK_SIZES,
         "attention": DEFAULT_ATTENTION_SIZES,
         "moe": DEFAULT_MOE_SIZES,
+        "pipeline": DEFAULT_PIPELINE_SIZES,
     }.get(spec.family, DEFAULT_MATMUL_SIZES)
-    mesh = {"attention": DEFAULT_ATTENTION_MESH, "moe": DEFAULT_MOE_MESH}.get(spec.family, DEFAULT_MESH)
+    meshes = {"attention": DEFAULT_ATTENTION_MESH, "moe": DEFAULT_MOE_MESH, "pipeline": DEFAULT_PIPELINE_MESH}
+    mesh = meshes.get(spec.family, DEFAULT_MESH)
     return kernel_plan(name, mesh, default, hardware="cpu")
 
 

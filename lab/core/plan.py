@@ -24,7 +24,14 @@ from typing import Any
 from lab.core.arrays import check_transformer, unsupported_features
 from lab.core.errors import UserError
 from lab.core.models import ModelConfig
-from lab.core.programs import ProgramSpec, check_attention_sizes, check_moe_sizes, complete_mesh, get_program
+from lab.core.programs import (
+    ProgramSpec,
+    check_attention_sizes,
+    check_moe_sizes,
+    check_pipeline_sizes,
+    complete_mesh,
+    get_program,
+)
 from lab.core.rules import FIELDS, NOT_EXECUTED, ShardingRules
 from lab.core.units import canonical_dtype
 
@@ -238,6 +245,8 @@ class Plan:
             check_attention_sizes(spec.name, self.shape, dict(self.sizes))
         if spec.family == "moe":  # E over expert, T over data x expert
             check_moe_sizes(spec.name, self.shape, dict(self.sizes))
+        if spec.family == "pipeline":  # L over pipe (the even split: a Plan carries none), B over data x M
+            check_pipeline_sizes(spec.name, self.shape, dict(self.sizes))
         if spec.notation:
             from lab.core.notation import parse_matmul
 

@@ -10,6 +10,8 @@ kernel registry (``kernels/registry.py``) attaches a builder to every name here,
 * **collectives**: one collective over ``axes`` of any mesh, ``N`` elements per device;
 * **attention**: ring attention, ``q, k, v [B, T, H, D]`` with T over mesh axis ``context`` (B over ``data``);
 * **moe**: a mixture-of-experts MLP, ``x [T, D]`` with T over ``data`` x ``expert`` and E experts over ``expert``;
+* **pipeline**: a stack of L residual MLP blocks in stages over mesh axis ``pipe`` (B over ``data``), a GPipe train
+  step over M microbatches;
 * **transformer**: the LLaMA-style model's train step and greedy decode, placed by sharding rules.
 """
 
@@ -29,6 +31,7 @@ MOE_AXES = ("data", "expert")  # the MoE MLP: T over data x expert, the experts 
 # Plan cannot carry them: they are fixed here, where the kernel (kernels/moe.py) and its estimate both read them.
 MOE_TOPK = 2  # experts per token
 MOE_CAPACITY_FACTOR = 1.25  # slots per expert per device: ceil(topk * tokens per device * factor / E)
+PIPELINE_AXES = ("data", "pipe")  # the pipelined MLP: B over data, its layers' stages over pipe
 
 
 @dataclass(frozen=True)
@@ -208,6 +211,14 @@ _SPECS: tuple[ProgramSpec, ...] = (
         MOE_AXES,
     ),
     ProgramSpec(
+        "pipeline_mlp",
+        "pipeline",
+        "GPipe train step of L residual MLP blocks in stages over the pipe axis, M microbatches passed by ppermute",
+        ("B", "D", "F", "L", "M"),
+        None,
+        PIPELINE_AXES,
+    ),
+    ProgramSpec(
         "train_step",
         "transformer",
         "the Transformer's training step: forward, backward and one AdamW update",
@@ -293,17 +304,85 @@ def check_moe_sizes(name: str, mesh: dict[str, int], sizes: dict[str, int]) -> N
             )
 
 
+def _positive(name: str, sizes: dict[str, int], dims: tuple[str, ...]) -> None:
+    for dim in dims:
+        v = sizes.get(dim)
+        if isinstance(v, bool) or not isinstance(v, Integral) or v <= 0:
+            raise UserError(f"{name}: dim {dim}={v!r} must be a positive integer")
+
+
+def _even_split(layers: int, stages: int) -> tuple[int, ...]:
+    """``layers`` over ``stages`` as evenly as they go, the larger stages first."""
+    return tuple(layers // stages + (i < layers % stages) for i in range(stages))
+
+
+def pipeline_split(name: str, layers: int, stages: int, split: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """The layers each pipeline stage holds: ``split`` when given (checked), else ``L / p`` each.
+
+    The Plan carries no stage split yet, so a Plan's program always takes the even split; an unequal one (e.g.
+    ``(1, 2, 2, 1)``) is given to the kernel directly (``kernels.pipeline``).
+
+    Raises:
+        UserError: L not divisible by p without a split; a split of the wrong length, of a non-positive entry, or
+            not adding up to L (each naming the value and a valid alternative).
+    """
+    even = _even_split(layers, stages)
+    hint = f"split={even}" if layers >= stages else f"L={stages}"
+    if split is None:
+        if layers % stages:
+            raise UserError(
+                f"{name}: dim L={layers} layers do not divide over mesh axis pipe ({stages} stages); use a multiple "
+                f"of {stages}, e.g. L={max(stages, layers // stages * stages)}, or give an unequal split, e.g. {hint}"
+            )
+        return even
+    split = tuple(split)
+    if len(split) != stages:
+        raise UserError(
+            f"{name}: split {split} has {len(split)} stages, but mesh axis pipe has {stages}; give one layer count "
+            f"per stage, e.g. {hint}"
+        )
+    if any(isinstance(n, bool) or not isinstance(n, Integral) or n <= 0 for n in split):
+        raise UserError(f"{name}: split {split}: every stage holds a positive number of layers, e.g. {hint}")
+    if sum(split) != layers:
+        raise UserError(f"{name}: split {split} adds up to {sum(split)} layers, not L={layers}; e.g. {hint}")
+    return split
+
+
+def check_pipeline_sizes(
+    name: str, mesh: dict[str, int], sizes: dict[str, int], split: tuple[int, ...] | None = None
+) -> tuple[int, ...]:
+    """The pipelined MLP's sizes: positive integers, the layers split over ``pipe`` (:func:`pipeline_split`), B over
+    ``data`` x M (each device's batch cut into M microbatches). Returns the split.
+
+    Raises:
+        UserError: naming the dim or split, its value and one that would do.
+    """
+    _positive(name, sizes, ("B", "D", "F", "L", "M"))
+    data, pipe = (mesh.get(a, 1) for a in PIPELINE_AXES)
+    out = pipeline_split(name, sizes["L"], pipe, split)
+    b, n = sizes["B"], data * sizes["M"]
+    if b % n:
+        raise UserError(
+            f"{name}: dim B={b} does not divide into mesh axis data x M microbatches ({data} x {sizes['M']} = {n}); "
+            f"use a multiple of {n}, e.g. B={max(n, b // n * n)}"
+        )
+    return out
+
+
 __all__ = [
     "ATTENTION_AXES",
     "MLP_NOTATION",
     "MOE_AXES",
     "MOE_CAPACITY_FACTOR",
     "MOE_TOPK",
+    "PIPELINE_AXES",
     "PROGRAMS",
     "ProgramSpec",
     "check_attention_sizes",
     "check_moe_sizes",
+    "check_pipeline_sizes",
     "complete_mesh",
     "get_program",
     "moe_capacity",
+    "pipeline_split",
 ]
