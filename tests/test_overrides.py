@@ -69,7 +69,7 @@ def test_scale_to_host_picks_the_smallest_power_of_two_that_fits():
 
 
 def test_a_real_size_run_that_does_not_fit_says_how_to_scale_it(tmp_path, capsys):
-    assert main(["run", TRAIN, "--out", str(tmp_path), "--quiet"]) == 2
+    assert main(["run", TRAIN, "--out", str(tmp_path), "--quiet", "--hardware", "cpu"]) == 2  # no calibration first
     err = capsys.readouterr().err
     assert "GiB per device" in err and "--scale-to-host" in err and len(err.strip().splitlines()) == 1
 
