@@ -88,27 +88,14 @@ def run_experiment(
         Interrupted: Ctrl-C, saying what was kept and how to resume.
     """
     progress = Progress(quiet)
-    exp = load_experiment(path)
-    if hardware:
-        exp = dataclasses.replace(exp, plan=dataclasses.replace(exp.plan, hardware=hardware))
-    changed: dict[str, Any] = {}
-    if overrides and any(v is not None for v in overrides.values()):
-        from lab.run.overrides import override
-
-        try:
-            plan, changed = override(exp.plan, **overrides)
-        except UserError as exc:
-            raise UserError(f"{exp.path}: {exc}") from None
-        exp = dataclasses.replace(exp, plan=plan)
+    exp, changed = _experiment(path, hardware, overrides)
     if scale_to_host and (exp.sweep or target is not None):
-        raise UserError(
-            "--scale-to-host scales one Plan on this host; "
-            + (
-                "drop --target (a cross-compiled run needs no host memory)"
-                if target
-                else "a sweep's points would scale differently: run one point (--sizes)"
-            )
+        why = (
+            "drop --target (a cross-compiled run needs no host memory)"
+            if target
+            else ("a sweep's points would scale differently: run one point (--sizes)")
         )
+        raise UserError(f"--scale-to-host scales one Plan on this host; {why}")
     name = plain_name(run_id) if run_id else plain_name(exp.name, "[experiment].name")
     points = exp.points()
     for label, plan in points:  # every point checked for what the kernels need, before JAX starts
@@ -119,15 +106,7 @@ def run_experiment(
     base = Path(out)
     if resume:
         _check_resumable(base, name, path, bool(exp.sweep))
-    if devices is not None and devices > MAX_EMULATED:
-        raise UserError(
-            f"--devices {devices}: at most {MAX_EMULATED} host devices can be emulated; give a smaller mesh"
-        )
-    if devices is not None and devices < exp.devices:
-        raise UserError(
-            f"--devices {devices} is fewer than the {exp.devices} devices of the mesh {exp.mesh}; "
-            f"give --devices {exp.devices} or more, or leave it out"
-        )
+    _check_devices(devices, exp)
     store.check_out(base)  # before JAX starts or the host is calibrated
     if target is not None:
         return _run_for_target(exp, path, base, name, points, target, hardware, hardware_file, progress, compile_only)
@@ -165,6 +144,36 @@ def run_experiment(
 
     ctx = _Context(exp, path, chip, env, progress, compile_only, jax.process_index(), jax.process_count())
     return _dispatch(ctx, base, name, points, resume)
+
+
+def _experiment(path: str, hardware: str | None, overrides: dict[str, str | None] | None):
+    """The experiment as the command line changes it (``--hardware``, ``--mesh``, ``--sizes``, ``--dtype``,
+    ``--model``), and the record of what changed."""
+    exp = load_experiment(path)
+    if hardware:
+        exp = dataclasses.replace(exp, plan=dataclasses.replace(exp.plan, hardware=hardware))
+    if not overrides or all(v is None for v in overrides.values()):
+        return exp, {}
+    from lab.run.overrides import override
+
+    try:
+        plan, changed = override(exp.plan, **overrides)
+    except UserError as exc:
+        raise UserError(f"{exp.path}: {exc}") from None
+    return dataclasses.replace(exp, plan=plan), changed
+
+
+def _check_devices(devices: int | None, exp: Experiment) -> None:
+    """``--devices N``: emulable, and at least the mesh's."""
+    if devices is not None and devices > MAX_EMULATED:
+        raise UserError(
+            f"--devices {devices}: at most {MAX_EMULATED} host devices can be emulated; give a smaller mesh"
+        )
+    if devices is not None and devices < exp.devices:
+        raise UserError(
+            f"--devices {devices} is fewer than the {exp.devices} devices of the mesh {exp.mesh}; "
+            f"give --devices {exp.devices} or more, or leave it out"
+        )
 
 
 def _dispatch(ctx: _Context, base: Path, name: str, points, resume: bool) -> RunResult:
