@@ -233,3 +233,27 @@ def test_tensorboard_serves_the_run_and_every_tool_under_the_linked_names(cpu_ru
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_xprofs_self_times_join_the_ledger_by_hlo_op_name():
+    from lab.run.point import _trim, _xprof_rows, xprof_self_times
+
+    rows = [
+        {"hlo_op_name": "fusion.3", "avg_self_time": 12.5, "total_self_time": 75.0, "category": "convolution"},
+        {"hlo_op_name": "all-reduce.1", "avg_self_time": 40.0, "total_self_time": 240.0, "category": "all-reduce"},
+        {"hlo_op_name": "", "avg_self_time": 1.0},
+        {"hlo_op_name": "copy", "avg_self_time": "n/a"},
+    ]
+    assert xprof_self_times(rows) == pytest.approx({"fusion.3": 12.5e-6, "all-reduce.1": 40.0e-6}, rel=1e-12)
+    top = _trim(rows, limit=1)
+    assert top == [
+        {
+            "hlo_op_name": "all-reduce.1",
+            "category": "all-reduce",
+            "occurrences": None,
+            "avg_self_time": 40.0,
+            "total_self_time": 240.0,
+            "bound_by": None,
+        }
+    ]
+    assert _xprof_rows(None, "gpu") is None and _trim(None) is None

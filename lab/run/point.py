@@ -274,6 +274,11 @@ def run_point(
     if est is not None:
         rows, named, est_coverage = ledger.join_estimates(rows, est, audit.get("entries", []))
     row_dicts = [r.to_dict() for r in rows]
+    xprof = _xprof_rows(files, env["backend"])
+    if xprof:  # xprof's own per-op device times beside the lab's parse, where its converter has the data
+        by_op = xprof_self_times(xprof)
+        for r in row_dicts:
+            r["xprof_self_s"] = by_op.get(r["name"])
     clock.lap("parse_s")
     data = {
         "experiment": exp.name,
@@ -305,6 +310,7 @@ def run_point(
         **({"compiled_for": env["compiled_for"], "xla": audit.get("xla")} if target is not None else {}),
         "tensorboard": str(final_dir / "tensorboard") if files else None,
         "tensorboard_tools": _tools(files, env["backend"]),
+        "xprof_hlo_stats": _trim(xprof),
         "perfetto_trace": str(final_dir / Path(files.perfetto).resolve().relative_to(out_dir.resolve()))
         if files and files.perfetto
         else None,
@@ -312,6 +318,40 @@ def run_point(
     written = report.write_all(data, out_dir, timings=lambda: _timings(clock))
     progress(f"wrote {', '.join(written)}")
     return data
+
+
+XPROF_COLUMNS = ("hlo_op_name", "category", "occurrences", "avg_self_time", "total_self_time", "bound_by")
+
+
+def _xprof_rows(files, backend: str) -> list[dict[str, Any]] | None:
+    """xprof's ``hlo_stats`` table of a device trace; None on emulated CPU devices (no device plane: the converter
+    has nothing) and where the profile plugin is missing."""
+    if not files or backend == "cpu" or not getattr(files, "xplane", None):
+        return None
+    from lab.measure.xprof_tools import hlo_stats
+
+    try:
+        return hlo_stats(files)
+    except UserError:
+        return None
+
+
+def xprof_self_times(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """HLO op name -> xprof's mean self time per occurrence, in seconds (its table is in microseconds)."""
+    out = {}
+    for r in rows:
+        name, t = r.get("hlo_op_name"), r.get("avg_self_time")
+        if name and isinstance(t, int | float):
+            out[str(name)] = float(t) * 1e-6
+    return out
+
+
+def _trim(rows: list[dict[str, Any]] | None, limit: int = 25) -> list[dict[str, Any]] | None:
+    """The heaviest ``limit`` rows of xprof's table, with the columns a reader compares against the ledger."""
+    if not rows:
+        return None
+    heavy = sorted(rows, key=lambda r: -float(r.get("total_self_time") or 0.0))[:limit]
+    return [{k: r.get(k) for k in XPROF_COLUMNS} for r in heavy]
 
 
 def _tools(files, backend: str) -> list[dict[str, Any]] | None:
