@@ -184,3 +184,13 @@ def test_run_compile_only_for_a_topology_writes_xla_beside_the_predictions(tmp_p
     assert x["lab"]["memory_per_device_bytes"] > 0
     saved = json.loads((Path(r["run_dir"]) / "report.json").read_text())
     assert saved["xla"] == x and saved["step_time_measured_s"] is None
+
+
+@needs_libtpu
+@pytest.mark.parametrize("name", ["ring_attention_context4", "moe_expert4", "pipeline_gpipe4"])
+def test_the_parallel_kernels_audit_all_match_on_tpu_too(capsys, name):
+    exp = str(ROOT / "experiments" / f"{name}.toml")
+    assert main(["audit", exp, "--target", "v5e:2x4", "--dtype", "bf16", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["compiled_for"] == "v5e:2x4" and d["all_match"], d["entries"]
+    assert d["entries"] and not d["unexpected"] and d["flops_compiled"] == pytest.approx(d["flops_predicted"])
