@@ -194,3 +194,26 @@ def test_the_parallel_kernels_audit_all_match_on_tpu_too(capsys, name):
     d = json.loads(capsys.readouterr().out)
     assert d["compiled_for"] == "v5e:2x4" and d["all_match"], d["entries"]
     assert d["entries"] and not d["unexpected"] and d["flops_compiled"] == pytest.approx(d["flops_predicted"])
+
+
+@needs_libtpu
+def test_the_ledger_prices_the_collectives_inside_tpu_fusions(tmp_path, capsys):
+    # libtpu wraps all-gathers in async collective fusions and fuses some with their matmuls: the ledger must
+    # still price every collective byte and every matmul FLOP the audit's parser finds in the HLO
+    from lab.compile.hlo import collectives, dots, parse_module
+    from lab.core.hardware import get_chip
+    from lab.report.ledger import predict_ops
+
+    exp = tmp_path / "mid.toml"
+    exp.write_text(MID_MODEL.format(data=2))
+    hlo = tmp_path / "tpu.hlo"
+    assert main(["audit", str(exp), "--target", "v5e:2x4", "--hlo", str(hlo), "--json"]) == 0
+    capsys.readouterr()
+    text = hlo.read_text()
+    module = parse_module(text)
+    assert "async_collective_fusion" in text  # the case this test is about
+    ops = predict_ops(text, get_chip("tpu-v5e"), {"data": 2, "model": 4})
+    assert sum(o.collective_bytes * o.times for o in ops) == pytest.approx(
+        sum(c.bytes * c.times for c in collectives(module))
+    )
+    assert sum(o.flops * o.times for o in ops) == pytest.approx(sum(d.flops * d.times for d in dots(module)))

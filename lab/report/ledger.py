@@ -102,6 +102,34 @@ def _dot_flops(module: Module, d: Instruction) -> tuple[float, str]:
     return (2.0 * out.elements * k if out else 0.0), dtype
 
 
+def _collectives_inside_fusions(module: Module, found: list) -> dict[str, list]:
+    """Computation name -> the collectives inside it, for computations a fusion calls (not the entry nor a loop
+    body, whose collectives are ops of their own): the TPU compiler wraps its all-gathers in fusions."""
+    where = {instr.name: instr.computation for instr, _ in module.walk()}
+    out: dict[str, list] = {}
+    for c in found:
+        comp = where.get(c.name)
+        if comp and comp != module.entry and not _is_loop_body(module, comp):
+            out.setdefault(comp, []).append(c)
+    return out
+
+
+def _collective_price(held: list, chip: Chip, mesh: dict[str, int], slow: tuple[str, ...]):
+    """Seconds for these collectives one after another, and the mesh axes of the first."""
+    total, first_axes = 0.0, None
+    for c in held:
+        axes = (
+            axes_of_pairs(list(c.pairs), mesh)
+            if c.kind == "permute"
+            else axes_of_groups([list(g) for g in c.groups], mesh)
+        ) or ()
+        first_axes = tuple(axes) if first_axes is None else first_axes
+        sizes = [mesh[a] for a in axes] or [max(c.group_size, 1)]
+        if math.prod(sizes) > 1 and c.bytes:
+            total += collective_time(c.kind, c.bytes, sizes, chip, **over_axes(axes, mesh, slow)).time_s
+    return total, first_axes or ()
+
+
 def _peak_dtype(chip: Chip, hlo_dtype: str) -> str:
     dt = _LAB_DTYPE.get(hlo_dtype, "fp32")
     if dt in chip.peak_flops:
@@ -113,7 +141,9 @@ def predict_ops(hlo_text: str, chip: Chip, mesh: dict[str, int], slow: tuple[str
     """Price every op the program executes on ``chip`` (see the module docstring); a collective over one of the
     ``slow`` axes is priced across nodes, on the scale-out (DCN) bandwidth, as the estimator prices it."""
     module = parse_module(hlo_text)
-    colls = {c.name: c for c in collectives(module)}
+    found = collectives(module)
+    colls = {c.name: c for c in found}
+    inside = _collectives_inside_fusions(module, found)
     out: list[PredictedOp] = []
     for instr, times in module.walk():
         if instr.opcode in _NO_WORK or instr.opcode in ("while", "call", "conditional"):
@@ -126,27 +156,18 @@ def predict_ops(hlo_text: str, chip: Chip, mesh: dict[str, int], slow: tuple[str
         result_bytes = sum(s.bytes for s in instr.result)
         operand_bytes = sum(s.bytes for s in operand_shapes(module, instr))
         nbytes = result_bytes + operand_bytes
-        if instr.name in colls:
-            c = colls[instr.name]
-            axes = (
-                axes_of_pairs(list(c.pairs), mesh)
-                if c.kind == "permute"
-                else axes_of_groups([list(g) for g in c.groups], mesh)
-            ) or ()
-            sizes = [mesh[a] for a in axes] or [max(c.group_size, 1)]
-            kind = "collective-permute" if c.kind == "permute" else c.kind
-            where = over_axes(axes, mesh, slow)
-            t = (
-                collective_time(c.kind, c.bytes, sizes, chip, **where).time_s
-                if math.prod(sizes) > 1 and c.bytes
-                else 0.0
-            )
-            out.append(PredictedOp(instr.name, kind, t, 0.0, nbytes, c.bytes, times, tuple(axes), scope))
-            continue
+        held = [colls[instr.name]] if instr.name in colls else []
+        held = held or [c for callee, _ in module.calls(instr) for c in inside.get(callee, ())]
         dots = [instr] if instr.opcode in ("dot", "convolution") else []
         for callee, _ in module.calls(instr):
             dots += _dots_in(module, callee)
-        if dots:
+        coll_t, axes = _collective_price(held, chip, mesh, slow) if held else (0.0, ())
+        v = sum(c.bytes for c in held)
+        if held and not dots:  # a collective, or a fusion around collectives (the TPU's async collective fusions)
+            kind = "collective-permute" if held[0].kind == "permute" else held[0].kind
+            out.append(PredictedOp(instr.name, kind, coll_t, 0.0, nbytes, v, times, axes, scope))
+            continue
+        if dots:  # a matmul; fused with a collective (a TPU collective matmul) it overlaps the collective
             flops, dtype = 0.0, "f32"
             for d in dots:
                 f, dtype = _dot_flops(module, d)
@@ -157,7 +178,7 @@ def predict_ops(hlo_text: str, chip: Chip, mesh: dict[str, int], slow: tuple[str
             scope = scope or next((n for n in map(module.op_name, dots) if n), "")
             batched = any(d.attr("lhs_batch_dims") for d in dots)
             kind = "attention" if ("attention" in scope and "scores" in scope) or (not scope and batched) else "matmul"
-            out.append(PredictedOp(instr.name, kind, r.time_s, flops, nbytes, 0.0, times, (), scope))
+            out.append(PredictedOp(instr.name, kind, max(r.time_s, coll_t), flops, nbytes, v, times, axes, scope))
             continue
         kind = _kind(instr.opcode, scope)
         out.append(PredictedOp(instr.name, kind, nbytes / chip.hbm_bandwidth, 0.0, nbytes, 0.0, times, (), scope))
