@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lab.compile.hlo import CompiledCollective, axes_of_groups, axes_of_pairs, collectives, dots, parse_module
-from lab.compile.target import Target, for_target, target_mesh
+from lab.compile.target import Target, compile_for, for_target, target_mesh
 from lab.core.hardware import Chip
 from lab.core.plan import Plan, kernel_plan
 from lab.core.table import render
@@ -442,7 +442,7 @@ def compile_plan(plan: Plan, target: Target | None = None):
 
     mesh = target_mesh(plan.shape, target) if target is not None else None
     built = build(plan, mesh)
-    return built, built.fn.lower(*built.abstract).compile()
+    return built, compile_for(built, target)
 
 
 def audit_plan(plan: Plan, chip: Chip, target: Target | None = None) -> AuditResult:

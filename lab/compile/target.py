@@ -13,6 +13,7 @@ builds the mesh of a Plan over the topology's devices.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -114,6 +115,28 @@ def topology_devices(target: Target) -> list:
     return devices
 
 
+@contextlib.contextmanager
+def uncached():
+    """JAX's persistent compilation cache off for a cross-compilation: an executable for absent TPUs can be written
+    but not loaded back (there is no TPU client), and reading it warns on every later compile of the program."""
+    import jax
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+
+
+def compile_for(built, target):
+    """``built``'s program compiled from its abstract arguments; for a TPU ``target`` without the persistent cache."""
+    if target is None:
+        return built.fn.lower(*built.abstract).compile()
+    with uncached():
+        return built.fn.lower(*built.abstract).compile()
+
+
 def for_target(plan):
     """The Plan as the TPU compiler builds it, for its estimate: the compiler adds the partial input gradients
     of Q, K and V (and of gate and up) before one AllReduce each (XLA's all-reduce reassociation), as if the
@@ -151,6 +174,7 @@ __all__ = [
     "EXAMPLES",
     "GENERATIONS",
     "Target",
+    "compile_for",
     "for_target",
     "parse_target",
     "quiet_absent_tpu",

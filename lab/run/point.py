@@ -80,14 +80,14 @@ def _compile_and_audit(
     topology) the mesh is the topology's devices and the compiler libtpu's."""
     from kernels.registry import build
     from lab.compile.audit import audit_compiled
-    from lab.compile.target import target_mesh
+    from lab.compile.target import compile_for, target_mesh
 
     where = f" for TPU {target.name} (cross-compiled)" if target is not None else ""
     progress(f"{plan.name} {dict(plan.sizes)}: building {plan.program} on mesh {plan.shape}{where}")
     built = build(plan, target_mesh(plan.shape, target) if target is not None else None)
     clock.lap("build_s")
     progress("compiling (abstract arguments) and auditing against the estimate")
-    compiled = built.fn.lower(*built.abstract).compile()
+    compiled = compile_for(built, target)
     _check_compiled_memory(plan, compiled, chip, compile_only, host=target is None)
     if est is None:
         return built, compiled, {"all_match": None, "note": "no estimate of this Plan: ledger only"}
