@@ -217,3 +217,16 @@ def test_the_ledger_prices_the_collectives_inside_tpu_fusions(tmp_path, capsys):
         sum(c.bytes * c.times for c in collectives(module))
     )
     assert sum(o.flops * o.times for o in ops) == pytest.approx(sum(d.flops * d.times for d in dots(module)))
+
+
+@needs_libtpu
+def test_a_second_cross_compilation_does_not_read_the_persistent_cache(capsys):
+    # conftest turns JAX's persistent cache on for the session; an executable for absent TPUs cannot be loaded
+    # back, so a cached one would warn ("Error reading persistent compilation cache entry") on every later compile
+    import warnings
+
+    argv = ["audit", "tp_mlp", "--target", "v6e:2x4", "--dtype", "bf16", "--sizes", "B=256,D=512,F=1024", "--json"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main(argv) == 0 and main(argv) == 0
+    capsys.readouterr()

@@ -120,13 +120,16 @@ def uncached():
     """JAX's persistent compilation cache off for a cross-compilation: an executable for absent TPUs can be written
     but not loaded back (there is no TPU client), and reading it warns on every later compile of the program."""
     import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
 
     was = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    cc.reset_cache()  # JAX decides once per process whether the cache is used: ask it again, off
     try:
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", was)
+        cc.reset_cache()  # and again, as it was, for what compiles next
 
 
 def compile_for(built, target):
