@@ -211,47 +211,39 @@ def _build_block(
     )
 
 
-def _build_attention(
-    name: str,
-    mesh: Mesh,
-    sizes: Mapping[str, int],
-    dtype=np.float32,
-    axes: tuple[str, ...] | None = None,
-    *,
-    seed: int = 0,
-) -> Built:
+def _attention(mesh: Mesh, sizes: Mapping[str, int], dtype: np.dtype, seed: int) -> Built:
     """Ring attention: q, k, v standard-normal ``[B, T, H, D]``, T over ``context``, B over ``data``."""
-    del axes
-    _check_sizes(name, sizes, ("B", "T", "H", "D"))
     ra.check_mesh(mesh, sizes)  # UserError naming T or B and a size that divides, before anything compiles
     shape = tuple(int(sizes[d]) for d in ("B", "T", "H", "D"))
     sharding = NamedSharding(mesh, ra.qkv_spec(mesh))
-    return _placed(ra.ring_attention(mesh), [shape] * 3, [sharding] * 3, _dtype(dtype), seed, ra.reference_attention)
+    return _placed(ra.ring_attention(mesh), [shape] * 3, [sharding] * 3, dtype, seed, ra.reference_attention)
 
 
-def _build_moe(
-    name: str,
-    mesh: Mesh,
-    sizes: Mapping[str, int],
-    dtype=np.float32,
-    axes: tuple[str, ...] | None = None,
-    *,
-    seed: int = 0,
-) -> Built:
+def _moe(mesh: Mesh, sizes: Mapping[str, int], dtype: np.dtype, seed: int) -> Built:
     """The MoE MLP: x ``[T, D]``, router ``[D, E]``, expert weights ``[E, D, F]`` and ``[E, F, D]``, standard-normal;
     T over ``data`` x ``expert``, E over ``expert``."""
-    del axes
-    _check_sizes(name, sizes, ("T", "D", "F", "E"))
     moe.check_mesh(mesh, sizes)  # UserError naming E or T and a size that divides, before anything compiles
     t, d, f, e = (int(sizes[k]) for k in ("T", "D", "F", "E"))
     shardings = [NamedSharding(mesh, s) for s in moe.in_specs(mesh)]
     shapes = [(t, d), (d, e), (e, d, f), (e, d, f), (e, f, d)]
     reference = partial(moe.reference_moe, groups=moe.token_groups(mesh))
-    return _placed(moe.moe_mlp(mesh), shapes, shardings, _dtype(dtype), seed, reference)
+    return _placed(moe.moe_mlp(mesh), shapes, shardings, dtype, seed, reference)
 
 
-def _build_pipeline(
+def _pipeline(mesh: Mesh, sizes: Mapping[str, int], dtype: np.dtype, seed: int) -> Built:
+    """The pipelined MLP's GPipe train step: stage-stacked weights ``[p, Lmax, D, F]``, ``[p, Lmax, F, D]`` over
+    ``pipe``, x ``[B, D]`` over ``data``; the even split ``L / p`` (a Plan carries no other)."""
+    return pp.build(mesh, sizes, dtype, seed)  # UserError naming L, B or M first, before anything compiles
+
+
+# The kernels over named axes (AXIS_FAMILIES below): their builder and the sizes they take.
+_AXIS_BUILDERS: dict[str, Callable[..., Built]] = {"attention": _attention, "moe": _moe, "pipeline": _pipeline}
+
+
+def _build_axis(
+    make: Callable[..., Built],
     name: str,
+    dims: tuple[str, ...],
     mesh: Mesh,
     sizes: Mapping[str, int],
     dtype=np.float32,
@@ -259,20 +251,14 @@ def _build_pipeline(
     *,
     seed: int = 0,
 ) -> Built:
-    """The pipelined MLP's GPipe train step: stage-stacked weights ``[p, Lmax, D, F]``, ``[p, Lmax, F, D]`` over
-    ``pipe``, x ``[B, D]`` over ``data``; the even split ``L / p`` (a Plan carries no other)."""
-    del axes
-    _check_sizes(name, sizes, ("B", "D", "F", "L", "M"))
-    return pp.build(mesh, sizes, _dtype(dtype), seed)  # UserError naming L, B or M first, before anything compiles
+    del axes  # placed over their own named axes
+    _check_sizes(name, sizes, dims)
+    return make(mesh, sizes, _dtype(dtype), seed)
 
 
 def _kernel(spec: ProgramSpec) -> Kernel:
-    if spec.family == "attention":
-        build = partial(_build_attention, spec.name)
-    elif spec.family == "moe":
-        build = partial(_build_moe, spec.name)
-    elif spec.family == "pipeline":
-        build = partial(_build_pipeline, spec.name)
+    if spec.family in _AXIS_BUILDERS:
+        build = partial(_build_axis, _AXIS_BUILDERS[spec.family], spec.name, spec.dims)
     elif spec.family == "collective":
         build = partial(_build_collective, spec.name, spec.name.removeprefix("collective_"))
     elif spec.family == "block":
@@ -286,7 +272,7 @@ def _kernel(spec: ProgramSpec) -> Kernel:
 # attention: data, context; the MoE MLP: data, expert; the pipelined MLP: data, pipe) are kept apart in
 # AXIS_KERNELS, since every entry of KERNELS builds on the X/Y meshes and the I, J, K / B, D, F / N sizes the kernel
 # sweeps use.
-AXIS_FAMILIES = ("attention", "moe", "pipeline")
+AXIS_FAMILIES = tuple(_AXIS_BUILDERS)
 KERNELS: dict[str, Kernel] = {
     name: _kernel(spec) for name, spec in PROGRAMS.items() if spec.family not in ("transformer", "user", *AXIS_FAMILIES)
 }

@@ -265,17 +265,9 @@ def check_attention_sizes(name: str, mesh: dict[str, int], sizes: dict[str, int]
     Raises:
         UserError: naming the dim, its size, the axis and a size that would divide.
     """
-    for dim in ("B", "T", "H", "D"):
-        v = sizes.get(dim)
-        if isinstance(v, bool) or not isinstance(v, Integral) or v <= 0:
-            raise UserError(f"{name}: dim {dim}={v!r} must be a positive integer")
+    _positive(name, sizes, ("B", "T", "H", "D"))
     for dim, axis in (("B", ATTENTION_AXES[0]), ("T", ATTENTION_AXES[1])):
-        n, v = mesh.get(axis, 1), sizes[dim]
-        if v % n:
-            raise UserError(
-                f"{name}: dim {dim}={v} does not divide over mesh axis {axis} ({n} devices); "
-                f"use a multiple of {n}, e.g. {dim}={max(n, v // n * n)}"
-            )
+        _divides(name, dim, sizes[dim], mesh.get(axis, 1), f"mesh axis {axis}")
 
 
 def moe_capacity(tokens: int, experts: int, topk: int = MOE_TOPK, factor: float = MOE_CAPACITY_FACTOR) -> int:
@@ -290,18 +282,10 @@ def check_moe_sizes(name: str, mesh: dict[str, int], sizes: dict[str, int]) -> N
     Raises:
         UserError: naming the dim, its size, the axes and a size that would divide.
     """
-    for dim in ("T", "D", "F", "E"):
-        v = sizes.get(dim)
-        if isinstance(v, bool) or not isinstance(v, Integral) or v <= 0:
-            raise UserError(f"{name}: dim {dim}={v!r} must be a positive integer")
+    _positive(name, sizes, ("T", "D", "F", "E"))
     data, expert = (mesh.get(a, 1) for a in MOE_AXES)
-    for dim, n, over in (("E", expert, "mesh axis expert"), ("T", data * expert, "mesh axes data x expert")):
-        v = sizes[dim]
-        if v % n:
-            raise UserError(
-                f"{name}: dim {dim}={v} does not divide over {over} ({n} devices); "
-                f"use a multiple of {n}, e.g. {dim}={max(n, v // n * n)}"
-            )
+    _divides(name, "E", sizes["E"], expert, "mesh axis expert")
+    _divides(name, "T", sizes["T"], data * expert, "mesh axes data x expert")
 
 
 def _positive(name: str, sizes: dict[str, int], dims: tuple[str, ...]) -> None:
@@ -309,6 +293,15 @@ def _positive(name: str, sizes: dict[str, int], dims: tuple[str, ...]) -> None:
         v = sizes.get(dim)
         if isinstance(v, bool) or not isinstance(v, Integral) or v <= 0:
             raise UserError(f"{name}: dim {dim}={v!r} must be a positive integer")
+
+
+def _divides(name: str, dim: str, v: int, n: int, over: str) -> None:
+    """``v`` is a multiple of the ``n`` devices of ``over``, or a UserError naming both and a size that divides."""
+    if v % n:
+        raise UserError(
+            f"{name}: dim {dim}={v} does not divide over {over} ({n} devices); "
+            f"use a multiple of {n}, e.g. {dim}={max(n, v // n * n)}"
+        )
 
 
 def _even_split(layers: int, stages: int) -> tuple[int, ...]:
