@@ -112,6 +112,18 @@ def text_arg(what: str, example: str, kind: str = "text"):
     return conv
 
 
+def add_target(parser: argparse.ArgumentParser, when: str = "") -> None:
+    """``--target TOPOLOGY`` (dest ``topology``): compile for a TPU topology that need not be here."""
+    parser.add_argument(
+        "--target",
+        dest="topology",
+        metavar="TOPOLOGY",
+        type=text_arg("--target", "a TPU topology such as v5e:2x4"),
+        help=f"{when}compile for a TPU topology that need not be here, e.g. v5e:2x4, v5p:2x2x2, v6e:4x4 (needs "
+        "libtpu; priced on that generation's chip unless --hardware is given)",
+    )
+
+
 def scale_arg(s: str) -> str:
     """``type=`` of ``--scale``: checked at once (:func:`lab.core.hardware.parse_scale`), kept as its text."""
     try:

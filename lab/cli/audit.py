@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from lab.cli.args import command, out_path, text_arg
+from lab.cli.args import add_target, command, out_path
 from lab.cli.commands import help_of
 from lab.core.errors import UserError
 from lab.core.plan import Plan, kernel_plan
@@ -163,14 +163,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     )
     a.add_argument("--axes", help="collective microkernels: mesh axes to span, e.g. X,Y")
     a.add_argument("--hardware", metavar="NAME", help="chip to price expected collectives for (default cpu)")
-    a.add_argument(
-        "--target",
-        dest="topology",
-        metavar="TOPOLOGY",
-        type=text_arg("--target", "a TPU topology such as v5e:2x4"),
-        help="compile for a TPU topology that need not be here, e.g. v5e:2x4, v5p:2x2x2, v6e:4x4 (needs libtpu; "
-        "priced on that generation's chip unless --hardware is given)",
-    )
+    add_target(a)
     a.add_argument("--hlo", type=out_path("--hlo"), metavar="PATH", help="also write the optimized HLO text here")
     a.add_argument("--strict", action="store_true", help="exit 1 when anything does not match")
     command(a, _dispatch)

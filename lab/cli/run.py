@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lab.cli.args import in_path, positive_int, text_arg
+from lab.cli.args import add_target, in_path, positive_int, text_arg
 from lab.cli.commands import help_of
 from lab.core.errors import UserError
 
@@ -311,14 +311,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
         help="on emulated CPU devices, divide widths and lengths by the smallest power of two that fits this host "
         "(printed, and recorded in the report)",
     )
-    r.add_argument(
-        "--target",
-        dest="topology",
-        metavar="TOPOLOGY",
-        type=text_arg("--target", "a TPU topology such as v5e:2x4"),
-        help="with --compile-only: compile for a TPU topology that need not be here, e.g. v5e:2x4 (needs libtpu; "
-        "priced on that generation's chip unless --hardware is given)",
-    )
+    add_target(r, "with --compile-only: ")
     r.add_argument(
         "--distributed",
         action="store_true",

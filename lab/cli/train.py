@@ -9,6 +9,7 @@ from typing import Any
 
 from lab.cli.args import (
     Parser,
+    add_target,
     chart_path,
     chip_of,
     command,
@@ -25,7 +26,6 @@ from lab.cli.args import (
     positive_float,
     positive_int,
     scale_arg,
-    text_arg,
     write_chart,
 )
 from lab.cli.commands import help_of
@@ -486,13 +486,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
         metavar="K",
         help="compile and run the K best layouts the train step executes, and compare the rankings",
     )
-    pl.add_argument(
-        "--target",
-        dest="topology",
-        metavar="TOPOLOGY",
-        type=text_arg("--target", "a TPU topology such as v5e:2x4"),
-        help="with --validate: compile for this TPU",
-    )
+    add_target(pl, "with --validate: ")
     pl.add_argument("--out", type=in_path("--out"), help="with --validate: where the runs go (default runs/plan)")
     command(pl, with_chip(cmd_plan))
 
