@@ -417,6 +417,92 @@ def test_async_reduce_scatter_and_all_to_all_start_forms():
     assert (a2a.kind, a2a.bytes, a2a.group_size) == ("all-to-all", 32 * 16 * F32 * 2, 2)
 
 
+# The TPU compiler's async collective fusions (libtpu, seen in a cross-compiled FSDP train step): one all-gather
+# split into a start fusion, a continuation fusion that computes while it is in flight, and a done fusion, each
+# holding a copy of the all-gather with the same channel_id. And a gradient reduce-scatter padded to a tile
+# multiple (4 rows as 2 x 3), whose overhang row is sent on to the device that owns it by a collective-permute.
+TPU_ASYNC = hlo(
+    """\
+HloModule jit_tpu_async, is_scheduled=true, num_partitions=8
+
+%add.clone (x: bf16[], y: bf16[]) -> bf16[] {
+  %x = bf16[] parameter(0)
+  %y = bf16[] parameter(1)
+  ROOT %add = bf16[] add(%x, %y)
+}
+
+%fused_computation.1 (param_0.1: bf16[64,32]) -> (bf16[64,32], bf16[128,32]) {
+  %param_0.1 = bf16[64,32]{1,0} parameter(0)
+  %all-gather.1 = bf16[128,32]{1,0} all-gather(%param_0.1), channel_id=7, replica_groups=[4,2]<=[2,4]T(1,0),
+      dimensions={0}, use_global_device_ids=true
+  ROOT %tuple.1 = (bf16[64,32]{1,0}, bf16[128,32]{1,0}) tuple(%param_0.1, %all-gather.1)
+}
+
+%async_collective_fusion.3 (param_0.2: bf16[64,32], param_1.2: bf16[8,32]) -> (bf16[8,32], bf16[128,32]) {
+  %param_0.2 = bf16[64,32]{1,0} parameter(0)
+  %param_1.2 = bf16[8,32]{1,0} parameter(1)
+  %all-gather.2 = bf16[128,32]{1,0} all-gather(%param_0.2), channel_id=7, replica_groups=[4,2]<=[2,4]T(1,0),
+      dimensions={0}, use_global_device_ids=true
+  %negate.2 = bf16[8,32]{1,0} negate(%param_1.2)
+  ROOT %tuple.2 = (bf16[8,32]{1,0}, bf16[128,32]{1,0}) tuple(%negate.2, %all-gather.2)
+}
+
+%fused_computation.4 (param_0.4: bf16[64,32]) -> bf16[128,32] {
+  %param_0.4 = bf16[64,32]{1,0} parameter(0)
+  ROOT %all-gather.4 = bf16[128,32]{1,0} all-gather(%param_0.4), channel_id=7, replica_groups=[4,2]<=[2,4]T(1,0),
+      dimensions={0}, use_global_device_ids=true
+}
+
+%all-reduce-scatter.5 (input.5: bf16[4,32]) -> bf16[3,32] {
+  %input.5 = bf16[4,32]{1,0} parameter(0)
+  %constant.5 = bf16[] constant(0)
+  %pad.5 = bf16[6,32]{1,0} pad(%input.5, %constant.5), padding=0_2x0_0
+  %all-reduce.5 = bf16[6,32]{1,0} all-reduce(%pad.5), channel_id=9, replica_groups={{0,4},{1,5},{2,6},{3,7}},
+      use_global_device_ids=true, to_apply=%add.clone
+  %partition-id.5 = u32[] partition-id()
+  %constant.6 = u32[] constant(0)
+  ROOT %dynamic-slice.5 = bf16[3,32]{1,0} dynamic-slice(%all-reduce.5, %partition-id.5, %constant.6),
+      dynamic_slice_sizes={3,32}
+}
+
+ENTRY %main.9_spmd (param.0: bf16[64,32], param.1: bf16[8,32], param.2: bf16[4,32]) -> (bf16[128,32], bf16[1,32]) {
+  %param.0 = bf16[64,32]{1,0} parameter(0)
+  %param.1 = bf16[8,32]{1,0} parameter(1)
+  %param.2 = bf16[4,32]{1,0} parameter(2)
+  %async-collective-start = (bf16[64,32]{1,0}, bf16[128,32]{1,0}) fusion(%param.0), kind=kCustom,
+      calls=%fused_computation.1
+  %fusion.3 = (bf16[8,32]{1,0}, bf16[128,32]{1,0}) fusion(%param.0, %param.1), kind=kCustom,
+      calls=%async_collective_fusion.3
+  %async-collective-done = bf16[128,32]{1,0} fusion(%param.0), kind=kCustom, calls=%fused_computation.4
+  %fusion.5 = bf16[3,32]{1,0} fusion(%param.2), kind=kCustom, calls=%all-reduce-scatter.5
+  %slice.5 = bf16[1,32]{1,0} slice(%fusion.5), slice={[2:3], [0:32]}
+  %collective-permute-start = (bf16[1,32]{1,0}, bf16[1,32]{1,0}, u32[], u32[]) collective-permute-start(%slice.5),
+      channel_id=1, source_target_pairs={{0,4},{1,5},{2,6},{3,7}}
+  %collective-permute-done = bf16[1,32]{1,0} collective-permute-done(%collective-permute-start)
+  ROOT %tuple.9 = (bf16[128,32]{1,0}, bf16[1,32]{1,0}) tuple(%async-collective-done, %collective-permute-done)
+}
+"""
+)
+
+
+def test_tpu_async_collective_fusions_count_one_all_gather():
+    got = collectives(parse_module(TPU_ASYNC))
+    gathers = [c for c in got if c.kind == "all-gather"]
+    assert len(gathers) == 1  # start, continuation and done hold one all-gather (channel 7), not three
+    (ag,) = gathers
+    assert (ag.bytes, ag.dtype, ag.group_size) == (128 * 32 * BF16, "bf16", 2)
+    assert axes_of_groups([list(g) for g in ag.groups], MESH) == ("X",)
+
+
+def test_the_overhang_of_a_padded_reduce_scatter_is_explained():
+    got = by_name(collectives(parse_module(TPU_ASYNC)))
+    rs = got["fusion.5"]  # the all-reduce-scatter fusion: one reduce-scatter of its unpadded operand
+    assert (rs.kind, rs.bytes) == ("reduce-scatter", 4 * 32 * BF16) and not rs.explained
+    cp = got["collective-permute-start"]
+    assert (cp.kind, cp.bytes) == ("permute", 1 * 32 * BF16)
+    assert "overhang of the padded reduce-scatter fusion.5" in cp.explained
+
+
 # ----- loops -------------------------------------------------------------------------------------------
 
 LOOP = hlo(

@@ -18,6 +18,7 @@ subset of mesh axes and returns the one whose groups (over device positions in m
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -407,6 +408,7 @@ class CompiledCollective:
     times: float = 1.0
     op_name: str = ""
     source: str = ""
+    explained: str = ""  # why a collective no estimate lists is there (the compiler's own fix-up), else ""
 
 
 @dataclass(frozen=True)
@@ -437,9 +439,16 @@ def collectives(module: Module) -> list[CompiledCollective]:
     all-reduce over a padded input and a dynamic slice: that fusion is one reduce-scatter of its operands."""
     out = []
     inside: set[int] = set()  # instructions of such fusions, counted through the fusion
+    pieces = _async_pieces(module)
+    chains: set[tuple[str, float]] = set()  # (channel, times) of the async collectives already counted
     for instr, times in module.walk():
         if id(instr) in inside:
             continue
+        if instr.computation in pieces and instr.opcode in COLLECTIVES:
+            chain = (instr.attr("channel_id") or instr.name, times)
+            if chain in chains:
+                continue
+            chains.add(chain)
         callee = (instr.attr("calls") or "").lstrip("%") if instr.opcode == "fusion" else ""
         if callee.startswith("all-reduce-scatter"):
             body = module.computations.get(callee, [])
@@ -450,7 +459,45 @@ def collectives(module: Module) -> list[CompiledCollective]:
             continue
         kind = COLLECTIVES.get(instr.opcode)
         if kind is not None:
-            out.append(_collective(module, instr, times, kind, instr.attr("replica_groups")))
+            c = _collective(module, instr, times, kind, instr.attr("replica_groups"))
+            if c.kind == "permute":
+                c = dataclasses.replace(c, explained=_overhang(module, instr))
+            out.append(c)
+    return out
+
+
+def _overhang(module: Module, instr: Instruction) -> str:
+    """Why a collective-permute is there when it moves the overhang of a padded reduce-scatter, else "".
+
+    The TPU compiler may reduce-scatter a gradient padded to a tile multiple (4096 rows as 2 x 2080), then send
+    the rows past each shard's end to the device that owns them (a slice of the reduce-scatter's result)."""
+    table = module.table(instr.computation)
+    name = instr.operands_text.split(",")[0].strip().lstrip("%")
+    for _ in range(4):  # through slices, bitcasts and copies
+        src = table.get(name)
+        if src is None:
+            return ""
+        callee = (src.attr("calls") or "").lstrip("%")
+        if src.opcode == "fusion" and callee.startswith("all-reduce-scatter"):
+            return f"the overhang of the padded reduce-scatter {src.name}, sent to the device that owns it"
+        if src.opcode not in ("slice", "bitcast", "copy", "get-tuple-element"):
+            return ""
+        name = src.operands_text.split(",")[0].strip().lstrip("%")
+    return ""
+
+
+def _async_pieces(module: Module) -> set[str]:
+    """Computations that hold a piece of one of the TPU compiler's async collectives.
+
+    libtpu splits an overlapped collective into a start fusion (``async-collective-start``), continuation fusions
+    that run compute while it is in flight (``async_collective_fusion...``) and a done fusion
+    (``async-collective-done``), each holding a copy of the collective with the same ``channel_id``: one operation,
+    counted once."""
+    out = {name for name in module.computations if name.startswith("async_collective_fusion")}
+    for instrs in module.computations.values():
+        for instr in instrs:
+            if instr.opcode == "fusion" and instr.name.startswith(("async-collective-start", "async-collective-done")):
+                out.update(c for c, _ in module.calls(instr))
     return out
 
 
