@@ -189,3 +189,59 @@ def test_cli_audit_bad_input(argv, env, needle):
     r = _cli(*argv, env=env)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# ----- the matching rules, on collectives written by hand (no compilation) ------------------------------
+
+DATA = {"data": 2, "model": 4}  # data pairs: {0,4},{1,5},{2,6},{3,7}
+OVER_DATA = ((0, 4), (1, 5), (2, 6), (3, 7))
+
+
+def _got(name: str, kind: str, nbytes: float, times: float = 1.0):
+    from lab.compile.hlo import CompiledCollective
+
+    return CompiledCollective(name, kind, "bf16", nbytes, int(nbytes // 2), 2, OVER_DATA, times=times)
+
+
+def _want(kind: str, nbytes: float, op: str):
+    from lab.predict.estimate import ExpectedCollective
+
+    return ExpectedCollective(kind, ("data",), nbytes, "bf16", op)
+
+
+def test_gradients_reduced_partly_as_an_all_reduce_match_with_the_split_said():
+    from lab.compile.audit import compare
+
+    want = [_want("reduce-scatter", 1000.0, "grads"), _want("all-reduce", 4.0, "loss")]
+    got = [_got("rs.1", "reduce-scatter", 700.0), _got("ar.1", "all-reduce", 152.0, times=2)]
+    entries, unexpected = compare(want, got, DATA)
+    assert not unexpected and all(e.match for e in entries)
+    (rs,) = [e for e in entries if e.kind == "reduce-scatter"]
+    assert rs.compiled_bytes == 1000.0 and "304 B of it lowered as AllReduce" in rs.note
+    (ar,) = [e for e in entries if e.kind == "all-reduce"]  # the loss's 4 B rode in the same AllReduces
+    assert ar.predicted_bytes == ar.compiled_bytes == 4.0 and "combined" in ar.note
+    # one byte off is a mismatch, not a lowering
+    entries, _ = compare(want, [*got[:1], _got("ar.1", "all-reduce", 152.5, times=2)], DATA)
+    assert not all(e.match for e in entries)
+
+
+def test_small_gathers_lowered_as_all_reduces_match_only_when_the_kinds_add_up():
+    from lab.compile.audit import compare
+
+    want = [_want("all-gather", 5000.0, "weights"), _want("reduce-scatter", 3000.0, "grads")]
+    got = [
+        _got("ag.1", "all-gather", 4900.0),  # 100 B of norm scales gathered as an AllReduce of a padded buffer
+        _got("rs.1", "reduce-scatter", 2800.0),
+        _got("ar.1", "all-reduce", 300.0),
+    ]
+    entries, unexpected = compare(want, got, DATA)
+    assert not unexpected and all(e.match for e in entries) and len(entries) == 3
+    by_kind = {e.kind: e for e in entries}
+    assert (by_kind["all-gather"].predicted_bytes, by_kind["all-gather"].compiled_bytes) == (5000.0, 4900.0)
+    assert by_kind["all-reduce"].predicted_bytes == 0 and by_kind["all-reduce"].compiled_bytes == 300.0
+    assert (
+        "100 B less all-gather" in by_kind["all-gather"].note and "300 B more all-reduce" in by_kind["all-gather"].note
+    )
+    # the same collectives with 8 B more of AllReduce: the kinds do not add up, the gathers are a mismatch
+    entries, unexpected = compare(want, [*got[:2], _got("ar.1", "all-reduce", 308.0)], DATA)
+    assert not all(e.match for e in entries)

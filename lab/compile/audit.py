@@ -70,6 +70,7 @@ class AuditResult:
     cost_analysis: dict[str, float] = field(default_factory=dict)
     memory_analysis: dict[str, float] = field(default_factory=dict)
     hlo_text: str = ""
+    explained: tuple[dict[str, Any], ...] = ()  # collectives no estimate lists, with the compiler's reason
     hardware: str | None = None
     memory: dict[str, float] = field(default_factory=dict)
     source: str = ""
@@ -100,6 +101,7 @@ class AuditResult:
                 "source": self.source,
                 "entries": [e.to_dict() for e in self.entries],
                 "unexpected": list(self.unexpected),
+                "explained": list(self.explained),
                 "flops_predicted": self.flops_predicted,
                 "flops_compiled": self.flops_compiled,
                 "flops_match": self.flops_match,
@@ -154,6 +156,9 @@ class AuditResult:
                 f"\nUNEXPECTED {u['kind']} over {axes} ({fmt_bytes(u['bytes'])}): {u['name']} at "
                 f"{u['source'] or u['op_name'] or '?'}"
             )
+        for u in self.explained:
+            over = ",".join(u["axes"])
+            out += f"\nexplained: {u['kind']} over {over} ({fmt_bytes(u['bytes'])}), {u['name']}: {u['why']}"
         verdict = "match" if self.flops_match else "MISMATCH"
         out += (
             f"\nFLOPs per device: expected {self.flops_predicted:.6g}, compiled {self.flops_compiled:.6g} "
@@ -257,12 +262,15 @@ def _split_all_reduce(key: Key, label: str, nbytes: float, groups, used: set) ->
 
 
 def _reduce_scatter_as_all_reduce(key: Key, label: str, nbytes: float, groups, want, used: set) -> list[AuditEntry]:
-    """XLA:CPU may lower a ReduceScatter as an AllReduce plus a local slice (combined with any AllReduces
-    expected over the same axes)."""
-    ar = groups.get(("all-reduce", key[1]), [])
+    """XLA may lower a ReduceScatter, or some of the ReduceScatters over these axes, as an AllReduce plus a local
+    slice (combined with any AllReduces expected over the same axes): XLA:CPU for small ones, the TPU compiler
+    where it combines several gradients into one AllReduce. The V over the axes is the same."""
+    ar, rs = groups.get(("all-reduce", key[1]), []), groups.get(key, [])
     also = sum(p.bytes for p in want.get(("all-reduce", key[1]), []))
-    if not (ar and _same(_total(ar), nbytes + also)):
+    if not (ar and _same(_total(ar) + _total(rs), nbytes + also)):
         return []
+    if rs:
+        used.add(key)
     out = []
     if also:
         want.pop(("all-reduce", key[1]))
@@ -277,7 +285,9 @@ def _reduce_scatter_as_all_reduce(key: Key, label: str, nbytes: float, groups, w
         )
     used.add(("all-reduce", key[1]))
     how = "lowered as AllReduce + local slice: same V, twice the traffic of a ReduceScatter"
-    return [*out, _lowered(label, key, nbytes, ar, how)]
+    if rs:
+        how = f"{fmt_bytes(_total(ar))} of it lowered as AllReduce + local slice (same V), the rest ReduceScatter"
+    return [*out, _lowered(label, key, nbytes, rs + ar, how)]
 
 
 def _direct(key: Key, preds: list[ExpectedCollective], got: list[CompiledCollective]) -> AuditEntry:
@@ -300,12 +310,43 @@ def _direct(key: Key, preds: list[ExpectedCollective], got: list[CompiledCollect
     return AuditEntry(label, key[0], key[1], want_bytes, comp_bytes, match, tuple(c.name for c in got), note)
 
 
+MOVABLE = ("all-gather", "reduce-scatter", "all-reduce")  # kinds XLA may lower as one another over the same axes
+
+
+def _across_kinds(axes, entries: list[AuditEntry], expected, groups, used: set) -> list[AuditEntry]:
+    """A last matching rule, over one set of axes: the TPU compiler lowers small AllGathers (of norm scales) and
+    some ReduceScatters as AllReduces of a padded buffer, which moves the same V. Where the AllGathers,
+    ReduceScatters and AllReduces over ``axes`` add up to what was expected of them together, byte for byte,
+    each kind's entry matches and says what went as another kind."""
+    want = {k: expected.get((k, axes), []) for k in MOVABLE}
+    got = {k: groups.get((k, axes), []) for k in MOVABLE}
+    total_want = sum(p.bytes for ps in want.values() for p in ps)
+    if not _same(total_want, sum(_total(cs) for cs in got.values())):
+        return entries
+    rest = [e for e in entries if not (e.axes == axes and e.kind in MOVABLE)]
+    moved = []
+    for k in MOVABLE:
+        if want[k] or got[k]:
+            used.add((k, axes))
+            delta = _total(got[k]) - sum(p.bytes for p in want[k])
+            if not _same(delta, 0.0):
+                moved.append(f"{fmt_bytes(abs(delta))} {'more' if delta > 0 else 'less'} {k}")
+    note = "lowered across kinds: " + ", ".join(moved) + "; together the same V over these axes"
+    for k in MOVABLE:
+        if want[k] or got[k]:
+            label = " + ".join(p.op for p in want[k]) or f"{k}s nobody expected"
+            names = tuple(c.name for c in got[k])
+            rest.append(AuditEntry(label, k, axes, sum(p.bytes for p in want[k]), _total(got[k]), True, names, note))
+    return rest
+
+
 def compare(
     predicted: list[ExpectedCollective], compiled: list[CompiledCollective], mesh: dict[str, int]
 ) -> tuple[list[AuditEntry], list[dict[str, Any]]]:
     """Match expected and compiled collectives per (kind, axes); list what nobody expected."""
     groups = _group_compiled(compiled, mesh)
     want = _group_expected(predicted, mesh)
+    expected = dict(want)  # as predicted, before a lowering combines two kinds into one entry
     entries: list[AuditEntry] = []
     used: set[Key] = set()
     for key, preds in list(want.items()):
@@ -317,7 +358,8 @@ def compare(
             if e:
                 entries.append(e)
                 continue
-        if not groups.get(key) and key[0] == "reduce-scatter":
+        direct = groups.get(key) and _same(_total(groups[key]), nbytes)
+        if not direct and key[0] == "reduce-scatter":
             lowered = _reduce_scatter_as_all_reduce(key, label, nbytes, groups, want, used)
             if lowered:
                 entries += lowered
@@ -325,21 +367,24 @@ def compare(
         if groups.get(key):
             used.add(key)
         entries.append(_direct(key, preds, groups.get(key, [])))
-    unexpected = [
-        {
-            "name": c.name,
-            "kind": c.kind,
-            "axes": list(key[1]),
-            "bytes": c.bytes * c.times,
-            "dtype": c.dtype,
-            "source": c.source,
-            "op_name": c.op_name,
-        }
-        for key, cs in groups.items()
-        if key not in used
-        for c in cs
-    ]
+    for axes in {e.axes for e in entries if not e.match}:
+        entries = _across_kinds(axes, entries, expected, groups, used)
+    unexpected = [_listed(c, mesh) for key, cs in groups.items() if key not in used for c in cs]
     return entries, unexpected
+
+
+def _listed(c: CompiledCollective, mesh: dict[str, int]) -> dict[str, Any]:
+    """A compiled collective outside the expected entries, as the audit lists it."""
+    axes = _axes_of(c, mesh)
+    return {
+        "name": c.name,
+        "kind": c.kind,
+        "axes": list(_live(axes, mesh)) if axes is not None else ["?"],
+        "bytes": c.bytes * c.times,
+        "dtype": c.dtype,
+        "source": c.source,
+        "op_name": c.op_name,
+    }
 
 
 # ----- auditing a Plan ------------------------------------------------------------------------
@@ -399,7 +444,9 @@ def audit_compiled(plan: Plan, compiled, est: ProgramEstimate, backend: str) -> 
     module = parse_module(text)
     mesh = plan.shape
     expected = est.collectives()
-    entries, unexpected = compare(expected, collectives(module), mesh)
+    found = collectives(module)
+    entries, unexpected = compare(expected, [c for c in found if not c.explained], mesh)
+    explained = [_listed(c, mesh) | {"why": c.explained} for c in found if c.explained]
     times: dict[Key, float] = defaultdict(float)
     order = {a: i for i, a in enumerate(mesh)}
     for o in est.ops:
@@ -415,6 +462,7 @@ def audit_compiled(plan: Plan, compiled, est: ProgramEstimate, backend: str) -> 
         backend=backend,
         entries=tuple(entries),
         unexpected=tuple(unexpected),
+        explained=tuple(explained),
         flops_predicted=est.flops,
         flops_compiled=sum(d.flops * d.times for d in dots(module)),
         cost_analysis=cost,
