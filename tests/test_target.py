@@ -153,6 +153,23 @@ def test_train_step_cross_compiles_with_every_predicted_collective(tmp_path, cap
     (tp,) = [e for e in d["entries"] if e["axes"] == ["model"] and e["kind"] == "all-reduce"]
     assert tp["match"] and tp["compiled_bytes"] == tp["predicted_bytes"]
     assert d["flops_match"], (d["flops_compiled"], d["flops_predicted"])
+    # FSDP as libtpu builds it (weights cast to bf16 before their gathers, gradients reduced in bf16, some as
+    # AllReduces): every byte accounted for, nothing unexpected
+    assert d["all_match"] and not d["unexpected"], d["entries"]
+    (ag,) = [e for e in d["entries"] if e["kind"] == "all-gather"]
+    assert "cast first" in ag["op"]
+
+
+@pytest.mark.slow  # 60 s of libtpu compilation on 2 cores
+@needs_libtpu
+def test_real_size_train_step_audits_all_match_on_v5e(capsys):
+    exp = str(ROOT / "experiments" / "llama3_8b_train_2layer.toml")
+    assert main(["audit", exp, "--target", "v5e:2x4", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["all_match"] and not d["unexpected"], d["entries"]
+    # the two halo rows of the padded gate/up gradient reduce-scatters (4096 rows as 2 x 2080), one per layer
+    assert [(u["kind"], u["axes"]) for u in d["explained"]] == [("permute", ["data"])] * 2
+    assert all(u["bytes"] == 2 * 32 * 3584 * 2 for u in d["explained"])  # 2 layers x 32 rows x 3584 bf16
 
 
 @pytest.mark.slow  # 35 s of libtpu compilation on 2 cores

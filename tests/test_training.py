@@ -159,3 +159,32 @@ def test_book_thresholds():
     assert h.dp_min_tokens_per_chip == pytest.approx(2200, rel=0.005)  # gpus.md: 990e12 / 450e9
     assert h.dp_min_tokens_per_chip_cross_node == pytest.approx(2475, rel=0.005)  # / 400e9 node egress
     assert h.tp_max_degree == pytest.approx(28672 / 2200, rel=0.005)
+
+
+def test_fsdp_of_fp32_weights_cast_first_gathers_in_the_compute_dtype():
+    """The TPU compiler's FSDP of fp32 weights computed in bf16 (cast moved ahead of the gather), by hand for
+    LLaMA-3-8B with fsdp=8: per layer the matmul weights are q, o 4096^2, k, v 4096 x 1024, gate, up, down
+    4096 x 14336 = 218,103,808 parameters, the norm scales 2 x 4096; each table 128,256 x 4096."""
+    from lab.predict.training_comm import collectives
+
+    base = dataclasses.replace(cfg(fsdp=8, batch=8), param_dtype="fp32", dtype="bf16")
+    first = {c.what: (c.kind, c.bytes, c.calls, c.per) for c in collectives(dataclasses.replace(base, cast_first=True))}
+    matmuls, norms, table = 218_103_808, 8192, 128_256 * 4096
+    assert first == {
+        "FSDP: each layer's weights, fwd and bwd (cast first)": ("all-gather", matmuls * 2, 2, "layer"),
+        "FSDP: each layer's norm scales, fwd and bwd": ("all-gather", norms * 4, 2, "layer"),
+        "FSDP: each layer's gradients (reduced before the cast)": ("reduce-scatter", matmuls * 2, 1, "layer"),
+        "FSDP: each layer's norm scales' gradients": ("reduce-scatter", norms * 4, 1, "layer"),
+        "FSDP: the final norm scale, kept": ("all-gather", 4096 * 4, 1, "microbatch"),
+        "FSDP: the input table, kept": ("all-gather", table * 4, 1, "microbatch"),
+        "FSDP: the output table, cast, kept": ("all-gather", table * 2, 1, "microbatch"),
+        "FSDP: their gradients": ("reduce-scatter", (2 * table + 4096) * 4, 1, "microbatch"),
+        "the loss mean over the batch": ("all-reduce", 4.0, 1, "step"),
+    }
+    # as XLA:CPU builds it: the fp32 weights gathered, the output table twice
+    plain = {c.what: c.bytes for c in collectives(base)}
+    assert plain["FSDP: each layer's weights, fwd and bwd"] == (matmuls + norms) * 4
+    assert plain["FSDP: the output table again, for the logits' backward"] == table * 4
+    # bf16 weights: nothing to move, the same list either way
+    bf16 = dataclasses.replace(base, param_dtype="bf16")
+    assert collectives(bf16) == collectives(dataclasses.replace(bf16, cast_first=True))

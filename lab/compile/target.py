@@ -141,14 +141,16 @@ def compile_for(built, target):
 
 
 def for_target(plan):
-    """The Plan as the TPU compiler builds it, for its estimate: the compiler adds the partial input gradients
+    """The Plan as the TPU compiler builds it, for its estimate. The compiler adds the partial input gradients
     of Q, K and V (and of gate and up) before one AllReduce each (XLA's all-reduce reassociation), as if the
-    projections were fused; XLA:CPU reduces each apart."""
+    projections were fused, where XLA:CPU reduces each apart; and it moves the cast of fp32 weights to the compute
+    dtype ahead of FSDP's gathers (``cast_first``)."""
     import dataclasses
 
-    if not plan.is_transformer or plan.options.fused_projections:
+    if not plan.is_transformer or (plan.options.fused_projections and plan.options.cast_first):
         return plan
-    return dataclasses.replace(plan, options=dataclasses.replace(plan.options, fused_projections=True))
+    options = dataclasses.replace(plan.options, fused_projections=True, cast_first=True)
+    return dataclasses.replace(plan, options=options)
 
 
 def target_mesh(plan_shape: dict[str, int], target: Target, devices: list | None = None):

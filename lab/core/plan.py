@@ -73,6 +73,9 @@ class Options:
         fused_projections: Q/K/V and gate/up are one weight each (Megatron), so their input gradients are
             reduced once per block; the lab's Transformer keeps them apart (5 reductions per layer, not 2).
         causal: the attention mask (FLOP conventions and flash attention's skipped blocks).
+        cast_first: fp32 weights computed in a 16-bit dtype are cast before FSDP gathers them, and their matmul
+            gradients reduced in the 16-bit dtype (the TPU compiler moves the cast across the collective; XLA:CPU
+            gathers the fp32 weights). Set for a TPU target (``lab.compile.target.for_target``).
     """
 
     microbatch: int | None = None
@@ -83,6 +86,7 @@ class Options:
     flash_attention: bool = False
     fused_projections: bool = False
     causal: bool = True
+    cast_first: bool = False
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):

@@ -90,6 +90,7 @@ def train_config(plan: Plan, chip: Chip) -> TrainConfig:
         causal=opts.causal,
         param_dtype=plan.param_dtype,
         fused_projections=opts.fused_projections,
+        cast_first=opts.cast_first,
     )
 
 

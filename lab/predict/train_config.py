@@ -96,6 +96,9 @@ class TrainConfig:
     # fp32 weights and separate Q/K/V and gate/up projections; Megatron-style defaults below).
     param_dtype: str = "bf16"  # bf16: mixed precision (fp32 master copy in the optimizer state); fp32: weights are it
     fused_projections: bool = True  # QKV and gate/up fused: 2 input-gradient reductions per layer, not 5
+    # fp32 weights computed in 16 bits: the cast moved ahead of FSDP's gather (the TPU compiler does; XLA:CPU gathers
+    # the fp32 weights). Matters only when param_dtype is fp32.
+    cast_first: bool = False
 
     @property
     def weight_bytes(self) -> float:

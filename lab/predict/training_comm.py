@@ -188,7 +188,7 @@ def _output_table_share(m) -> float:
 def _fsdp(cfg: TrainConfig) -> list[Comm]:
     m, lay = cfg.model, cfg.layout
     if lay.fsdp_eff <= 1:
-        out = []
+        return []
     wdt = "fp32" if cfg.weight_bytes == 4 else "bf16"
     gdt = "fp32" if cfg.grad_reduce_bytes == 4 else "bf16"
     layer = layer_params_local(m, lay)
@@ -196,37 +196,20 @@ def _fsdp(cfg: TrainConfig) -> list[Comm]:
     # final norm), averaged over the stages as local_params averages them.
     final = m.d_model * (2 if m.norm == "layernorm" else 1) / lay.pp
     rest = local_params(m, lay) - m.layers / lay.pp * layer - final  # embeddings (and learned positions)
-    return [
-        Comm(
-            "fsdp",
-            "all-gather",
-            layer * cfg.weight_bytes,
-            2,
-            "layer",
-            "FSDP: each layer's weights, fwd and bwd",
-            "layer",
-            wdt,
-        ),
-        Comm(
-            "fsdp",
-            "reduce-scatter",
-            layer * cfg.grad_reduce_bytes,
-            1,
-            "layer",
-            "FSDP: each layer's gradients",
-            "layer",
-            gdt,
-        ),
-        Comm(
-            "fsdp", "all-gather", final * cfg.weight_bytes, 2, "microbatch", "FSDP: the final norm scale", "layer", wdt
-        ),
+    out_table = rest * _output_table_share(m)
+    if cfg.cast_first and cfg.weight_bytes > cfg.act_bytes:
+        return _fsdp_cast_first(cfg, layer, final, rest, out_table)
+    out = [
+        Comm("fsdp", "all-gather", layer * cfg.weight_bytes, 2, "layer", _LAYER_GATHER, "layer", wdt),
+        Comm("fsdp", "reduce-scatter", layer * cfg.grad_reduce_bytes, 1, "layer", _LAYER_GRADS, "layer", gdt),
+        Comm("fsdp", "all-gather", final * cfg.weight_bytes, 2, "microbatch", _FINAL_NORM, "layer", wdt),
         Comm("fsdp", "all-gather", rest * cfg.weight_bytes, 1, "microbatch", "FSDP: embeddings", "layer", wdt),
         # fp32 weights computed in a 16-bit dtype: the cast sits between the gathered output table and its two
         # uses, and XLA gathers it again for the logits' backward (the input table's lookup has no second use)
         Comm(
             "fsdp",
             "all-gather",
-            rest * _output_table_share(m) * cfg.weight_bytes * (cfg.param_dtype == "fp32" and cfg.dtype != "fp32"),
+            out_table * cfg.weight_bytes * (cfg.param_dtype == "fp32" and cfg.dtype != "fp32"),
             1,
             "microbatch",
             "FSDP: the output table again, for the logits' backward",
@@ -234,17 +217,79 @@ def _fsdp(cfg: TrainConfig) -> list[Comm]:
             wdt,
         ),
         Comm(
-            "fsdp",
-            "reduce-scatter",
-            (rest + final) * cfg.grad_reduce_bytes,
-            1,
-            "microbatch",
-            "FSDP: their gradients",
-            "layer",
-            gdt,
+            "fsdp", "reduce-scatter", (rest + final) * cfg.grad_reduce_bytes, 1, "microbatch", _REST_GRADS, "layer", gdt
         ),
     ]
     return [c for c in out if c.bytes > 0]
+
+
+_LAYER_GATHER = "FSDP: each layer's weights, fwd and bwd"
+_LAYER_GRADS = "FSDP: each layer's gradients"
+_FINAL_NORM = "FSDP: the final norm scale"
+_REST_GRADS = "FSDP: their gradients"
+
+
+def _fsdp_cast_first(cfg: TrainConfig, layer: float, final: float, rest: float, out_table: float) -> list[Comm]:
+    """FSDP of fp32 weights computed in a 16-bit dtype, as the TPU compiler builds it (``cast_first``): it moves the
+    cast ahead of the gather, so a layer's matmul weights cross the wire in the compute dtype (its norm scales,
+    used in fp32, stay fp32) and their gradients are reduced in it before the fp32 update. The weights outside the
+    layer loop are gathered once and kept for the backward: the final norm, the input table (fp32: the lookup
+    reads table rows) and the output table (16-bit: the logits' matmul input)."""
+    m, act = cfg.model, cfg.act_bytes
+    adt = "bf16" if act == 2 else "fp32"
+    norms = float(m.norm_params_per_layer)
+    matmuls = layer - norms
+    in_table = rest - out_table
+    return [
+        c
+        for c in (
+            Comm("fsdp", "all-gather", matmuls * act, 2, "layer", _LAYER_GATHER + " (cast first)", "layer", adt),
+            Comm(
+                "fsdp",
+                "all-gather",
+                norms * 4.0,
+                2,
+                "layer",
+                "FSDP: each layer's norm scales, fwd and bwd",
+                "layer",
+                "fp32",
+            ),
+            Comm(
+                "fsdp",
+                "reduce-scatter",
+                matmuls * act,
+                1,
+                "layer",
+                _LAYER_GRADS + " (reduced before the cast)",
+                "layer",
+                adt,
+            ),
+            Comm(
+                "fsdp",
+                "reduce-scatter",
+                norms * 4.0,
+                1,
+                "layer",
+                "FSDP: each layer's norm scales' gradients",
+                "layer",
+                "fp32",
+            ),
+            Comm("fsdp", "all-gather", final * 4.0, 1, "microbatch", _FINAL_NORM + ", kept", "layer", "fp32"),
+            Comm("fsdp", "all-gather", in_table * 4.0, 1, "microbatch", "FSDP: the input table, kept", "layer", "fp32"),
+            Comm(
+                "fsdp",
+                "all-gather",
+                out_table * act,
+                1,
+                "microbatch",
+                "FSDP: the output table, cast, kept",
+                "layer",
+                adt,
+            ),
+            Comm("fsdp", "reduce-scatter", (rest + final) * 4.0, 1, "microbatch", _REST_GRADS, "layer", "fp32"),
+        )
+        if c.bytes > 0
+    ]
 
 
 def _dp(cfg: TrainConfig) -> list[Comm]:

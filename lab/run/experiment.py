@@ -77,6 +77,7 @@ OPTIONS = {
     "flash_attention": Field("bool", "fused attention: no score matrix stored"),
     "fused_projections": Field("bool", "Q/K/V and gate/up fused into one weight each (Megatron)"),
     "causal": Field("bool", "causal attention mask"),
+    "cast_first": Field("bool", "fp32 weights cast to the compute dtype before FSDP gathers them (the TPU compiler)"),
 }
 RULES = {"preset": Field("str", "a preset the other keys override", tuple(PRESETS))} | {
     f: Field("strs", f"mesh axes of the logical dim {f}") for f in FIELDS
