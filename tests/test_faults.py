@@ -42,6 +42,7 @@ LABELS = ["N1024", "N2048", "N4096"]
 # The driver: log each point as it starts; deliver FAULT when point FAULT_AT reaches FAULT_WHERE.
 DRIVER = """
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises, even where a background parent ignored it
 import lab.run.pipeline as pipeline
 import lab.report.plots as plots
 from lab.cli.main import main
