@@ -66,6 +66,20 @@ def test_remat_policies_order_memory_in_the_estimator_and_the_compiler(jax_devic
     assert temp[0] > temp[2] and temp[0] >= temp[1] >= temp[2]
 
 
+@pytest.mark.parametrize("remat", ["selective", "full"])
+@pytest.mark.parametrize("rules", ["tp_sp", "fsdp_tp"])
+def test_recomputed_train_steps_match_too(jax_devices, rules, remat):
+    """jax.checkpoint as XLA compiles it: full recomputation leaves the layer's last projection (its matmul and its
+    row-parallel collective) out of the recomputed forward, and FSDP gathers the norm scales a third time."""
+    from lab.compile.audit import audit_plan
+
+    r = audit_plan(train_plan(rules, MESHES[0], remat), get_chip("cpu"))
+    assert r.all_match, r.table()
+    if rules == "fsdp_tp":
+        (ag,) = [e for e in r.entries if e.kind == "all-gather"]
+        assert "norm scales again, for the recomputation" in ag.op
+
+
 @pytest.mark.parametrize("rules", ["tp", "dp", "single"])
 def test_decode_matches_the_inference_estimator(jax_devices, rules):
     from kernels.transformer import TINY

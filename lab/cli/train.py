@@ -250,6 +250,9 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
         flash_attention=cfg.flash_attention,
         fused_projections=cfg.fused_projections,
         causal=cfg.causal,
+        cast_first=cfg.cast_first,
+        regather_norms=cfg.remat_regathers_norms,
+        jax_remat=cfg.jax_remat,
     )
     plan = plan_from_degrees(
         cfg.model,

@@ -143,13 +143,13 @@ def compile_for(built, target):
 def for_target(plan):
     """The Plan as the TPU compiler builds it, for its estimate. The compiler adds the partial input gradients
     of Q, K and V (and of gate and up) before one AllReduce each (XLA's all-reduce reassociation), as if the
-    projections were fused, where XLA:CPU reduces each apart; and it moves the cast of fp32 weights to the compute
-    dtype ahead of FSDP's gathers (``cast_first``)."""
+    projections were fused, where XLA:CPU reduces each apart; it moves the cast of fp32 weights to the compute
+    dtype ahead of FSDP's gathers (``cast_first``), and under recomputation it keeps the gathered norm scales."""
     import dataclasses
 
-    if not plan.is_transformer or (plan.options.fused_projections and plan.options.cast_first):
+    if not plan.is_transformer:
         return plan
-    options = dataclasses.replace(plan.options, fused_projections=True, cast_first=True)
+    options = dataclasses.replace(plan.options, fused_projections=True, cast_first=True, regather_norms=False)
     return dataclasses.replace(plan, options=options)
 
 

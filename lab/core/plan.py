@@ -76,6 +76,10 @@ class Options:
         cast_first: fp32 weights computed in a 16-bit dtype are cast before FSDP gathers them, and their matmul
             gradients reduced in the 16-bit dtype (the TPU compiler moves the cast across the collective; XLA:CPU
             gathers the fp32 weights). Set for a TPU target (``lab.compile.target.for_target``).
+        regather_norms: under recomputation, FSDP gathers a layer's norm scales again for the recomputed forward
+            (XLA:CPU does; the TPU compiler keeps them: ``for_target`` clears it).
+        jax_remat: recomputation as ``jax.checkpoint`` runs it (the lab's Transformer): XLA leaves the layer's
+            last projection out of the recomputed forward. False: the whole layer again (Megatron).
     """
 
     microbatch: int | None = None
@@ -87,6 +91,8 @@ class Options:
     fused_projections: bool = False
     causal: bool = True
     cast_first: bool = False
+    regather_norms: bool = True
+    jax_remat: bool = True
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
@@ -463,7 +469,7 @@ def plan_from_degrees(
         rules=rules,
         remat=remat,
         optimizer=optimizer,
-        options=options or Options(flash_attention=True, fused_projections=True),
+        options=options or Options(flash_attention=True, fused_projections=True, regather_norms=False, jax_remat=False),
     )
 
 

@@ -91,6 +91,8 @@ def train_config(plan: Plan, chip: Chip) -> TrainConfig:
         param_dtype=plan.param_dtype,
         fused_projections=opts.fused_projections,
         cast_first=opts.cast_first,
+        jax_remat=opts.jax_remat,
+        remat_regathers_norms=opts.regather_norms,
     )
 
 

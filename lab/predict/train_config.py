@@ -99,6 +99,14 @@ class TrainConfig:
     # fp32 weights computed in 16 bits: the cast moved ahead of FSDP's gather (the TPU compiler does; XLA:CPU gathers
     # the fp32 weights). Matters only when param_dtype is fp32.
     cast_first: bool = False
+    # Recomputation as JAX runs it (jax.checkpoint on a layer): under full recomputation XLA drops the layer's last
+    # projection from the recomputed forward (nothing in the backward reads its output, the next layer's saved
+    # input), so its matmul and its row-parallel collective are not run again. Megatron's recomputation repeats
+    # the whole layer.
+    jax_remat: bool = False
+    # Under recomputation XLA:CPU gathers a layer's FSDP-sharded norm scales a third time, for the recomputed
+    # forward (the TPU compiler keeps them).
+    remat_regathers_norms: bool = False
 
     @property
     def weight_bytes(self) -> float:

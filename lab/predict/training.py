@@ -270,8 +270,8 @@ def layer_cost(cfg: TrainConfig) -> LayerCost:
             ring = c.calls / 3 * comm_time(cfg, c)
             att = sum(o[2] for o in ops if o[1] == "attention")
             cp_exposed = max(0.0, ring - att) + max(0.0, 2 * ring - 2.5 * att)
-    if cfg.remat == "full":
-        recomputed = tuple(o[0] for o in ops)
+    if cfg.remat == "full":  # JAX's recomputation skips the layer's last projection (TrainConfig)
+        recomputed = tuple(o[0] for o in ops if not (cfg.jax_remat and o[0] == "mlp.down"))
     elif cfg.remat == "selective" and not cfg.flash_attention:
         recomputed = tuple(o[0] for o in ops if o[1] == "attention")
     elif cfg.remat == "selective":  # fused attention: recompute the norms and the MLP activation instead

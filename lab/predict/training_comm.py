@@ -29,6 +29,7 @@ and gate/up are fused as in Megatron, 5 when they are separate weights as in the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -133,18 +134,24 @@ def _tp(cfg: TrainConfig) -> list[Comm]:
     dt = "fp32" if cfg.act_bytes == 4 else "bf16"
     row, col = 2, (2 if cfg.fused_projections else 5)
     fwd = 2 if cfg.remat == "full" else 1  # full recomputation runs the forward's collectives again
+    again = row - (1 if cfg.jax_remat else 0)  # row-parallel outputs recomputed (all but the last: JAX)
 
     def on_act(kind: str, calls: float, per: str, what: str, hidden: str = "") -> Comm:
         return Comm("tp", kind, act, calls, per, what, hidden, dt)
 
     if not lay.sequence_parallel:
-        out = [on_act("all-reduce", row * fwd + col, "layer", f"TP AllReduces: {row} forward, {col} backward")]
+        calls = row + (fwd - 1) * again + col
+        out = [on_act("all-reduce", calls, "layer", f"TP AllReduces: {row} forward, {col} backward")]
     else:
         grads = (2 * lay.stage_layers(m.layers) + 1) * m.d_model * cfg.grad_reduce_bytes
+        regather = 0 if (cfg.jax_remat and cfg.remat == "full") else row
         out = [
             on_act("all-gather", row * fwd + row, "layer", "SP AllGathers: forward, and the transposes"),
-            on_act("all-gather", row, "layer", "SP inputs gathered again for the weight gradients", "dgrad"),
-            on_act("reduce-scatter", row * fwd + col, "layer", f"SP ReduceScatters: {row} fwd, {col} bwd"),
+            # (under JAX's full recomputation the recomputed forward's gathered inputs serve the weight gradients)
+            on_act("all-gather", regather, "layer", "SP inputs gathered again for the weight gradients", "dgrad"),
+            on_act(
+                "reduce-scatter", row + (fwd - 1) * again + col, "layer", f"SP ReduceScatters: {row} fwd, {col} bwd"
+            ),
             on_act("all-gather", 2, "microbatch", "SP: the logits' input, the embedding's gradient"),
             Comm(
                 "tp",
@@ -197,9 +204,15 @@ def _fsdp(cfg: TrainConfig) -> list[Comm]:
     final = m.d_model * (2 if m.norm == "layernorm" else 1) / lay.pp
     rest = local_params(m, lay) - m.layers / lay.pp * layer - final  # embeddings (and learned positions)
     out_table = rest * _output_table_share(m)
+    norms = float(m.norm_params_per_layer)
+    # the norm scales gathered again for the recomputed forward (XLA:CPU)
+    again = Comm("fsdp", "all-gather", norms * cfg.weight_bytes, 1, "layer", _NORMS_AGAIN, "layer", wdt)
+    if not (cfg.remat_regathers_norms and cfg.remat != "none"):
+        again = dataclasses.replace(again, calls=0)  # dropped by collectives()
     if cfg.cast_first and cfg.weight_bytes > cfg.act_bytes:
-        return _fsdp_cast_first(cfg, layer, final, rest, out_table)
+        return [*_fsdp_cast_first(cfg, layer, final, rest, out_table), again]
     out = [
+        again,
         Comm("fsdp", "all-gather", layer * cfg.weight_bytes, 2, "layer", _LAYER_GATHER, "layer", wdt),
         Comm("fsdp", "reduce-scatter", layer * cfg.grad_reduce_bytes, 1, "layer", _LAYER_GRADS, "layer", gdt),
         Comm("fsdp", "all-gather", final * cfg.weight_bytes, 2, "microbatch", _FINAL_NORM, "layer", wdt),
@@ -227,6 +240,7 @@ _LAYER_GATHER = "FSDP: each layer's weights, fwd and bwd"
 _LAYER_GRADS = "FSDP: each layer's gradients"
 _FINAL_NORM = "FSDP: the final norm scale"
 _REST_GRADS = "FSDP: their gradients"
+_NORMS_AGAIN = "FSDP: each layer's norm scales again, for the recomputation"
 
 
 def _fsdp_cast_first(cfg: TrainConfig, layer: float, final: float, rest: float, out_table: float) -> list[Comm]:
@@ -333,7 +347,7 @@ def collectives(cfg: TrainConfig, roles: tuple[str, ...] = ROLES) -> list[Comm]:
         out += _fsdp(cfg)
     if {"dp", "batch"} & set(roles):
         out += [c for c in _dp(cfg) if c.role in roles]
-    return out
+    return [c for c in out if c.calls > 0]
 
 
 def calls_per_step(cfg: TrainConfig, c: Comm) -> float:
