@@ -170,6 +170,13 @@ class AuditResult:
                 f"\nmemory per device: compiled {fmt_bytes(m['compiled_bytes'])} (arguments, outputs and temporaries), "
                 f"estimator {fmt_bytes(m['estimator_bytes'])}: ratio {m['ratio']:.2f}"
             )
+            if "estimator_state_bytes" in m:
+                out += (
+                    f"\n  state (weights, optimizer state): compiled arguments {fmt_bytes(m['compiled_argument_bytes'])},"
+                    f" estimator {fmt_bytes(m['estimator_state_bytes'])}; working memory (gathered weights, gradients,"
+                    f" activations): compiled temporaries {fmt_bytes(m['compiled_temp_bytes'])}, estimator "
+                    f"{fmt_bytes(m['estimator_working_bytes'])}"
+                )
         if self.compiled_for:
             out += "\n" + self._xla_lines()
         return out + f"\nresult: {'all match' if self.all_match else 'MISMATCH'}"
@@ -429,13 +436,19 @@ def _memory(est: ProgramEstimate, mem: dict[str, float]) -> dict[str, float]:
         - mem.get("alias_size_in_bytes", 0.0)
     )
     total = est.memory["total"]
-    return {
+    out = {
         "compiled_bytes": compiled,
         "estimator_bytes": total,
         "ratio": compiled / total if total else float("nan"),
         "compiled_temp_bytes": mem.get("temp_size_in_bytes", 0.0),
         "estimator_activation_bytes": est.memory.get("activations", est.memory.get("kv", 0.0)),
     }
+    if "optimizer" in est.memory:  # a train step: the state it keeps is its arguments (weights, optimizer state)
+        e = est.memory
+        out["compiled_argument_bytes"] = mem.get("argument_size_in_bytes", 0.0)
+        out["estimator_state_bytes"] = e["params"] - e.get("params_gathered", 0.0) + e["optimizer"]
+        out["estimator_working_bytes"] = total - out["estimator_state_bytes"]
+    return out
 
 
 def audit_compiled(plan: Plan, compiled, est: ProgramEstimate, backend: str) -> AuditResult:

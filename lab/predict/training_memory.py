@@ -17,6 +17,7 @@ class Memory:
     activations: float
     activations_per_layer: float
     hbm_bytes: float
+    gathered: float = 0.0  # of params: the layers FSDP holds gathered whole (working copies, not state)
 
     @property
     def total(self) -> float:
@@ -29,6 +30,7 @@ class Memory:
     def to_dict(self) -> dict[str, float]:
         return {
             "params": self.params,
+            "params_gathered": self.gathered,
             "grads": self.grads,
             "optimizer": self.optimizer,
             "activations": self.activations,
@@ -116,8 +118,8 @@ def memory_per_chip(cfg: TrainConfig) -> Memory:
     f = lay.fsdp_eff
     zero_group = lay.dp * lay.fsdp
     params = local * cfg.weight_bytes / f
-    if f > 1:  # the layer being computed (and the next, prefetched) are gathered whole
-        params += 2 * layer_params_local(m, lay) * cfg.weight_bytes
+    gathered = 2 * layer_params_local(m, lay) * cfg.weight_bytes if f > 1 else 0.0
+    params += gathered  # the layer being computed (and the next, prefetched) are gathered whole
     grads = local * GRAD_BYTES / (zero_group if lay.zero >= 2 else f)
     opt = local * cfg.optimizer_bytes / (zero_group if lay.zero >= 1 else f)
     per_layer = activation_bytes_per_layer(
@@ -143,6 +145,7 @@ def memory_per_chip(cfg: TrainConfig) -> Memory:
         activations=acts,
         activations_per_layer=per_layer,
         hbm_bytes=cfg.chip.hbm_bytes,
+        gathered=gathered,
     )
 
 
