@@ -172,8 +172,8 @@ class AuditResult:
             )
             if "estimator_state_bytes" in m:
                 out += (
-                    f"\n  state (weights, optimizer state): compiled arguments {fmt_bytes(m['compiled_argument_bytes'])},"
-                    f" estimator {fmt_bytes(m['estimator_state_bytes'])}; working memory (gathered weights, gradients,"
+                    "\n  state (weights, optimizer state): compiled arguments "
+                    f"{fmt_bytes(m['compiled_argument_bytes'])}, estimator {fmt_bytes(m['estimator_state_bytes'])}; working memory (gathered weights, gradients,"
                     f" activations): compiled temporaries {fmt_bytes(m['compiled_temp_bytes'])}, estimator "
                     f"{fmt_bytes(m['estimator_working_bytes'])}"
                 )
