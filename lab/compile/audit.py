@@ -173,9 +173,9 @@ class AuditResult:
             if "estimator_state_bytes" in m:
                 out += (
                     "\n  state (weights, optimizer state): compiled arguments "
-                    f"{fmt_bytes(m['compiled_argument_bytes'])}, estimator {fmt_bytes(m['estimator_state_bytes'])}; working memory (gathered weights, gradients,"
-                    f" activations): compiled temporaries {fmt_bytes(m['compiled_temp_bytes'])}, estimator "
-                    f"{fmt_bytes(m['estimator_working_bytes'])}"
+                    f"{fmt_bytes(m['compiled_argument_bytes'])}, estimator {fmt_bytes(m['estimator_state_bytes'])}; "
+                    "working memory (gathered weights, gradients, activations): compiled temporaries "
+                    f"{fmt_bytes(m['compiled_temp_bytes'])}, estimator {fmt_bytes(m['estimator_working_bytes'])}"
                 )
         if self.compiled_for:
             out += "\n" + self._xla_lines()
