@@ -114,6 +114,20 @@ def test_train_limits_keys(capsys):
     assert d["fsdp_opt_degree"] == pytest.approx(13.9, rel=0.01)
 
 
+@pytest.mark.parametrize(("k", "book"), [(3, 171), (4, 225)])
+def test_train_limits_chips_to_hold_llama3_70b_as_the_book_counts(capsys, k, book):
+    """applied-training.md: LLaMA-3-70B, a 4e6-token batch on v5p (96 GB): 2 B weights + 8 B Adam moments per
+    parameter and k bf16 checkpoints of D=8192 per token and layer over 80 layers; the book's 16.5e12 / 96e9 =
+    171 with k = 3 (and about 21.6e12 / 96e9 = 225 with k = 4)."""
+    argv = f"train limits --hardware v5p --model llama3-70b --batch-tokens 4000000 --checkpoints-per-layer {k}"
+    d = run_json(capsys, argv)
+    layer = 3 * 8192 * 28672 + 2 * 8192 * 64 * 128 + 2 * 8192 * 8 * 128 + 2 * 8192  # MLP, Q and O, K and V, 2 norms
+    params = 80 * layer + 2 * 128256 * 8192 + 8192  # two tables, the final norm
+    expected = (params * 10 + 2 * k * 8192 * 4e6 * 80) / 96e9
+    assert d["min_chips_to_hold"] == pytest.approx(expected, rel=1e-9)
+    assert int(d["min_chips_to_hold"]) == book
+
+
 def test_scale_what_if(capsys):
     args = [
         "train",

@@ -11,7 +11,7 @@ from lab.core.hardware import get_chip
 from lab.core.models import get_model
 from lab.core.table import dumps
 from lab.predict.planner import PlanResult, plan, search_space_size
-from lab.predict.training import Layout, TrainConfig, check_config, estimate, min_chips
+from lab.predict.training import Layout, TrainConfig, check_config, estimate, state_min_chips
 
 MI = 1024 * 1024
 ALL = 10**9  # a `top` larger than any search space: every feasible configuration comes back
@@ -208,7 +208,7 @@ def test_nothing_fits_names_the_chip_count_needed(h100):
     with pytest.raises(UserError) as exc:
         plan(model, h100, 8, 16 * 8192, 8192)
     msg = str(exc.value)
-    need = min_chips(TrainConfig(model, h100, Layout(), 8192, 16, microbatch=1, remat="full"))
+    need = state_min_chips(TrainConfig(model, h100, Layout(), 8192, 16, microbatch=1, remat="full"))
     assert need is not None and need > 8
     assert msg.startswith("nothing fits on 8 h100: the state alone needs at least ")
     assert f"at least {need} chips" in msg

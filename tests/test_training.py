@@ -1,4 +1,5 @@
 import dataclasses
+import math
 import statistics
 
 import pytest
@@ -6,7 +7,15 @@ import pytest
 from lab.core.errors import UserError
 from lab.core.hardware import get_chip, scale_chip
 from lab.core.models import get_model
-from lab.predict.training import Layout, TrainConfig, check_config, estimate, limits, memory_per_chip
+from lab.predict.training import (
+    Layout,
+    TrainConfig,
+    check_config,
+    estimate,
+    limits,
+    memory_per_chip,
+    state_min_chips,
+)
 from lab.studies.validate import run_validation
 
 H100, A100, V5P = get_chip("h100"), get_chip("a100-80gb"), get_chip("v5p")
@@ -117,11 +126,22 @@ def test_does_not_fit_is_a_result_not_an_error():
     assert e.min_chips is not None and e.min_chips > 8
 
 
-def test_min_chips_is_state_over_free_hbm():
-    c = cfg(model="llama3-70b", batch=8, tp=8)
-    e = estimate(c)
-    state = get_model("llama3-70b").params * 18
-    assert e.min_chips == -(-state // (H100.hbm_bytes - e.memory.activations))
+def test_min_chips_holds_the_whole_job_its_whole_batch_included():
+    """LLaMA-3-70B, 1024 x 4096 tokens, the book's 4 checkpoints of [tokens, D] per layer, on v5p (96 GB), at
+    fsdp=256: weights, fp32 gradients and Adam state (18 B per parameter) plus the whole batch's activations at
+    once, by hand: 4 x 2 B x 8192 per token and layer over 80 layers, and Korthikanti's embedding and logits term
+    4 (8192 + 128256) B per token."""
+    m = get_model("llama3-70b")
+    c = dataclasses.replace(cfg(model="llama3-70b", chip=V5P, seq=4096, batch=1024, fsdp=256), checkpoints_per_layer=4)
+    tokens = 1024 * 4096
+    acts = tokens * (4 * 2 * 8192 * 80 + 4 * (8192 + 128256))
+    state = m.params * 18
+    assert estimate(c).min_chips == math.ceil((state + acts) / 96e9)  # 267: the book counts only the checkpoints
+    # gradient accumulation does not change it: the question is the whole batch
+    assert estimate(dataclasses.replace(c, microbatch=4)).min_chips == estimate(c).min_chips
+    # the planner's "nothing fits" still asks how many chips hold the state beside one microbatch's activations
+    e = estimate(cfg(model="llama3-70b", batch=8, tp=8))
+    assert state_min_chips(e.config) == -(-state // (H100.hbm_bytes - e.memory.activations))
 
 
 def test_moe_expert_parallelism():

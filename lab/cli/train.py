@@ -193,7 +193,7 @@ def _step_rows(est) -> list[list[str]]:
             f" activations {mem.activations / GiB:.1f}",
         ],
         ["fits", "yes" if mem.fits else f"NO: {est.overflow()} is the largest part"],
-        ["min chips (ZeRO-3)", str(est.min_chips) if est.min_chips else "none: activations alone overflow"],
+        ["min chips (whole batch)", str(est.min_chips) if est.min_chips else "none: one sequence overflows a chip"],
         ["bottleneck", est.bottleneck],
     ]
 
@@ -277,10 +277,12 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
 
 
 def cmd_train_limits(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
-    d_ff = args.d_ff
+    d_ff, model = args.d_ff, None
     if args.model is not None:  # read even when --d-ff overrides its d_ff: a bad name is an error, never ignored
-        model_d_ff = resolve_model(args.model).d_ff
-        d_ff = d_ff or model_d_ff
+        model = resolve_model(args.model)
+        d_ff = d_ff or model.d_ff
+    if args.checkpoints_per_layer is not None and (model is None or args.batch_tokens is None):
+        raise UserError("--checkpoints-per-layer needs --model and --batch-tokens (the job whose memory it counts)")
     lim = limits(
         chip,
         d_ff,
@@ -289,6 +291,8 @@ def cmd_train_limits(args: argparse.Namespace, chip) -> tuple[dict[str, Any], st
         chips=args.chips,
         batch_tokens=args.batch_tokens,
         dtype=args.dtype,
+        model=model,
+        checkpoints=args.checkpoints_per_layer,
     )
     rows = [
         ["alpha = C / W", f"{lim.alpha:.0f} FLOPs per byte"],
@@ -304,6 +308,11 @@ def cmd_train_limits(args: argparse.Namespace, chip) -> tuple[dict[str, Any], st
         ]
     if lim.fsdp_opt_degree is not None:
         rows.append(["best FSDP degree", f"{lim.fsdp_opt_degree:.1f} (sqrt(B/F * M_X/M_Y * N))"])
+    if lim.min_chips_to_hold is not None:
+        said = (
+            f"bf16 weights, fp32 Adam moments, {lim.checkpoints_per_layer:g} bf16 checkpoints of D per token and layer"
+        )
+        rows.append(["chips to hold the job", f"{lim.min_chips_to_hold:.1f} ({said})"])
     return lim.to_dict(), render(["threshold", "value"], rows, title=f"{chip.name}: the book's thresholds")
 
 
@@ -470,6 +479,13 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     tl.add_argument("--chips", type=positive_int("--chips"))
     tl.add_argument("--batch-tokens", type=positive_int("--batch-tokens"))
     tl.add_argument("--dtype", type=dtype_arg, default="bf16")
+    tl.add_argument(
+        "--checkpoints-per-layer",
+        type=positive_float("--checkpoints-per-layer", "3 or 4"),
+        metavar="K",
+        help="with --model and --batch-tokens: the chips whose HBM holds the job, the book's way (K saved [tokens, D] "
+        "per layer, bf16 weights, fp32 Adam moments)",
+    )
     command(tl, with_chip(cmd_train_limits))
 
     pl = sub.add_parser(

@@ -32,6 +32,8 @@ class Limits:
     fsdp_tp_min_tokens_per_chip: float | None
     fsdp_opt_degree: float | None
     dcn_min_tokens_per_slice: float | None
+    min_chips_to_hold: float | None = None  # applied-training.md: (weights + Adam moments + checkpoints) / HBM
+    checkpoints_per_layer: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -46,8 +48,13 @@ def limits(
     chips: int | None = None,
     batch_tokens: float | None = None,
     dtype: str = "bf16",
+    model=None,
+    checkpoints: float | None = None,
 ) -> Limits:
-    """The book's DP, TP and FSDP+TP thresholds for ``chip`` (and a model's ``d_ff``)."""
+    """The book's DP, TP and FSDP+TP thresholds for ``chip`` (and a model's ``d_ff``); with a ``model``, a
+    ``batch_tokens`` and ``checkpoints`` per layer, the chips whose HBM holds the job on the book's assumptions
+    (applied-training.md): bf16 weights (2 B per parameter), fp32 Adam moments (8 B), and ``checkpoints`` bf16
+    vectors of ``d_model`` per token and layer for the whole batch; nothing else (no gradients, no logits)."""
     for name, v in (("--axes", axes), ("--tp-axes", tp_axes)):
         if v < 1:
             raise UserError(f"{name} must be >= 1, got {v}")
@@ -67,6 +74,11 @@ def limits(
         fsdp_tp = alpha**2 / (axes * tp_axes * d_ff)  # B/N > alpha^2 / (M_X M_Y F)
         if chips and batch_tokens:
             opt = math.sqrt(batch_tokens / d_ff * axes / tp_axes * chips)  # X_opt = sqrt(B/F * M_X/M_Y * N)
+    hold = None
+    if model is not None and batch_tokens and checkpoints:
+        state = model.params * (2.0 + 8.0)
+        saved = 2.0 * checkpoints * model.d_model * batch_tokens * model.layers
+        hold = (state + saved) / chip.hbm_bytes
     return Limits(
         hardware=chip.name,
         d_ff=d_ff,
@@ -79,4 +91,6 @@ def limits(
         fsdp_tp_min_tokens_per_chip=fsdp_tp,
         fsdp_opt_degree=opt,
         dcn_min_tokens_per_slice=dcn,
+        min_chips_to_hold=hold,
+        checkpoints_per_layer=checkpoints,
     )

@@ -51,7 +51,7 @@ from lab.predict.training import (
     estimate,
     layer_cost,
     memory_per_chip,
-    min_chips,
+    state_min_chips,
 )
 
 MAX_TORUS_TP = 16  # tensor parallelism on a TPU torus: up to 16 chips
@@ -412,7 +412,7 @@ def _nothing_fits(
         dtype=dtype,
         optimizer=optimizer,
     )
-    need = min_chips(cfg)
+    need = state_min_chips(cfg)
     state = model.params * (WEIGHT_BYTES + GRAD_BYTES + OPTIMIZERS[optimizer])
     if need is None:
         return (

@@ -57,6 +57,7 @@ from lab.predict.training_memory import (
     local_params,
     memory_per_chip,
     min_chips,
+    state_min_chips,
 )
 
 # The kernels' named scope each estimator op is joined to (lab/report/ledger.py); ops sharing a scope are one row.
@@ -85,9 +86,14 @@ class TrainEstimate:
     memory: Memory
     model_flops_per_step: float
     hardware_flops_per_step: float
-    min_chips: int | None
     assumptions: tuple[str, ...] = field(default_factory=tuple)
     layer: LayerCost | None = None
+
+    @property
+    def min_chips(self) -> int | None:
+        """Chips that hold the whole job, its whole batch's activations included (``training_memory.min_chips``);
+        computed when asked, not in the planner's loop."""
+        return min_chips(self.config)
 
     @property
     def tokens_per_s(self) -> float:
@@ -364,7 +370,6 @@ def estimate(cfg: TrainConfig, *, check: bool = True, layer: LayerCost | None = 
         memory=mem,
         model_flops_per_step=model_flops,
         hardware_flops_per_step=hw_flops,
-        min_chips=min_chips(cfg, mem),
         assumptions=(*ASSUMPTIONS, _precision(cfg)),
         layer=lc,
     )
@@ -455,5 +460,6 @@ __all__ = [
     "local_params",
     "memory_per_chip",
     "min_chips",
+    "state_min_chips",
     "step_ops",
 ]

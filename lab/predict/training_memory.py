@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -149,12 +150,28 @@ def memory_per_chip(cfg: TrainConfig) -> Memory:
     )
 
 
-def min_chips(cfg: TrainConfig, mem: Memory | None = None) -> int | None:
-    """Smallest chip count whose HBM holds the job with weights, gradients and optimizer state sharded over
-    every chip (ZeRO-3), at this config's per-chip activations. None if the activations alone overflow."""
+def state_min_chips(cfg: TrainConfig, mem: Memory | None = None) -> int | None:
+    """Smallest chip count whose HBM holds the weights, gradients and optimizer state sharded over every chip
+    (ZeRO-3) beside this config's per-chip activations (what the planner's "nothing fits" says). None if the
+    activations alone overflow."""
     mem = mem or memory_per_chip(cfg)
     state = cfg.model.params * (cfg.weight_bytes + GRAD_BYTES + cfg.optimizer_bytes)
     room = cfg.chip.hbm_bytes - mem.activations
     if room <= 0:
         return None
     return max(1, math.ceil(state / room))
+
+
+def min_chips(cfg: TrainConfig) -> int | None:
+    """Smallest chip count whose HBM holds the whole job: the weights, gradients and optimizer state, and the
+    activations of the whole global batch at once (no gradient accumulation) at this layout's degrees, everything
+    spread evenly over the chips. None when a single sequence's activations on one chip overflow it."""
+    lay = cfg.layout
+    replicas = lay.dp * lay.fsdp
+    whole = dataclasses.replace(cfg, microbatch=max(1, cfg.global_batch // replicas))
+    acts = memory_per_chip(whole).activations * lay.chips
+    one = memory_per_chip(dataclasses.replace(cfg, microbatch=1)).activations
+    if one >= cfg.chip.hbm_bytes:
+        return None
+    state = cfg.model.params * (cfg.weight_bytes + GRAD_BYTES + cfg.optimizer_bytes)
+    return max(1, math.ceil((state + acts) / cfg.chip.hbm_bytes))
