@@ -208,3 +208,101 @@ def test_fsdp_of_fp32_weights_cast_first_gathers_in_the_compute_dtype():
     # bf16 weights: nothing to move, the same list either way
     bf16 = dataclasses.replace(base, param_dtype="bf16")
     assert collectives(bf16) == collectives(dataclasses.replace(bf16, cast_first=True))
+
+
+# ----- named recomputation policies (lab.predict.remat) ------------------------------------------------------
+
+
+def _named(remat, **layout):
+    return cfg(model="llama3-70b", chip=V5P, seq=8192, batch=256, mb=1, remat=remat, **layout)
+
+
+def test_a_named_policy_keeps_what_it_names_by_hand():
+    """LLaMA-3-70B at tp=4 with SP: per token and layer, the input 8192/4 and save_qkv_proj's Q 8192/4 plus K and V
+    2 x 128 each (8 KV heads over 4 ranks), in bf16; 8192 tokens per microbatch."""
+    lay = Layout(fsdp=64, tp=4, sequence_parallel=True)
+    c = dataclasses.replace(_named("save_qkv_proj"), layout=lay)
+    per_layer = 2.0 * 8192 * (8192 / 4 + 8192 / 4 + 2 * 2 * 128)
+    assert memory_per_chip(c).activations_per_layer == per_layer
+    # minimal adds attention out and the MLP's second output (8192 / 4 each under SP) and gate and up (2 x 28672 / 4)
+    minimal = memory_per_chip(dataclasses.replace(c, remat="minimal")).activations_per_layer
+    assert minimal == per_layer + 2.0 * 8192 * (2 * 8192 / 4 + 2 * 28672 / 4)
+    # offloaded: only the layer input stays in HBM
+    off = memory_per_chip(dataclasses.replace(c, remat="minimal_offloaded")).activations_per_layer
+    assert off == 2.0 * 8192 * 8192 / 4
+
+
+def test_a_named_policy_recomputes_what_it_did_not_keep():
+    e = {r: estimate(_named(r, fsdp=64, tp=4)) for r in ("none", "minimal", "minimal_with_context", "full")}
+    assert set(e["minimal"].layer.recomputed) == {"norms", "mlp.activation", "attention"}
+    assert set(e["minimal_with_context"].layer.recomputed) == {"norms", "mlp.activation"}
+    # attention's FLOPs again under minimal; nothing but elementwise work once the context is kept too
+    assert e["minimal"].hfu > e["minimal"].mfu
+    assert e["minimal_with_context"].hardware_flops_per_step == e["minimal_with_context"].model_flops_per_step
+    order = [e[r].step_time_s for r in ("none", "minimal_with_context", "minimal", "full")]
+    assert order == sorted(order)
+    mem = [e[r].memory.activations for r in ("none", "minimal_with_context", "minimal", "full")]
+    assert mem == sorted(mem, reverse=True)
+
+
+def test_offloaded_activations_cost_host_transfers_beyond_the_compute():
+    """minimal_offloaded on v5p: the kept tensors (Q/K/V 2048 + 2 x 256, out 8192, gate and up 2 x 7168, down 8192
+    elements per token at tp=4 without SP) go out over PCIe in the forward and back in the backward, 1.6e10 B/s
+    (the book's figure), hidden behind the layer's forward and its backward."""
+    e = estimate(_named("minimal_offloaded", fsdp=64, tp=4))
+    moved = 2.0 * 8192 * (2048 + 512 + 8192 + 2 * 7168 + 8192)
+    link = moved / 1.6e10
+    lc = e.layer
+    assert lc.offload == pytest.approx(max(0.0, link - lc.fwd) + max(0.0, link - lc.bwd - lc.recompute))
+    assert lc.offload > 0 and e.breakdown["offload_s"] == pytest.approx(80 * 256 // 64 * lc.offload)
+    # on an H100 (51 GB/s measured) the same traffic hides better
+    h = estimate(dataclasses.replace(_named("minimal_offloaded", fsdp=64, tp=4), chip=H100))
+    assert h.layer.offload < lc.offload
+
+
+def test_an_unknown_policy_names_the_valid_ones():
+    with pytest.raises(
+        UserError,
+        match=r"--remat 'save_everything' is not a recomputation policy; choose one of "
+        r"none, selective, full, minimal, .*minimal_offloaded",
+    ):
+        estimate(_named("save_everything"))
+
+
+# ----- uneven pipeline stages ---------------------------------------------------------------------------------
+
+
+def _piped(split=()):
+    lay = Layout(tp=8, pp=4, stage_split=split)
+    return dataclasses.replace(cfg(model="llama2-7b", batch=64, seq=4096, mb=1), layout=lay)
+
+
+def test_an_even_explicit_split_prices_as_the_default():
+    a, b = estimate(_piped()), estimate(_piped((8, 8, 8, 8)))
+    assert a.step_time_s == b.step_time_s and a.memory == b.memory
+
+
+def test_uneven_stages_the_busiest_sets_the_pace_and_the_peak_stage_the_memory():
+    e, even = estimate(_piped((7, 9, 9, 7))), estimate(_piped())
+    lc = e.layer
+    layer_t = lc.fwd + lc.bwd + lc.recompute
+    logits = even.breakdown["compute_s"] / 64 - 8 * layer_t  # the last stage's loss, from the even split
+    # per microbatch the busiest stage computes max(7, 9, 9, 7 + the loss) layers' worth
+    assert e.breakdown["compute_s"] / 64 == pytest.approx(max(9 * layer_t, 7 * layer_t + logits))
+    # 1F1B: stage i holds min(4 - i, 64) microbatches: 7 x 4, 9 x 3, 9 x 2, 7 x 1 -> the first stage's 28 layers'
+    per_layer = e.memory.activations_per_layer
+    embed = even.memory.activations - 32 * per_layer  # Korthikanti's embedding term, the same for both
+    assert e.memory.activations == pytest.approx(28 * per_layer + embed)
+
+
+@pytest.mark.parametrize(
+    ("split", "message"),
+    [
+        ((7, 9, 9), "--pp-split has 3 stages but --pp is 4"),
+        ((7, 9, 9, 6), r"--pp-split 7,9,9,6 adds up to 31 layers but the model has 32; e.g. --pp-split 8,8,8,8"),
+        ((0, 10, 11, 11), "every stage needs at least one layer"),
+    ],
+)
+def test_a_split_that_does_not_add_up_is_refused(split, message):
+    with pytest.raises(UserError, match=message):
+        estimate(_piped(split))

@@ -25,6 +25,7 @@ from lab.cli.args import (
     plan_of,
     positive_float,
     positive_int,
+    positive_ints,
     scale_arg,
     write_chart,
 )
@@ -33,7 +34,8 @@ from lab.core.errors import UserError
 from lab.core.models import CATALOG, resolve_model
 from lab.core.table import render
 from lab.core.units import canonical_dtype, fmt_bytes, fmt_count, fmt_seconds
-from lab.predict.training import OPTIMIZERS, REMAT, SCHEDULES, Layout, TrainConfig, estimate, limits
+from lab.predict.remat import ALL as REMAT_ALL
+from lab.predict.training import OPTIMIZERS, SCHEDULES, Layout, TrainConfig, estimate, limits
 
 GiB = 2**30
 
@@ -115,6 +117,7 @@ def _layout(args: argparse.Namespace) -> Layout:
         pp_schedule=args.pp_schedule,
         interleave=args.interleave,
         pp_embedding_slots=args.pp_embedding_slots,
+        stage_split=tuple(args.pp_split or ()),
     )
 
 
@@ -241,6 +244,10 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
     from lab.core.plan import Options, plan_from_degrees
 
     lay = cfg.layout
+    if lay.stage_split:
+        raise UserError("--save-plan cannot record --pp-split yet (a Plan's stages hold equal layers); drop one")
+    if cfg.remat not in ("none", "selective", "full"):
+        raise UserError(f"--save-plan cannot record --remat {cfg.remat} (a Plan runs none, selective or full)")
     options = Options(
         microbatch=cfg.microbatch,
         zero=lay.zero,
@@ -447,12 +454,26 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     te.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b")
     te.add_argument("--interleave", type=positive_int("--interleave"), default=1)
     te.add_argument(
+        "--pp-split",
+        type=positive_ints("--pp-split"),
+        metavar="N,N,...",
+        help="uneven pipeline stages: the layers each stage holds, first to last, adding up to the model's layers "
+        "(e.g. 7,8,8,7 for 30 layers on --pp 4; the last stage also computes the loss)",
+    )
+    te.add_argument(
         "--pp-embedding-slots",
         action="store_true",
         help="the embedding and the loss each take a layer's slot in the pipeline split (Megatron-Core's "
         "account_for_embedding/loss_in_pipeline_split): layers + 2 must divide by pp x interleave",
     )
-    te.add_argument("--remat", choices=REMAT, default="selective")
+    te.add_argument(
+        "--remat",
+        choices=REMAT_ALL,
+        default="selective",
+        metavar="POLICY",
+        help="activation recomputation: none, selective, full, or a named policy (MaxText's names: minimal, "
+        "save_dot_except_mlpwi, save_qkv_proj, minimal_offloaded, ...; see docs) (default selective)",
+    )
     te.add_argument(
         "--checkpoints-per-layer",
         type=positive_float("--checkpoints-per-layer", "2 or 4.5"),

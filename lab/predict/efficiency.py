@@ -96,6 +96,21 @@ PEAK_FRACTION = GEMM_CEILING_OTHER
 MEMORY_FRACTION = 0.9
 
 
+# Host <-> device bandwidth per chip, one direction, for activations offloaded to host memory. GPUs: H8, nvbandwidth
+# copy-engine H2D / D2H (H200 55.4 / 55.1 GB/s, H100 51 / 52 GB/s, A100 26.3 GB/s H2D; its 6.3 GB/s D2H is the
+# source's anomaly, so the H2D figure is taken both ways). TPUs: the scaling book's PCIe per chip (tpus.md: about
+# 1.6e10 B/s, 3.2e10 on v6e). B200: the PCIe Gen5 x16 spec at H200's measured 88%.
+HOST_LINK = {"a100": 26.3e9, "h100": 51e9, "h200": 55e9, "b200": 55e9, "tpu-v6e": 3.2e10}
+HOST_LINK_OTHER = {"gpu": 26.3e9, "tpu": 1.6e10, "cpu": 1e10}
+
+
+def host_link_bandwidth(chip: Chip) -> float:
+    """Bytes/s one chip moves to or from host memory, one direction (activation offload)."""
+    if chip.name in HOST_LINK:
+        return HOST_LINK[chip.name]
+    return HOST_LINK.get(family(chip), HOST_LINK_OTHER.get(chip.kind, 1e10))
+
+
 def family(chip: Chip) -> str:
     """The measured family a catalog chip belongs to (``a100-80gb`` -> ``a100``); its kind otherwise."""
     for name in ("a100", "h100", "h200", "b200"):

@@ -38,6 +38,7 @@ from lab.core.hardware import Chip
 from lab.core.models import ModelConfig
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
+from lab.predict.remat import ALL as REMAT_ALL
 from lab.predict.training import (
     GRAD_BYTES,
     OPTIMIZERS,
@@ -282,8 +283,8 @@ def _check_inputs(
     if not remats:
         raise UserError(f"remats is empty; give at least one of {', '.join(REMAT)}")
     for r in remats:
-        if r not in REMAT:
-            raise UserError(f"remat {r!r} is not one of {', '.join(REMAT)}")
+        if r not in REMAT_ALL:
+            raise UserError(f"remat {r!r} is not one of {', '.join(REMAT_ALL)}")
     if not microbatches:
         raise UserError("microbatches is empty; give at least one size, e.g. (1, 2, 4)")
     for mb in microbatches:
@@ -400,7 +401,7 @@ def _nothing_fits(
             f"(dp x fsdp x microbatch must divide it, tp the {model.heads} heads, pp the {model.layers} layers){alt}"
         )
     # The default config, with the least activation memory the search allows.
-    remat = max(remats, key=REMAT.index)  # "full" stores the least
+    remat = "full" if "full" in remats else remats[0]  # "full" stores the least
     cfg = TrainConfig(
         model=model,
         chip=chip,

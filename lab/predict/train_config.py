@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from lab.core.errors import UserError
 from lab.core.hardware import Chip
 from lab.core.models import ModelConfig
+from lab.predict.remat import policy as remat_policy
 
 REMAT = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -37,6 +38,9 @@ class Layout:
     # Pipeline split: the embedding and the loss each take a layer's slot, on the first and the last stage
     # (Megatron-Core's account_for_embedding/loss_in_pipeline_split): layers + 2 slots over pp x v chunks.
     pp_embedding_slots: bool = False
+    # Uneven pipeline stages: the layers each stage holds, first to last (e.g. fewer on the first and last stage,
+    # which also hold the embedding and the loss); empty: layers / pp on every stage.
+    stage_split: tuple[int, ...] = ()
 
     @property
     def chips(self) -> int:
@@ -58,6 +62,8 @@ class Layout:
 
     def stage_layers(self, layers: int) -> float:
         """Transformer layers on the busiest pipeline stage (slots, with ``pp_embedding_slots``)."""
+        if self.stage_split:
+            return float(max(self.stage_split))
         if self.pp > 1 and self.pp_embedding_slots:
             return (layers + 2) / self.pp
         return layers / self.pp
@@ -70,6 +76,8 @@ class Layout:
             parts.append("sp")
         if self.pp > 1:
             parts.append(self.pp_schedule + (f"x{self.interleave}" if self.pp_schedule == "interleaved" else ""))
+        if self.stage_split:
+            parts.append("split " + "/".join(map(str, self.stage_split)))
         return " ".join(parts) or "single chip"
 
 
@@ -171,8 +179,7 @@ def check_config(cfg: TrainConfig) -> None:
         raise UserError(f"--attention-kernel {cfg.attention_kernel!r} is not one of fa2, fa3")
     if lay.pp_schedule not in SCHEDULES:
         raise UserError(f"--pp-schedule {lay.pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
-    if cfg.remat not in REMAT:
-        raise UserError(f"--remat {cfg.remat!r} is not one of {', '.join(REMAT)}")
+    remat_policy(cfg.remat)  # a classic or a named policy (lab.predict.remat), else the valid choices
     if cfg.param_dtype not in PARAM_DTYPES:
         raise UserError(f"param dtype {cfg.param_dtype!r} is not one of {', '.join(PARAM_DTYPES)}")
     if cfg.optimizer not in OPTIMIZERS:
@@ -188,22 +195,10 @@ def check_config(cfg: TrainConfig) -> None:
         )
     if m.kv_heads % lay.tp and lay.tp % m.kv_heads:
         raise UserError(f"--tp {lay.tp} neither divides nor is a multiple of {m.kv_heads} KV heads")
-    slots = m.layers + (2 if lay.pp_embedding_slots and lay.pp > 1 else 0)
-    if lay.pp_embedding_slots and lay.pp > 1 and slots % (lay.pp * lay.v):
-        raise UserError(
-            f"--pp {lay.pp}" + (f" x --interleave {lay.v}" if lay.v > 1 else "") + f" does not divide {m.layers} "
-            f"layers plus the embedding and loss slots ({slots})"
-        )
-    if not lay.pp_embedding_slots and m.layers % (lay.pp * lay.v):
-        opts = [d for d in _divisors(m.layers) if d % lay.v == 0 or lay.v == 1]
-        slots_fit = (m.layers + 2) % (lay.pp * lay.v) == 0
-        raise UserError(
-            f"--pp {lay.pp}"
-            + (f" x --interleave {lay.v}" if lay.v > 1 else "")
-            + f" does not divide {m.layers} layers; try --pp "
-            f"{_nearest(lay.pp, [d // lay.v for d in opts if d // lay.v >= 1] or [1])}"
-            + (", or --pp-embedding-slots (the embedding and the loss take a slot each)" if slots_fit else "")
-        )
+    if lay.stage_split:
+        _check_split(lay, m.layers)
+    else:
+        _check_even_split(lay, m.layers)
     if cfg.seq_len % lay.cp:
         raise UserError(f"--cp {lay.cp} does not divide --seq-len {cfg.seq_len}")
     if lay.sequence_parallel and cfg.seq_len % (lay.tp * lay.cp):
@@ -235,4 +230,41 @@ def check_config(cfg: TrainConfig) -> None:
         raise UserError(
             f"the interleaved schedule needs the {cfg.microbatches} microbatches to be a multiple of "
             f"--pp {lay.pp} (Megatron's requirement)"
+        )
+
+
+def _check_split(lay: Layout, layers: int) -> None:
+    """An explicit stage split: one positive layer count per stage, adding up to the model's layers."""
+    split = lay.stage_split
+    if len(split) != lay.pp:
+        raise UserError(f"--pp-split has {len(split)} stages but --pp is {lay.pp}; give one layer count per stage")
+    if any(not isinstance(n, int) or n < 1 for n in split):
+        raise UserError(f"--pp-split {','.join(map(str, split))}: every stage needs at least one layer")
+    if sum(split) != layers:
+        even = [layers // lay.pp + (1 if i < layers % lay.pp else 0) for i in range(lay.pp)]
+        raise UserError(
+            f"--pp-split {','.join(map(str, split))} adds up to {sum(split)} layers but the model has {layers}; "
+            f"e.g. --pp-split {','.join(map(str, even))}"
+        )
+    if lay.pp_schedule == "interleaved" or lay.pp_embedding_slots:
+        raise UserError("--pp-split takes the gpipe or 1f1b schedule, without --pp-embedding-slots (the split says it)")
+
+
+def _check_even_split(lay: Layout, m_layers: int) -> None:
+    """Layers spread evenly: pp x interleave divides them (with the embedding and loss slots when asked)."""
+    slots = m_layers + (2 if lay.pp_embedding_slots and lay.pp > 1 else 0)
+    if lay.pp_embedding_slots and lay.pp > 1 and slots % (lay.pp * lay.v):
+        raise UserError(
+            f"--pp {lay.pp}" + (f" x --interleave {lay.v}" if lay.v > 1 else "") + f" does not divide {m_layers} "
+            f"layers plus the embedding and loss slots ({slots})"
+        )
+    if not lay.pp_embedding_slots and m_layers % (lay.pp * lay.v):
+        opts = [d for d in _divisors(m_layers) if d % lay.v == 0 or lay.v == 1]
+        slots_fit = (m_layers + 2) % (lay.pp * lay.v) == 0
+        raise UserError(
+            f"--pp {lay.pp}"
+            + (f" x --interleave {lay.v}" if lay.v > 1 else "")
+            + f" does not divide {m_layers} layers; try --pp "
+            f"{_nearest(lay.pp, [d // lay.v for d in opts if d // lay.v >= 1] or [1])}"
+            + (", or --pp-embedding-slots (the embedding and the loss take a slot each)" if slots_fit else "")
         )

@@ -38,6 +38,9 @@ from typing import Any
 
 from lab.predict import efficiency as eff
 from lab.predict.limits import Limits, limits
+from lab.predict.remat import policy as remat_policy
+from lab.predict.remat import recomputed as remat_recomputed
+from lab.predict.remat import saved_elements
 from lab.predict.train_config import (
     GRAD_BYTES,
     OPTIMIZERS,
@@ -184,6 +187,7 @@ class LayerCost:
     ops: tuple[tuple[str, str, float, float, float, float], ...]
     recomputed: tuple[str, ...] = ()
     tp_microbatch: float = 0.0  # TP collectives once per microbatch: the vocab-parallel embedding and loss
+    offload: float = 0.0  # host transfers of offloaded activations beyond the compute they hide behind
 
 
 def _wide(dtype: str) -> str:
@@ -276,7 +280,17 @@ def layer_cost(cfg: TrainConfig) -> LayerCost:
             ring = c.calls / 3 * comm_time(cfg, c)
             att = sum(o[2] for o in ops if o[1] == "attention")
             cp_exposed = max(0.0, ring - att) + max(0.0, 2 * ring - 2.5 * att)
-    if cfg.remat == "full":  # JAX's recomputation skips the layer's last projection (TrainConfig)
+    named = remat_policy(cfg.remat)
+    offload = 0.0
+    if named is not None:  # what the policy did not keep (lab.predict.remat)
+        recomputed = tuple(o[0] for o in ops if o[0] in remat_recomputed(named))
+        if named.offloaded:  # kept in host memory: out in the forward, back in the backward, behind the compute
+            tokens = cfg.microbatch * cfg.seq_len / cfg.layout.cp
+            moved = 2.0 * tokens * saved_elements(named, cfg.model, cfg.layout.tp, cfg.layout.sequence_parallel)
+            link = moved / eff.host_link_bandwidth(cfg.chip)
+            again = sum(o[2] for o in ops if o[0] in recomputed)
+            offload = max(0.0, link - fwd) + max(0.0, link - bwd - again)
+    elif cfg.remat == "full":  # JAX's recomputation skips the layer's last projection (TrainConfig)
         recomputed = tuple(o[0] for o in ops if not (cfg.jax_remat and o[0] == "mlp.down"))
     elif cfg.remat == "selective" and not cfg.flash_attention:
         recomputed = tuple(o[0] for o in ops if o[1] == "attention")
@@ -285,7 +299,7 @@ def layer_cost(cfg: TrainConfig) -> LayerCost:
     else:
         recomputed = ()
     recompute = sum(o[2] for o in ops if o[0] in recomputed)
-    return LayerCost(fwd, bwd, recompute, tp, ep, cp_exposed, tuple(ops), recomputed, tp_mb)
+    return LayerCost(fwd, bwd, recompute, tp, ep, cp_exposed, tuple(ops), recomputed, tp_mb, offload)
 
 
 def _logits_time(cfg: TrainConfig) -> float:
@@ -320,7 +334,10 @@ def estimate(cfg: TrainConfig, *, check: bool = True, layer: LayerCost | None = 
     n_mb = cfg.microbatches
 
     layer_t = lc.fwd + lc.bwd + lc.recompute
-    if lay.pp > 1 and lay.pp_embedding_slots:  # the last stage trades a layer for the loss; the busiest sets the pace
+    if lay.stage_split:  # uneven stages: the last one also computes the logits; the busiest sets the pace
+        last = len(lay.stage_split) - 1
+        compute_mb = max(n * layer_t + (_logits_time(cfg) if i == last else 0.0) for i, n in enumerate(lay.stage_split))
+    elif lay.pp > 1 and lay.pp_embedding_slots:  # the last stage trades a layer for the loss; the busiest sets the pace
         compute_mb = max(layers * layer_t, (layers - 1) * layer_t + _logits_time(cfg))
     else:
         compute_mb = layers * layer_t + _logits_time(cfg)
@@ -330,7 +347,8 @@ def estimate(cfg: TrainConfig, *, check: bool = True, layer: LayerCost | None = 
     pp_mb = sum(c.calls * t for c, t in times.items() if c.role == "pp")  # once per chunk boundary, both ways
     fsdp_mb = _fsdp_exposed(cfg, lc, times) if lay.fsdp_eff > 1 else 0.0
 
-    t_mb = compute_mb + tp_mb + ep_mb + cp_mb + pp_mb + fsdp_mb
+    offload_mb = layers * lc.offload
+    t_mb = compute_mb + tp_mb + ep_mb + cp_mb + pp_mb + fsdp_mb + offload_mb
     bubble_mb = (lay.pp - 1) / lay.v if lay.pp > 1 else 0.0
     bubble = bubble_mb * t_mb
 
@@ -356,12 +374,17 @@ def estimate(cfg: TrainConfig, *, check: bool = True, layer: LayerCost | None = 
         "comm_fsdp_s": n_mb * fsdp_mb,
         "comm_dp_s": dp_exposed,
         "dp_reduction_s": dp_comm,
+        "offload_s": n_mb * offload_mb,
     }
     tokens = cfg.batch_tokens
     model_flops = m.flops_per_token(cfg.seq_len, causal=cfg.causal) * tokens
     # Under fused attention, selective recomputation reruns elementwise ops only: no extra FLOPs.
-    counted = "none" if (cfg.remat == "selective" and cfg.flash_attention) else cfg.remat
-    hw_flops = m.flops_per_token(cfg.seq_len, causal=cfg.causal, recompute=counted) * tokens
+    if remat_policy(cfg.remat) is not None:  # the recomputed ops' FLOPs, over every layer, microbatch and chip
+        again = sum(o[4] for o in lc.ops if o[0] in lc.recomputed)
+        hw_flops = model_flops + again * layers * n_mb * lay.chips  # layers: this chip's stage's
+    else:
+        counted = "none" if (cfg.remat == "selective" and cfg.flash_attention) else cfg.remat
+        hw_flops = m.flops_per_token(cfg.seq_len, causal=cfg.causal, recompute=counted) * tokens
     mem = memory_per_chip(cfg)
     return TrainEstimate(
         config=cfg,

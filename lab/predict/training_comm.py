@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lab.core.hardware import Chip
+from lab.predict.remat import policy as remat_policy
+from lab.predict.remat import recomputed
 from lab.predict.train_config import TrainConfig
 from lab.predict.training_memory import layer_params_local, local_params
 
@@ -125,6 +127,22 @@ def _tokens(cfg: TrainConfig) -> float:
     return cfg.microbatch * cfg.seq_len / cfg.layout.cp
 
 
+def _recomputed_tp(cfg: TrainConfig, row: int) -> tuple[int, int, int]:
+    """TP collectives the recomputed forward issues again, per layer: the row-parallel outputs' reductions, the
+    (SP) input gathers, and the inputs SP gathers again for the weight gradients (none where the recomputed forward
+    gathered them: its gathered inputs serve the weight gradients, as JAX compiles it)."""
+    named = remat_policy(cfg.remat)
+    if named is not None:
+        ops = recomputed(named)
+        gathers = ("qkv" in ops) + ("mlp.up" in ops)
+        return int("out_proj" in ops), gathers, row - gathers
+    if cfg.remat != "full":
+        return 0, 0, row
+    if cfg.jax_remat:  # everything but the layer's last projection (lab.predict.train_config)
+        return row - 1, row, 0
+    return row, row, row  # Megatron: the whole layer again, and the weight gradients' inputs gathered again
+
+
 def _tp(cfg: TrainConfig) -> list[Comm]:
     m, lay = cfg.model, cfg.layout
     if lay.tp <= 1:
@@ -133,25 +151,20 @@ def _tp(cfg: TrainConfig) -> list[Comm]:
     act = tokens * m.d_model * cfg.act_bytes
     dt = "fp32" if cfg.act_bytes == 4 else "bf16"
     row, col = 2, (2 if cfg.fused_projections else 5)
-    fwd = 2 if cfg.remat == "full" else 1  # full recomputation runs the forward's collectives again
-    again = row - (1 if cfg.jax_remat else 0)  # row-parallel outputs recomputed (all but the last: JAX)
+    rows_again, gathers_again, regather = _recomputed_tp(cfg, row)
 
     def on_act(kind: str, calls: float, per: str, what: str, hidden: str = "") -> Comm:
         return Comm("tp", kind, act, calls, per, what, hidden, dt)
 
     if not lay.sequence_parallel:
-        calls = row + (fwd - 1) * again + col
+        calls = row + rows_again + col
         out = [on_act("all-reduce", calls, "layer", f"TP AllReduces: {row} forward, {col} backward")]
     else:
         grads = (2 * lay.stage_layers(m.layers) + 1) * m.d_model * cfg.grad_reduce_bytes
-        regather = 0 if (cfg.jax_remat and cfg.remat == "full") else row
         out = [
-            on_act("all-gather", row * fwd + row, "layer", "SP AllGathers: forward, and the transposes"),
-            # (under JAX's full recomputation the recomputed forward's gathered inputs serve the weight gradients)
+            on_act("all-gather", row + gathers_again + row, "layer", "SP AllGathers: forward, and the transposes"),
             on_act("all-gather", regather, "layer", "SP inputs gathered again for the weight gradients", "dgrad"),
-            on_act(
-                "reduce-scatter", row + (fwd - 1) * again + col, "layer", f"SP ReduceScatters: {row} fwd, {col} bwd"
-            ),
+            on_act("reduce-scatter", row + rows_again + col, "layer", f"SP ReduceScatters: {row} fwd, {col} bwd"),
             on_act("all-gather", 2, "microbatch", "SP: the logits' input, the embedding's gradient"),
             Comm(
                 "tp",

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 
 from lab.core.models import ModelConfig
+from lab.predict.remat import policy as remat_policy
+from lab.predict.remat import saved_elements
 from lab.predict.train_config import GRAD_BYTES, Layout, TrainConfig
 
 
@@ -64,6 +66,10 @@ def activation_bytes_per_layer(
     sp = layout.sequence_parallel
     if checkpoints is not None:  # the book's form: k saved [B, D] per layer
         return checkpoints * 2.0 * s * b * h / (t if sp else 1)
+    named = remat_policy(remat)
+    if named is not None:  # the layer input, and what the policy keeps in HBM (nothing, when it offloads)
+        kept = 0.0 if named.offloaded else saved_elements(named, model, t, sp)
+        return 2.0 * s * b * (h / (t if sp else 1) + kept)
     if remat == "full":
         return 2.0 * s * b * h / (t if sp else 1)
     drop = 1.0 if model.dropout else 0.0
@@ -136,6 +142,8 @@ def memory_per_chip(cfg: TrainConfig) -> Memory:
         if lay.pp_schedule == "interleaved":
             in_flight *= 1 + (lay.pp - 1) / (lay.pp * lay.v)
     acts = per_layer * layers_per_stage * in_flight
+    if lay.stage_split and lay.pp_schedule == "1f1b":  # stage i holds min(pp - i, m) microbatches: the peak stage
+        acts = per_layer * max(n * min(lay.pp - i, cfg.microbatches) for i, n in enumerate(lay.stage_split))
     # Korthikanti Sec. 4.3: embeddings and logits, 4 s b (h + V) / t on a single stage; s b h p / t otherwise.
     s, b, h = cfg.seq_len / lay.cp, cfg.microbatch, m.d_model
     acts += 4.0 * s * b * (h + m.vocab) / lay.tp if lay.pp == 1 else s * b * h * lay.pp / lay.tp
