@@ -187,6 +187,7 @@ def _step_rows(est) -> list[list[str]]:
         ["  exposed comm", fmt_seconds(b["exposed_comm_s"]) + f"  ({comm})"],
         ["  pipeline bubble", fmt_seconds(b["bubble_s"])],
         ["  optimizer", fmt_seconds(b["optimizer_s"])],
+        *([["  offload (exposed)", fmt_seconds(b["offload_s"])]] if b.get("offload_s") else []),
         ["tokens/s", f"{fmt_count(est.tokens_per_s)} ({fmt_count(est.tokens_per_s / cfg.layout.chips)} per chip)"],
         ["MFU / HFU", f"{100 * est.mfu:.1f}% / {100 * est.hfu:.1f}%"],
         [
@@ -196,7 +197,7 @@ def _step_rows(est) -> list[list[str]]:
             f" activations {mem.activations / GiB:.1f}",
         ],
         ["fits", "yes" if mem.fits else f"NO: {est.overflow()} is the largest part"],
-        ["min chips (whole batch)", str(est.min_chips) if est.min_chips else "none: one sequence overflows a chip"],
+        ["min chips (whole batch)", str(est.min_chips)],
         ["bottleneck", est.bottleneck],
     ]
 

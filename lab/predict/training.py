@@ -93,7 +93,7 @@ class TrainEstimate:
     layer: LayerCost | None = None
 
     @property
-    def min_chips(self) -> int | None:
+    def min_chips(self) -> int:
         """Chips that hold the whole job, its whole batch's activations included (``training_memory.min_chips``);
         computed when asked, not in the planner's loop."""
         return min_chips(self.config)
@@ -118,6 +118,7 @@ class TrainEstimate:
     def bottleneck(self) -> str:
         b = self.breakdown
         terms = {"compute": b["compute_s"], "bubble": b["bubble_s"], "optimizer": b["optimizer_s"]}
+        terms["host offload"] = b.get("offload_s", 0.0)
         terms |= {
             k.removeprefix("comm_").removesuffix("_s") + " comm": v for k, v in b.items() if k.startswith("comm_")
         }

@@ -170,16 +170,13 @@ def state_min_chips(cfg: TrainConfig, mem: Memory | None = None) -> int | None:
     return max(1, math.ceil(state / room))
 
 
-def min_chips(cfg: TrainConfig) -> int | None:
+def min_chips(cfg: TrainConfig) -> int:
     """Smallest chip count whose HBM holds the whole job: the weights, gradients and optimizer state, and the
     activations of the whole global batch at once (no gradient accumulation) at this layout's degrees, everything
-    spread evenly over the chips. None when a single sequence's activations on one chip overflow it."""
+    spread evenly over the chips (the book's question, applied-training.md, with the lab's memory model)."""
     lay = cfg.layout
     replicas = lay.dp * lay.fsdp
     whole = dataclasses.replace(cfg, microbatch=max(1, cfg.global_batch // replicas))
     acts = memory_per_chip(whole).activations * lay.chips
-    one = memory_per_chip(dataclasses.replace(cfg, microbatch=1)).activations
-    if one >= cfg.chip.hbm_bytes:
-        return None
     state = cfg.model.params * (cfg.weight_bytes + GRAD_BYTES + cfg.optimizer_bytes)
     return max(1, math.ceil((state + acts) / cfg.chip.hbm_bytes))
