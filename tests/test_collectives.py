@@ -139,3 +139,26 @@ def test_kind_aliases(alias, kind):
 def test_bad_input(args, kwargs, match):
     with pytest.raises(UserError, match=match):
         collective_time(*args, **kwargs)
+
+
+def test_cross_node_collectives_reach_less_of_the_nic_the_smaller_they_are():
+    """C14's per-GPU NIC fractions (32 B200 over EFA): 12.5% at 16 MiB, 44% at 256 MiB, 70% at 1 GiB, 74% at 16 GiB,
+    interpolated in log size; sends between two GPUs (permutes) keep the raw NIC rate."""
+    from lab.predict import efficiency as eff
+
+    assert eff.nic_fraction(16 * 2**20) == 0.125 and eff.nic_fraction(2**30) == 0.70
+    assert eff.nic_fraction(4 * 2**20) == 0.125 and eff.nic_fraction(2**40) == 0.74  # held at the ends
+    assert eff.nic_fraction(512 * 2**20) == pytest.approx((0.44 + 0.70) / 2)  # halfway in log size
+    h100 = get_chip("h100")
+    assert eff.collective_fraction(h100, "all-gather", 16, "cross-node", 2**30) == 0.70
+    assert eff.collective_fraction(h100, "permute", 2, "cross-node", 2**20) == eff.NIC_FRACTION
+    assert eff.collective_fraction(get_chip("tpu-v5p"), "all-gather", 16, "cross-node", 2**20) == eff.ICI_FRACTION
+
+
+def test_a_collective_hidden_behind_gpu_compute_slows_the_compute():
+    from lab.predict import efficiency as eff
+
+    h100, v5p = get_chip("h100"), get_chip("tpu-v5p")
+    assert eff.overlap_cost(h100, 2.0, 10.0) == pytest.approx(0.189 * 2.0)  # hidden: 18.9% of the overlapped compute
+    assert eff.overlap_cost(h100, 10.0, 2.0) == pytest.approx(8.0 + 0.189 * 2.0)  # exposed beyond the compute
+    assert eff.overlap_cost(v5p, 2.0, 10.0) == 0.0  # TPUs: DMA engines, no assumed interference

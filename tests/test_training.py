@@ -306,3 +306,21 @@ def test_uneven_stages_the_busiest_sets_the_pace_and_the_peak_stage_the_memory()
 def test_a_split_that_does_not_add_up_is_refused(split, message):
     with pytest.raises(UserError, match=message):
         estimate(_piped(split))
+
+
+def test_fsdp_hidden_behind_the_layer_still_slows_a_gpu():
+    """llama2-7b, FSDP over 128 A100s (16 nodes): each layer's gathers and scatter hide behind its compute, and
+    that compute runs 18.9% slower while they are in flight (efficiency.OVERLAP_SLOWDOWN)."""
+    from lab.predict.training import comm_time
+    from lab.predict.training_comm import collectives
+
+    c = cfg(model="llama2-7b", chip=A100, seq=4096, batch=256, mb=2, remat="none", fsdp=128)
+    e = estimate(c)
+    lc = e.layer
+    by = {x.what: comm_time(c, x) for x in collectives(c) if x.role == "fsdp"}
+    ag, rs = by["FSDP: each layer's weights, fwd and bwd"], by["FSDP: each layer's gradients"]
+    assert ag < lc.fwd and ag + rs < lc.bwd  # hidden
+    per_layer = 0.189 * (ag + (ag + rs))
+    rest = by["FSDP: embeddings"] + by["FSDP: their gradients"] + 2 * by["FSDP: the final norm scale"]
+    mb = 32 * per_layer + 0.189 * rest  # the embeddings' behind the logits
+    assert e.breakdown["comm_fsdp_s"] == pytest.approx(e.config.microbatches * mb, rel=1e-9)

@@ -23,6 +23,11 @@ its rows), per chip family where one was measured; a calibrated chip (``shardlab
   across nodes 72% of the NIC rate (4-node H100 and B200 sweeps); TPU ICI 95%.
 * **Fixed per-kernel costs of a decode step** (GPUs): each of a layer's ~14 kernels adds a CUDA-graph gap of
   0.9 us and each of its ~8 small ones takes at least 1.5 us, about 25 us a layer, 2 ms for an 80-layer model.
+  TPUs: the step's dispatch and sync, ~100 us (O4). Weights stream through a decode step's skinny GEMMs at 68%
+  of HBM (G16, Hopper; taken for TPUs, where nothing is published).
+* **Across nodes** a collective reaches 12.5% of the NIC rate at 16 MiB, 44% at 256 MiB, 70% at 1 GiB (C14);
+  and on GPUs, computation overlapped with a collective runs 18.9% slower (arXiv:2507.03114), so a hidden
+  collective is not free.
 """
 
 from __future__ import annotations
@@ -44,8 +49,17 @@ DECODE_KERNELS_PER_LAYER = 14
 DECODE_SMALL_KERNELS_PER_LAYER = 8
 
 
+# A TPU decode step run as one compiled call per token pays the call's host dispatch and sync: O4, about 100 us
+# of a timed jitted call on v5e that is not MXU time. No per-op figure is published, so this is the whole fixed
+# cost of a TPU step.
+TPU_STEP_DISPATCH_S = 100e-6  # O4
+
+
 def decode_kernel_overhead(chip: Chip, layers: int) -> float:
-    """Seconds of fixed per-kernel cost in one decode step (GPUs; 0 elsewhere): graph gaps and small kernels."""
+    """Seconds of fixed cost in one decode step: on GPUs graph gaps and small kernels per layer, on TPUs the
+    step's dispatch (O4); none on the host CPU."""
+    if chip.kind == "tpu":
+        return TPU_STEP_DISPATCH_S
     if chip.kind != "gpu":
         return 0.0
     return layers * (DECODE_KERNELS_PER_LAYER * GRAPH_NODE_S + DECODE_SMALL_KERNELS_PER_LAYER * SMALL_KERNEL_S)
@@ -162,17 +176,52 @@ def memory_time(chip: Chip, nbytes: float) -> float:
 
 
 def decode_weights_time(chip: Chip, nbytes: float) -> float:
-    """Streaming weights through the skinny GEMMs of a decode step (measured on Hopper; TPUs: the copy rate)."""
-    frac = DECODE_WEIGHT_FRACTION if chip.kind == "gpu" else hbm_fraction(chip)
+    """Streaming weights through the skinny GEMMs of a decode step: G16's fraction of HBM, measured on Hopper and
+    taken for TPUs too (no TPU figure is published; a skinny GEMM does not reach a copy's rate on either)."""
+    frac = DECODE_WEIGHT_FRACTION if chip.kind in ("gpu", "tpu") else hbm_fraction(chip)
     return nbytes / (frac * chip.hbm_bandwidth)
 
 
-def collective_fraction(chip: Chip, kind: str, group: int, scope: str) -> float:
+# Across nodes a collective's rate depends on its size: C14, 32 B200 over EFA (4 nodes), per-GPU NIC rate as a
+# fraction of line rate, derived by the source as busbw (k-1)/(n-1): 12.5% at 16 MiB, 44% at 256 MiB (229.1 GB/s
+# busbw), 70% at 1 GiB, 74% at 16 GiB; C17 (71% on 4 H100 nodes) agrees at the top. Interpolated in log size,
+# held at the ends; point-to-point sends are not collectives (raw NIC rate, C15/C16: NIC_FRACTION).
+NIC_CURVE = ((16 * 2**20, 0.125), (256 * 2**20, 0.44), (2**30, 0.70), (16 * 2**30, 0.74))
+# Compute that runs while a collective is in flight on a GPU is slower: the collective's kernels take SMs and
+# memory bandwidth. Mean slowdown of the overlapped computation, 18.9% (max 40%), GPT and LLaMA layers on 4x
+# A100 and 4x H100 (Li et al., "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep
+# Learning", arXiv:2507.03114, 2025). TPUs move collectives with dedicated DMA engines: none assumed.
+OVERLAP_SLOWDOWN = {"gpu": 0.189, "tpu": 0.0, "cpu": 0.0}
+
+
+def nic_fraction(nbytes: float) -> float:
+    """Fraction of the NIC line rate a cross-node collective of ``nbytes`` (V) reaches (NIC_CURVE)."""
+    import math
+
+    pts = NIC_CURVE
+    if nbytes <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+        if nbytes <= x1:
+            w = math.log(nbytes / x0) / math.log(x1 / x0)
+            return y0 + w * (y1 - y0)
+    return pts[-1][1]
+
+
+def overlap_cost(chip: Chip, comm_s: float, compute_s: float) -> float:
+    """What a collective hidden behind ``compute_s`` of computation still costs: the overlapped part of the
+    computation runs OVERLAP_SLOWDOWN slower (GPUs), and whatever the computation does not cover is exposed."""
+    return max(0.0, comm_s - compute_s) + OVERLAP_SLOWDOWN.get(chip.kind, 0.0) * min(comm_s, compute_s)
+
+
+def collective_fraction(chip: Chip, kind: str, group: int, scope: str, nbytes: float | None = None) -> float:
     """The fraction of the modelled link rate a collective reaches (module docstring)."""
     if chip.kind != "gpu":
         return COLLECTIVE_FRACTION[chip.kind]
     if scope == "cross-node":
-        return NIC_FRACTION
+        if nbytes is None or kind == "permute":
+            return NIC_FRACTION
+        return nic_fraction(nbytes)
     fam = family(chip)
     if kind == "all-reduce" and group >= 6 and fam in NVLS_ALL_REDUCE:
         return NVLS_ALL_REDUCE[fam]
@@ -215,4 +264,4 @@ def comm_time(
     c = collective_on(chip, kind, nbytes, group, scope=scope, members_per_node=members_per_node, axes=axes)
     if c is None:
         return 0.0
-    return c.time_s / collective_fraction(chip, kind, group, scope)
+    return c.time_s / collective_fraction(chip, kind, group, scope, nbytes)

@@ -315,12 +315,16 @@ def _logits_time(cfg: TrainConfig) -> float:
 def _fsdp_exposed(cfg: TrainConfig, lc: LayerCost, times: dict[Comm, float]) -> float:
     """FSDP per microbatch: each layer's gathers and scatter beyond the same layer's compute, the embeddings'
     beyond the logits'."""
-    layer = {c.kind: t for c, t in times.items() if c.role == "fsdp" and c.per == "layer"}
+    layer: dict[str, float] = {}
+    for c, t in times.items():
+        if c.role == "fsdp" and c.per == "layer":
+            layer[c.kind] = layer.get(c.kind, 0.0) + t * c.calls / (2 if c.kind == "all-gather" else 1)
     ag, rs = layer.get("all-gather", 0.0), layer.get("reduce-scatter", 0.0)
-    per_layer = max(0.0, ag - lc.fwd) + max(0.0, ag + rs - lc.bwd - lc.recompute)
+    chip = cfg.chip  # hidden is not free: the overlapped compute runs slower on a GPU (efficiency.overlap_cost)
+    per_layer = eff.overlap_cost(chip, ag, lc.fwd) + eff.overlap_cost(chip, ag + rs, lc.bwd + lc.recompute)
     exposed = cfg.layout.stage_layers(cfg.model.layers) * per_layer
     rest = sum(c.calls * t for c, t in times.items() if c.role == "fsdp" and c.per == "microbatch")
-    return exposed + max(0.0, rest - _logits_time(cfg)) if rest else exposed
+    return exposed + eff.overlap_cost(chip, rest, _logits_time(cfg)) if rest else exposed
 
 
 def estimate(cfg: TrainConfig, *, check: bool = True, layer: LayerCost | None = None) -> TrainEstimate:
@@ -356,7 +360,7 @@ def estimate(cfg: TrainConfig, *, check: bool = True, layer: LayerCost | None = 
     # Data parallelism: one gradient reduction per step, behind the last microbatch's backward; the loss mean.
     dp_comm = sum(t for c, t in times.items() if c.role == "dp")
     loss = sum(t for c, t in times.items() if c.role == "batch")
-    dp_exposed = max(0.0, dp_comm - layers * (lc.bwd + lc.recompute)) + loss
+    dp_exposed = eff.overlap_cost(chip, dp_comm, layers * (lc.bwd + lc.recompute)) + loss
 
     # Optimizer: a memory-bound pass over this chip's share of the state.
     shard = lay.dp * lay.fsdp if lay.zero >= 1 else lay.fsdp_eff
