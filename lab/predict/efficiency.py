@@ -32,6 +32,9 @@ its rows), per chip family where one was measured; a calibrated chip (``shardlab
 
 from __future__ import annotations
 
+import itertools
+import math
+
 from lab.core.hardware import Chip
 from lab.core.units import canonical_dtype, dtype_bytes
 from lab.predict.collectives import collective_time
@@ -196,12 +199,10 @@ OVERLAP_SLOWDOWN = {"gpu": 0.189, "tpu": 0.0, "cpu": 0.0}
 
 def nic_fraction(nbytes: float) -> float:
     """Fraction of the NIC line rate a cross-node collective of ``nbytes`` (V) reaches (NIC_CURVE)."""
-    import math
-
     pts = NIC_CURVE
     if nbytes <= pts[0][0]:
         return pts[0][1]
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+    for (x0, y0), (x1, y1) in itertools.pairwise(pts):
         if nbytes <= x1:
             w = math.log(nbytes / x0) / math.log(x1 / x0)
             return y0 + w * (y1 - y0)
