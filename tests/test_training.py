@@ -324,3 +324,26 @@ def test_fsdp_hidden_behind_the_layer_still_slows_a_gpu():
     rest = by["FSDP: embeddings"] + by["FSDP: their gradients"] + 2 * by["FSDP: the final norm scale"]
     mb = 32 * per_layer + 0.189 * rest  # the embeddings' behind the logits
     assert e.breakdown["comm_fsdp_s"] == pytest.approx(e.config.microbatches * mb, rel=1e-9)
+
+
+def test_fsdp_across_two_tpu_slices_crosses_dcn_with_a_slices_share_only():
+    """FSDP over 512 v5e chips (two 256-chip pods): XLA gathers inside each slice over ICI and only a slice's share
+    between slices over DCN, as NCCL does across GPU nodes; flat over DCN it was 4x the step."""
+    from lab.predict.training_comm import collectives, place
+
+    V5E = get_chip("tpu-v5e")
+    two = cfg(model="llama3-8b", chip=V5E, seq=8192, batch=512, fsdp=512)
+    one = cfg(model="llama3-8b", chip=V5E, seq=8192, batch=256, fsdp=256)
+    (layer_ag,) = [c for c in collectives(two) if c.what == "FSDP: each layer's weights, fwd and bwd"]
+    assert place(two, "fsdp") == {"scope": "cross-node", "members_per_node": 256}
+    from lab.predict.collectives import collective_time
+
+    parts = collective_time("all-gather", layer_ag.bytes, (512,), V5E, scope="cross-node", members_per_node=256)
+    dcn = layer_ag.bytes * (2 - 1) / (2 * 256 * V5E.scaleout_bandwidth)  # V (M-1) / (M W_node), W_node = D W_dcn
+    ici = layer_ag.bytes * 255 / (256 * V5E.link_bandwidth)
+    assert parts.bandwidth_s == pytest.approx(max(dcn, ici))
+    # twice the chips and twice the batch: the same step, the FSDP traffic hidden as on one slice
+    assert estimate(two).step_time_s == pytest.approx(estimate(one).step_time_s, rel=0.01)
+    # a Plan's slow axis keeps one member per slice (its group is the axis across slices)
+    slow = dataclasses.replace(two, layout=dataclasses.replace(two.layout, cross_node=("fsdp",)))
+    assert place(slow, "fsdp") == {"scope": "cross-node", "members_per_node": 1}

@@ -106,7 +106,14 @@ def placement(chip: Chip, size: int, stride: int, cross_node: bool = False) -> d
         pod = math.prod(chip.pod_shape or (size,))
         if size * stride <= pod and not cross_node:
             return {"scope": "node"}
-        return {"scope": "cross-node"}  # across slices, over DCN
+        if cross_node:  # the Plan's slow axis: one member per slice
+            return {"scope": "cross-node", "members_per_node": 1}
+        # across slices (a pod each), hierarchically as XLA runs it: over ICI inside each slice, and only a slice's
+        # share of the bytes over DCN between slices (the same two-level form as NCCL across GPU nodes)
+        per_slice = max(1, min(size, pod // stride)) if stride < pod else 1
+        while size % per_slice:
+            per_slice -= 1
+        return {"scope": "cross-node", "members_per_node": per_slice}
     n = chip.node_size or 1
     if cross_node:  # the Plan says its axes cross the slow link: one member per node
         return {"scope": "cross-node", "members_per_node": 1}
