@@ -25,10 +25,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("run", "the default scenario on 8 emulated devices"),
 }
 GROUPS = tuple(dict.fromkeys(module for module, _ in COMMANDS.values()))
+# Commands that may start JAX (``plan --validate`` compiles); the others are analytic and never import it.
+JAX_COMMANDS = frozenset({"audit", "run", "launch", "calibrate", "demo", "plan"})
 
 
 def help_of(command: str) -> str:
     return COMMANDS[command][1]
 
 
-__all__ = ["COMMANDS", "GROUPS", "help_of"]
+__all__ = ["COMMANDS", "GROUPS", "JAX_COMMANDS", "help_of"]

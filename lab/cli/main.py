@@ -12,7 +12,7 @@ import contextlib
 import sys
 from collections.abc import Sequence
 
-from lab.cli.commands import COMMANDS, GROUPS
+from lab.cli.commands import COMMANDS, GROUPS, JAX_COMMANDS
 from lab.core.errors import Interrupted, UserError, keep_interrupts
 
 
@@ -67,8 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = "--debug" in argv
     sys.unraisablehook = keep_interrupts  # a Ctrl-C inside a finalizer is kept, not printed and lost
     argv = [a for a in argv if a != "--debug"]
-    if "jax" not in sys.modules:  # libtpu (the tpu extra) on a host without TPUs: no screen of its warnings
-        from lab.compile.target import quiet_absent_tpu
+    chosen = _command(argv)
+    if "jax" not in sys.modules and chosen in JAX_COMMANDS | {None}:  # libtpu on a host without TPUs: no screen
+        from lab.compile.target import quiet_absent_tpu  # of its warnings (analytic commands never start JAX)
 
         quiet_absent_tpu()
     try:

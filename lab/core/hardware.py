@@ -759,11 +759,12 @@ def load_hardware_file(path: str | os.PathLike, catalog: Catalog | None = None) 
         raise UserError(f"hardware file {str(p)!r} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     except OSError as exc:
         raise UserError(f"cannot read hardware file {str(p)!r}: {exc.strerror}") from None
-    import tomllib  # only here: importing it costs every command a few ms at start-up otherwise
-
+    is_json = p.suffix.lower() == ".json"
+    if not is_json:
+        import tomllib  # only for TOML: importing it costs a command a few ms at start-up otherwise
     try:
-        doc = json.loads(text) if p.suffix.lower() == ".json" else tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError, RecursionError) as exc:
+        doc = json.loads(text) if is_json else tomllib.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and TOMLDecodeError are ValueErrors
         reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise UserError(
             f"hardware file {str(p)!r} is not valid {p.suffix.lstrip('.').upper() or 'TOML'}: {reason}"
