@@ -29,6 +29,20 @@ _XLA_TRAIN = (
     "PyTorch blog (Nov 2023), Table 3 and text"
 )
 _COMPILE_INFER = "IBM Research and Meta, 'PyTorch compile to speed up inference on Llama 2', PyTorch blog (2023)"
+_FA_TRAIN = (
+    "Dao-AILab/flash-attention, training/README.md, 'Training speed' table (8 x A100 80GB SXM4), with the "
+    "experiment configs of training/configs (gpt3s-flash, gpt3xl-flash, gpt3-2.7B-flash-hdim128)"
+)
+_OLMO_CORE = (
+    "allenai/OLMo-core README.md throughput table (the version before commit 9eb8f2f, March 2025; 'tokens per "
+    "second per device', H100), with src/scripts/train/Llama3-8B.py"
+)
+_BLOOM_INFER = (
+    "S. Bekman and S. Gugger, 'Incredibly Fast BLOOM Inference with DeepSpeed and Accelerate', Hugging Face blog "
+    "(Sep 2022), Benchmarks, 'ds-inference fp16' row (8 x A100 80GB)"
+)
+# GPT-3-style models with learned positions, biases, LayerNorm and a 4D GeLU MLP, on top of gpt3-175b's options
+_GPT_SMALL = {"learned_positions": True, "biases": True, "norm": "layernorm", "gated_mlp": False}
 _XLA_INFER = (
     "Mohammadi et al. (Google), 'The Path to Achieve Ultra-Low Inference Latency With LLaMA 65B on PyTorch/XLA', "
     "PyTorch blog (2023), Results"
@@ -229,6 +243,90 @@ TRAINING: tuple[PublicRun, ...] = (
     ),
 )
 
+TRAINING += (
+    *(
+        PublicRun(
+            case_id=case,
+            kind="training",
+            chip="a100-80gb",
+            chips=8,
+            model="gpt3-175b",
+            overrides=dims | {"vocab": 50264, "max_seq_len": 2048},  # GPT-2's 50257 padded to a multiple of 8
+            layout={"dp": 8, "zero": 1},
+            seq_len=2048,
+            global_batch=512,
+            microbatch=mb,
+            dtype="bf16",
+            remat="none",
+            measured=tokens / 8,
+            unit="tokens/s/chip",
+            source=_FA_TRAIN,
+            grade="A",
+            stack="PyTorch Lightning, FlashAttention, fused dense+GeLU and dropout+add+LayerNorm, apex AdamW (ZeRO-1)",
+            assumed="micro-batch from the config's formula for an 80 GB card; the table is not tied to a commit",
+            note=f"{tokens:,.0f} tokens/s for the node",
+        )
+        for case, dims, mb, tokens in (
+            (
+                "PT14",
+                {
+                    "name": "gpt3-1.3b",
+                    "layers": 24,
+                    "d_model": 2048,
+                    "heads": 16,
+                    "kv_heads": 16,
+                    "head_dim": 128,
+                    "d_ff": 8192,
+                },
+                8,
+                169e3,
+            ),
+            (
+                "PT15",
+                {
+                    "name": "gpt3-2.7b",
+                    "layers": 32,
+                    "d_model": 2560,
+                    "heads": 20,
+                    "kv_heads": 20,
+                    "head_dim": 128,
+                    "d_ff": 10240,
+                },
+                4,
+                85e3,
+            ),
+        )
+    ),
+    *(
+        PublicRun(
+            case_id=case,
+            kind="training",
+            chip="h100",
+            chips=64,
+            model="llama3-8b",
+            overrides={
+                "name": "llama3-8b-dolma2",
+                "vocab": 100352,
+            },  # the dolma2 tokenizer, padded to a multiple of 128
+            layout={"dp": 8, "fsdp": 8},  # HSDP: sharded inside a node, replicated across nodes
+            seq_len=4096,
+            global_batch=1024,
+            microbatch=2,
+            dtype=dtype,
+            remat="none",
+            measured=tokens,
+            unit="tokens/s/chip",
+            source=_OLMO_CORE,
+            grade="B",
+            stack="PyTorch HSDP (bf16 parameters, fp32 gradient reduction), torch.compile, fused AdamW"
+            + (", torchao float8 matmuls" if dtype == "fp8" else ""),
+            assumed="8 nodes of 8 H100 SXM (the node count is not stated; HSDP shards inside a node, so the "
+            "per-device rate barely depends on it)",
+        )
+        for case, dtype, tokens in (("PT16", "bf16", 9500.0), ("PT17", "fp8", 12500.0))
+    ),
+)
+
 SERVING: tuple[PublicRun, ...] = (
     PublicRun(
         case_id="PS01",
@@ -291,6 +389,33 @@ SERVING: tuple[PublicRun, ...] = (
         assumed="batch 1 (as PS02); a 256-token context",
         note="LLaMA 65B: 80 layers, d_model 8192, 64 heads (no GQA), FFN 22016 (Touvron et al. 2023, Table 2)",
     ),
+)
+
+SERVING += tuple(
+    PublicRun(
+        case_id=case,
+        kind="serving",
+        chip="a100-80gb",
+        chips=8,
+        model="gpt3-175b",
+        overrides=_GPT_SMALL
+        | {"layers": 70, "d_model": 14336, "heads": 112, "kv_heads": 112, "head_dim": 128, "d_ff": 57344}
+        | {"name": "bloom-176b", "vocab": 250880, "learned_positions": False},  # BLOOM-176B (ALiBi: no position table)
+        layout={"tp": 8, "batch": batch, "prompt": 8, "generated": 100},
+        seq_len=108,
+        global_batch=batch,
+        microbatch=batch,
+        dtype="bf16",
+        remat="none",
+        measured=step,
+        unit="s/token",
+        source=_BLOOM_INFER,
+        grade="B",
+        stack="DeepSpeed-Inference (kernel injection), tensor parallel 8, greedy generation",
+        assumed="fp16 taken as bf16 (the same tensor-core peak and bytes); a prompt of 8 tokens ('just a few')",
+        note=f"{step * 1e3:.1f} ms per decode step: the blog's ms per token times the batch",
+    )
+    for case, batch, step in (("PS04", 1, 0.04402), ("PS05", 128, 0.0883))
 )
 
 RUNS: tuple[PublicRun, ...] = TRAINING + SERVING

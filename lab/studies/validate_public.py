@@ -187,7 +187,7 @@ class PublicValidation:
             [
                 r.run.case_id,
                 r.run.group,
-                f"{r.run.model} on {r.run.chips} {r.run.chip}",
+                f"{r.run.overrides.get('name', r.run.model)} on {r.run.chips} {r.run.chip}",
                 r.run.unit,
                 num(r.run.measured, r.run.unit),
                 num(r.predicted, r.run.unit),
