@@ -347,3 +347,84 @@ def test_fsdp_across_two_tpu_slices_crosses_dcn_with_a_slices_share_only():
     # a Plan's slow axis keeps one member per slice (its group is the axis across slices)
     slow = dataclasses.replace(two, layout=dataclasses.replace(two.layout, cross_node=("fsdp",)))
     assert place(slow, "fsdp") == {"scope": "cross-node", "members_per_node": 1}
+
+
+# ----- mixture-of-experts details -------------------------------------------------------------------------------
+
+
+def _deepseekmoe_16b():
+    """DeepSeekMoE 16B's shape (Dai et al. 2024, arXiv:2401.06066, Sec. 5.1 and its Hugging Face config): 28 layers,
+    D=2048, 16 heads of 128, 64 routed experts of width 1408 (k=6) and 2 shared ones, the first layer dense
+    (width 10944), vocabulary 102400."""
+    from lab.core.models import ModelConfig
+
+    return ModelConfig(
+        name="deepseekmoe-16b",
+        layers=28,
+        d_model=2048,
+        d_ff=1408,
+        heads=16,
+        kv_heads=16,
+        head_dim=128,
+        vocab=102400,
+        experts=64,
+        experts_per_token=6,
+        shared_experts=2,
+        dense_layers=1,
+        dense_d_ff=10944,
+    )
+
+
+def test_shared_experts_and_leading_dense_layers_count_as_published():
+    """The paper: 16.4B parameters, 2.8B activated. By hand: attention 4 x 2048^2 per layer, an expert 3 x 2048 x
+    1408, the router 2048 x 64, the dense MLP 3 x 2048 x 10944, norms 2 x 2048, two tables of 102400 x 2048."""
+    m = _deepseekmoe_16b()
+    attn, expert, norms = 4 * 2048**2, 3 * 2048 * 1408, 2 * 2048
+    moe_layer = attn + 66 * expert + 2048 * 64 + norms
+    dense_layer = attn + 3 * 2048 * 10944 + norms
+    total = 27 * moe_layer + dense_layer + 2 * 102400 * 2048 + 2048
+    assert m.params == total and round(m.params / 1e9, 1) == 16.4
+    active = total - 27 * (64 - 6) * expert
+    assert m.active_params == active and round(m.active_params / 1e9, 1) == 2.8
+    # forward matmul FLOPs per token: 2 x what a token multiplies by (the router included, the logits too)
+    flops = 2 * (28 * attn + 27 * (8 * expert + 2048 * 64) + 3 * 2048 * 10944 + 102400 * 2048)
+    assert m.matmul_flops_per_token() == flops
+
+
+def test_a_capacity_factor_pads_the_experts_work_and_their_exchange():
+    from lab.predict.training_comm import collectives
+
+    base = dataclasses.replace(
+        cfg(batch=512, seq=4096, dp=8, fsdp=8, ep=8), model=_deepseekmoe_16b(), capacity_factor=1.0
+    )
+    padded = dataclasses.replace(base, capacity_factor=1.25)
+    ops = {o[0]: o for o in estimate(base).layer.ops}
+    ops_p = {o[0]: o for o in estimate(padded).layer.ops}
+    assert ops_p["mlp.up"][4] == pytest.approx(1.25 * ops["mlp.up"][4])  # routed experts' FLOPs
+    assert ops_p["mlp.shared"][4] == ops["mlp.shared"][4]  # the shared experts see every token once
+    (a2a,) = [c for c in collectives(base) if c.role == "ep"]
+    (a2a_p,) = [c for c in collectives(padded) if c.role == "ep"]
+    assert a2a_p.bytes == 1.25 * a2a.bytes and a2a.calls == pytest.approx(2 * 2 * 27 / 28)  # expert layers only
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"capacity_factor": 0.0}, r"--capacity-factor 0.0 must be a number in \(0, 64\]"),
+        ({"capacity_factor": 1.25, "model": get_model("llama3-8b")}, "applies to a mixture of experts"),
+    ],
+)
+def test_bad_moe_options_are_refused(change, message):
+    base = dataclasses.replace(cfg(batch=512, seq=4096, dp=8, fsdp=8, ep=8), model=_deepseekmoe_16b())
+    if "model" in change:
+        base = dataclasses.replace(base, layout=Layout(fsdp=64))
+    with pytest.raises(UserError, match=message):
+        estimate(dataclasses.replace(base, **change))
+
+
+def test_moe_shapes_that_cannot_exist_are_refused():
+    m = _deepseekmoe_16b()
+    with pytest.raises(UserError, match="dense-layers=28 leaves no expert layer of 28; use at most 27"):
+        dataclasses.replace(m, dense_layers=28)
+    with pytest.raises(UserError, match="shared experts and dense layers belong to a mixture of experts"):
+        dataclasses.replace(m, experts=1, experts_per_token=1)

@@ -276,6 +276,9 @@ MODEL_FLAGS = (
     "tied_embeddings",
     "experts",
     "experts_per_token",
+    "shared_experts",
+    "dense_layers",
+    "dense_d_ff",
     "gated_mlp",
 )
 
@@ -290,6 +293,12 @@ def model_parent(positional: bool) -> argparse.ArgumentParser:
     g = p.add_argument_group("custom model")
     for flag in ("layers", "d-model", "d-ff", "heads", "kv-heads", "head-dim", "vocab", "experts", "experts-per-token"):
         g.add_argument(f"--{flag}", type=positive_int(f"--{flag}"), metavar="N")
+    for flag, text in (
+        ("shared-experts", "experts every token goes through besides its routed ones (MoE)"),
+        ("dense-layers", "leading layers with a dense MLP instead of experts (MoE)"),
+        ("dense-d-ff", "width of that dense MLP (default d_ff x (experts-per-token + shared-experts))"),
+    ):
+        g.add_argument(f"--{flag}", type=nonneg_int(f"--{flag}"), metavar="N", help=text)
     g.add_argument("--tied-embeddings", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument(
         "--gated-mlp",

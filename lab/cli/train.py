@@ -68,7 +68,10 @@ def cmd_model_show(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         ["params", f"{fmt_count(m.params)} ({m.params:,})"],
         [
             "active params",
-            f"{fmt_count(m.active_params)}" + (f" ({m.experts_per_token} of {m.experts} experts)" if m.is_moe else ""),
+            f"{fmt_count(m.active_params)}"
+            + (f" ({m.experts_per_token} of {m.experts} experts)" if m.is_moe else "")
+            + (f" + {m.shared_experts} shared" if m.shared_experts else "")
+            + (f"; {m.dense_layers} dense layers (d_ff {m.dense_ff})" if m.dense_layers else ""),
         ],
         ["layers / d_model / d_ff", f"{m.layers} / {m.d_model} / {m.d_ff}" + (" (gated)" if m.gated_mlp else "")],
         ["heads / kv_heads / head_dim", f"{m.heads} / {m.kv_heads} / {m.head_dim}"],
@@ -153,6 +156,7 @@ def train_config(args: argparse.Namespace, chip) -> TrainConfig:
         optimizer=args.optimizer,
         flash_attention=args.flash_attention,
         attention_kernel=args.attention_kernel,
+        capacity_factor=args.capacity_factor,
     )
 
 
@@ -454,6 +458,14 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     te.add_argument("--sequence-parallel", action="store_true")
     te.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b")
     te.add_argument("--interleave", type=positive_int("--interleave"), default=1)
+    te.add_argument(
+        "--capacity-factor",
+        type=positive_float("--capacity-factor", "1.25"),
+        default=1.0,
+        metavar="C",
+        help="MoE: each expert computes C x its share of the routed tokens (padded slots), and the dispatch and "
+        "combine move as much (default 1.0: dropless, balanced)",
+    )
     te.add_argument(
         "--pp-split",
         type=positive_ints("--pp-split"),

@@ -47,6 +47,11 @@ class ModelConfig:
         tied_embeddings: input and output embeddings share one matrix.
         gated_mlp: SwiGLU-style MLP with three matrices (LLaMA); False for a two-matrix GeLU MLP (GPT).
         experts, experts_per_token: E and k for mixture-of-experts MLPs (1 and 1 when dense).
+        shared_experts: experts every token goes through besides its k routed ones (DeepSeekMoE, Qwen-MoE),
+            each ``d_ff`` wide, sharded like a dense MLP (not over the expert axis).
+        dense_layers: leading layers with a dense MLP instead of experts (MoE models only).
+        dense_d_ff: that dense MLP's width; 0 means ``d_ff x (experts_per_token + shared_experts)``, the width of
+            what one token goes through in an expert layer.
         learned_positions: a learned position embedding of ``max_seq_len x D`` (GPT); False for RoPE.
         biases: linear layers carry biases (GPT/Megatron); LLaMA has none.
         norm: ``layernorm`` (weight and bias) or ``rmsnorm`` (weight only).
@@ -69,6 +74,9 @@ class ModelConfig:
     gated_mlp: bool = True
     experts: int = 1
     experts_per_token: int = 1
+    shared_experts: int = 0
+    dense_layers: int = 0
+    dense_d_ff: int = 0
     learned_positions: bool = False
     biases: bool = False
     norm: str = "rmsnorm"
@@ -107,6 +115,17 @@ class ModelConfig:
             )
         if self.experts_per_token > self.experts:
             raise UserError(f"{where}: experts-per-token={self.experts_per_token} exceeds experts={self.experts}")
+        for f in ("shared_experts", "dense_layers", "dense_d_ff"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_DIM:
+                raise UserError(f"{where}: {f.replace('_', '-')} must be an integer >= 0, got {v!r}")
+        if (self.shared_experts or self.dense_layers or self.dense_d_ff) and self.experts == 1:
+            raise UserError(f"{where}: shared experts and dense layers belong to a mixture of experts; set --experts")
+        if self.dense_layers >= self.layers:
+            raise UserError(
+                f"{where}: dense-layers={self.dense_layers} leaves no expert layer of {self.layers}; "
+                f"use at most {self.layers - 1}"
+            )
         for f in ("rope_theta", "norm_eps"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < float("inf"):
@@ -164,13 +183,30 @@ class ModelConfig:
         return self.d_model * self.experts if self.is_moe else 0
 
     @property
-    def layer_params(self) -> int:
-        return (
-            self.attention_params_per_layer
-            + self.experts * self.expert_params
-            + self.norm_params_per_layer
-            + self.router_params_per_layer
-        )
+    def dense_ff(self) -> int:
+        """The dense MLP width of the leading dense layers of an MoE model."""
+        return self.dense_d_ff or self.d_ff * (self.experts_per_token + self.shared_experts)
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers whose MLP is a mixture of experts (all of them, less the leading dense ones)."""
+        return self.layers - self.dense_layers if self.is_moe else 0
+
+    def _mlp_params(self, width: int) -> int:
+        p = self.mlp_matrices * self.d_model * width
+        if self.biases:
+            p += (self.mlp_matrices - 1) * width + self.d_model
+        return p
+
+    @property
+    def layer_params(self) -> float:
+        """Parameters of one layer, averaged over the layers (expert layers and any leading dense ones)."""
+        base = self.attention_params_per_layer + self.norm_params_per_layer
+        if not self.dense_layers:
+            return base + (self.experts + self.shared_experts) * self.expert_params + self.router_params_per_layer
+        moe = (self.experts + self.shared_experts) * self.expert_params + self.router_params_per_layer
+        dense = self._mlp_params(self.dense_ff)
+        return base + (self.moe_layers * moe + self.dense_layers * dense) / self.layers
 
     @property
     def embedding_params(self) -> int:
@@ -183,27 +219,28 @@ class ModelConfig:
     @property
     def params(self) -> int:
         """Total parameter count."""
-        return self.layers * self.layer_params + self.embedding_params
+        return round(self.layers * self.layer_params) + self.embedding_params
 
     @property
     def active_params(self) -> int:
-        """Parameters one token touches: k of the E experts."""
+        """Parameters one token touches: k of the E routed experts (and the shared ones)."""
         inactive = (self.experts - self.experts_per_token) * self.expert_params
-        return self.params - self.layers * inactive
+        return self.params - (self.moe_layers if self.is_moe else self.layers) * inactive
 
     @property
     def expert_params_total(self) -> int:
-        """Parameters that live in experts (sharded by expert parallelism); 0 for dense models."""
-        return self.layers * self.experts * self.expert_params if self.is_moe else 0
+        """Parameters that live in routed experts (sharded by expert parallelism); 0 for dense models."""
+        return self.moe_layers * self.experts * self.expert_params if self.is_moe else 0
 
     # ----- FLOPs ----------------------------------------------------------------------------
 
     def matmul_flops_per_token(self, include_logits: bool = True) -> float:
         """Forward matmul FLOPs per token: 2 x (weights one token multiplies by)."""
         per_layer = 2 * (2 * self.d_model * self.q_dim + 2 * self.d_model * self.kv_dim)
-        per_layer += 2 * self.experts_per_token * self.mlp_matrices * self.d_model * self.d_ff
-        per_layer += 2 * self.router_params_per_layer
-        f = self.layers * per_layer
+        moe = 2 * (self.experts_per_token + self.shared_experts) * self.mlp_matrices * self.d_model * self.d_ff
+        moe += 2 * self.router_params_per_layer
+        dense = 2 * self.mlp_matrices * self.d_model * self.dense_ff
+        f = self.layers * per_layer + (self.layers - self.dense_layers) * moe + self.dense_layers * dense
         if include_logits:
             f += 2 * self.d_model * self.vocab
         return float(f)

@@ -29,12 +29,16 @@ MATMULS = ("attention/qkv", "attention/out", "mlp/up", "mlp/down", "logits")
 def _params(m: ModelConfig, experts: float) -> dict[str, float]:
     """Parameters behind each op (all layers), ``experts`` of each layer's experts counted."""
     L, d = m.layers, m.d_model
-    mlp = m.d_model * m.d_ff * experts
+    if m.is_moe:  # the expert layers' routed and shared experts, and any leading dense layers' MLP
+        mlp = d * (m.moe_layers * (experts + m.shared_experts) * m.d_ff + m.dense_layers * m.dense_ff)
+        router = m.moe_layers * m.router_params_per_layer
+    else:
+        mlp, router = L * d * m.d_ff * experts, 0
     return {
         "attention/qkv": L * d * (m.q_dim + 2 * m.kv_dim),
         "attention/out": L * m.q_dim * d,
-        "mlp/up": L * (m.mlp_matrices - 1) * mlp + L * m.router_params_per_layer,
-        "mlp/down": L * mlp,
+        "mlp/up": (m.mlp_matrices - 1) * mlp + router,
+        "mlp/down": mlp,
         "logits": d * m.vocab,
         "embed": 0.0 if m.tied_embeddings else d * m.vocab,
         "norm": L * m.norm_params_per_layer + d,

@@ -75,7 +75,7 @@ def saved_elements(p: Policy, model, tp: int, sp: bool) -> float:
         "qkv": model.q_dim / tp + 2 * kv,
         "context": model.q_dim / tp,
         "out_proj": row,
-        "mlpwi": model.experts_per_token * model.d_ff / tp * (2 if model.gated_mlp else 1),
+        "mlpwi": (model.experts_per_token + model.shared_experts) * model.d_ff / tp * (2 if model.gated_mlp else 1),
         "mlpwo": row,
     }
     return sum(sizes[name] for name in p.saved)

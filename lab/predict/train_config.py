@@ -107,6 +107,10 @@ class TrainConfig:
     # fp32 weights computed in 16 bits: the cast moved ahead of FSDP's gather (the TPU compiler does; XLA:CPU gathers
     # the fp32 weights). Matters only when param_dtype is fp32.
     cast_first: bool = False
+    # Mixture of experts: each expert computes capacity_factor x its share of the routed tokens (slots padded up to
+    # the capacity, as GShard-style dispatch does), and the dispatch and combine move as much; 1.0: dropless and
+    # balanced.
+    capacity_factor: float = 1.0
     # Recomputation as JAX runs it (jax.checkpoint on a layer): under full recomputation XLA drops the layer's last
     # projection from the recomputed forward (nothing in the backward reads its output, the next layer's saved
     # input), so its matmul and its row-parallel collective are not run again. Megatron's recomputation repeats
@@ -180,6 +184,11 @@ def check_config(cfg: TrainConfig) -> None:
     if lay.pp_schedule not in SCHEDULES:
         raise UserError(f"--pp-schedule {lay.pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
     remat_policy(cfg.remat)  # a classic or a named policy (lab.predict.remat), else the valid choices
+    cf = cfg.capacity_factor
+    if isinstance(cf, bool) or not isinstance(cf, int | float) or not 0 < cf <= 64:
+        raise UserError(f"--capacity-factor {cf!r} must be a number in (0, 64], e.g. 1.25")
+    if cf != 1.0 and not cfg.model.is_moe:
+        raise UserError(f"--capacity-factor {cf} applies to a mixture of experts; {cfg.model.name} is dense")
     if cfg.param_dtype not in PARAM_DTYPES:
         raise UserError(f"param dtype {cfg.param_dtype!r} is not one of {', '.join(PARAM_DTYPES)}")
     if cfg.optimizer not in OPTIMIZERS:

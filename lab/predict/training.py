@@ -231,19 +231,43 @@ def _compute_ops(cfg: TrainConfig) -> list[tuple[str, str, float, float, float, 
         scores = cfg.microbatch * q * s_local * cfg.seq_len
         mem("attention.softmax", scores * (4.0 + (5.0 if m.dropout else 0.0)), "attention")
     mm("out_proj", tokens, q * h, d)
-    if m.is_moe:
-        mm("router", tokens, d, m.experts)
-    experts_local = m.experts / lay.ep
-    per_expert = tokens * m.experts_per_token * lay.ep / m.experts
-    up_n = m.d_ff * (2 if m.gated_mlp else 1) / t
-    mm("mlp.up", per_expert, d, up_n, experts_local)
-    act_elems = tokens * m.experts_per_token * m.d_ff / t
-    mem("mlp.activation", act_elems * (6.0 if m.gated_mlp else 4.0))
-    mm("mlp.down", per_expert, m.d_ff / t, d, experts_local)
+    _mlp_ops(cfg, tokens, ops, mm, mem)
     sp_div = t if lay.sequence_parallel else 1
     mem("norms", tokens / sp_div * d * 8.0)  # two norms: read and write 2 bytes per element each
     mem("residuals", tokens / sp_div * d * (12.0 + (2.0 if m.dropout else 0.0)))  # two (bias-dropout-)adds
     return ops
+
+
+def _mlp_ops(cfg: TrainConfig, tokens: float, ops: list, mm, mem) -> None:
+    """The MLP's ops of the average layer: the routed experts (each expert's share of the tokens, padded to the
+    capacity factor) and the shared ones in an expert layer, the dense MLP in a dense one, weighted by how many
+    layers are which (an MoE model's leading dense layers)."""
+    m, lay, t = cfg.model, cfg.layout, cfg.layout.tp
+    d, gate = m.d_model, (2 if m.gated_mlp else 1)
+    moe_share = m.moe_layers / m.layers if m.is_moe else 1.0
+    start = len(ops)
+    if m.is_moe:
+        mm("router", tokens, d, m.experts)
+    experts_local = m.experts / lay.ep
+    per_expert = tokens * m.experts_per_token * lay.ep / m.experts * (cfg.capacity_factor if m.is_moe else 1.0)
+    mm("mlp.up", per_expert, d, m.d_ff * gate / t, experts_local)
+    if m.is_moe:  # dispatch and combine: each routed token's row copied out to its expert slot and back (bf16)
+        mem("moe.dispatch", tokens * m.experts_per_token * cfg.capacity_factor * d * 2.0 * 2 * 2)
+    if m.shared_experts:
+        mm("mlp.shared", tokens, d, m.shared_experts * m.d_ff * (gate + 1) / t)  # up (and gate) and down, fused
+    act_elems = tokens * (m.experts_per_token + m.shared_experts) * m.d_ff / t
+    mem("mlp.activation", act_elems * (6.0 if m.gated_mlp else 4.0))
+    mm("mlp.down", per_expert, m.d_ff / t, d, experts_local)
+    if moe_share < 1.0:  # scale the expert layers' MLP ops, and add the dense layers' MLP
+        ops[start:] = [
+            (n, k, f * moe_share, b * moe_share, fl * moe_share, by * moe_share) for n, k, f, b, fl, by in ops[start:]
+        ]
+        dense = len(ops)
+        mm("mlp.dense", tokens, d, m.dense_ff * (gate + 1) / t)
+        ops[dense:] = [
+            (n, k, f * (1 - moe_share), b * (1 - moe_share), fl * (1 - moe_share), by * (1 - moe_share))
+            for n, k, f, b, fl, by in ops[dense:]
+        ]
 
 
 _PRICED: dict[int, tuple[object, dict[tuple, float]]] = {}  # chip id -> (the chip, its priced collectives)

@@ -344,9 +344,10 @@ def _ep_cp_pp(cfg: TrainConfig) -> list[Comm]:
     act = tokens * m.d_model * 2.0
     directions = 3 if cfg.remat == "full" else 2
     out = []
-    if lay.ep > 1:  # dispatch and combine per direction
-        a2a = lay.ep * act * m.experts_per_token
-        out.append(Comm("ep", "all-to-all", a2a, 2 * directions, "layer", "EP dispatch and combine"))
+    if lay.ep > 1:  # dispatch and combine per direction, in the expert layers (not the leading dense ones)
+        a2a = lay.ep * act * m.experts_per_token * cfg.capacity_factor
+        share = m.moe_layers / m.layers
+        out.append(Comm("ep", "all-to-all", a2a, 2 * directions * share, "layer", "EP dispatch and combine"))
     if lay.cp > 1:  # KV chunks around the ring: once forward, twice backward
         kv_bytes = 2 * tokens * max(m.kv_heads / lay.tp, 1.0) * m.head_dim * 2.0
         out.append(Comm("cp", "permute", kv_bytes, 3 * (lay.cp - 1), "layer", "CP ring passes of K and V", "attention"))

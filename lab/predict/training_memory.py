@@ -83,7 +83,7 @@ def activation_bytes_per_layer(
     q_per_rank = model.q_dim / t
     # Split by TP: Q, K, V, the attention output (out-projection input), and the MLP's internals.
     attn = 2.0 * s * b * (2 * q_per_rank + 2 * kv_per_rank)
-    f_local = model.d_ff * model.experts_per_token / t
+    f_local = model.d_ff * (model.experts_per_token + model.shared_experts) / t
     mlp = 2.0 * s * b * f_local * ((3 if model.gated_mlp else 2) - (1 if dots_only else 0))
     scores = 0.0
     if not flash_attention and remat == "none":
@@ -107,7 +107,13 @@ def layer_params_local(m: ModelConfig, lay: Layout) -> float:
         attn += m.q_dim / t + 2 * kv_per_rank + m.d_model
         mlp += (m.mlp_matrices - 1) * m.d_ff / t + m.d_model
     experts = m.experts / (lay.ep if m.is_moe else 1)
-    return attn + experts * mlp + m.norm_params_per_layer + m.router_params_per_layer
+    moe = experts * mlp + m.shared_experts * mlp + m.router_params_per_layer  # shared experts: split by tp only
+    if m.dense_layers:  # leading dense layers: the average layer
+        dense = m.mlp_matrices * m.d_model * m.dense_ff / t + (
+            ((m.mlp_matrices - 1) * m.dense_ff / t + m.d_model) if m.biases else 0
+        )
+        moe = (m.moe_layers * moe + m.dense_layers * dense) / m.layers
+    return attn + moe + m.norm_params_per_layer
 
 
 def local_params(m: ModelConfig, lay: Layout) -> float:
