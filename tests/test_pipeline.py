@@ -249,3 +249,17 @@ def test_a_mesh_without_a_pipe_axis_is_refused(jax_devices):
 
     with pytest.raises(UserError, match=r"needs a mesh axis named 'pipe'; the mesh has X, Y"):
         get_kernel("pipeline_mlp").build(make_mesh({"X": 2, "Y": 4}), SIZES)
+
+
+@pytest.mark.parametrize(("m", "p"), [(4, 4), (8, 2), (2, 4)])
+def test_train_estimate_prices_the_bubble_the_kernel_estimate_notes(m, p):
+    """One formula (lab.predict.axis_costs): the training estimator's bubble is the share of the step the kernel's
+    estimate says a stage idles, (p - 1) / (M + p - 1), written here by hand."""
+    from lab.core.hardware import get_chip
+    from lab.core.models import get_model
+    from lab.predict.training import Layout, TrainConfig, estimate
+
+    cfg = TrainConfig(get_model("llama3-8b"), get_chip("h100"), Layout(dp=2, pp=p), 4096, 2 * m, microbatch=1)
+    e = estimate(cfg)
+    idle = e.breakdown["bubble_s"] / (e.step_time_s - e.breakdown["optimizer_s"] - e.breakdown["comm_dp_s"])
+    assert idle == pytest.approx((p - 1) / (m + p - 1), rel=1e-9)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from lab.core.hardware import Chip
 from lab.core.plan import Plan
-from lab.core.programs import MOE_CAPACITY_FACTOR, MOE_TOPK, moe_capacity, pipeline_split
+from lab.core.programs import MOE_CAPACITY_FACTOR, MOE_TOPK, pipeline_split
 from lab.core.units import dtype_bytes
+from lab.predict.axis_costs import bubble_fraction, moe_exchange_bytes, moe_slots, ring_kv_block_bytes, ring_passes
 from lab.predict.estimate import OpEstimate, ProgramEstimate, collective_op, live
 from lab.predict.roofline import roofline
 
@@ -43,7 +44,9 @@ def ring_attention(plan: Plan, chip: Chip) -> ProgramEstimate:
     ops = [OpEstimate("attention/ring", "attention", cost.time_s, flops, hbm, scope="attention/ring")]
     if c > 1:
         name = f"{c - 1} ring steps of K, V over context"
-        ops.append(collective_op("permute", ("context",), (c - 1) * 2 * block, dtype, chip, plan, name, c - 1))
+        passes = ring_passes(c)  # forward only: this program is one attention call
+        kv = passes * ring_kv_block_bytes(bl * tl, h, d, b)
+        ops.append(collective_op("permute", ("context",), kv, dtype, chip, plan, name, passes))
     compute = ops[0].time_s
     comm = sum(o.time_s for o in ops[1:])
     # q, k, v, out; the stacked K and V held and the one arriving; one block's scores; the running state
@@ -78,8 +81,7 @@ def moe_mlp(plan: Plan, chip: Chip) -> ProgramEstimate:
     t_all, d, f, e = (plan.sizes[k] for k in ("T", "D", "F", "E"))
     n = mesh.get("expert", 1)
     t = t_all // (mesh.get("data", 1) * n)
-    c = moe_capacity(t, e, MOE_TOPK, MOE_CAPACITY_FACTOR)
-    slots = e * c  # the send buffer's rows, and the rows the local experts receive
+    slots = moe_slots(t, e, MOE_TOPK, MOE_CAPACITY_FACTOR)  # the send buffer's rows, and the local experts' rows
     buffer = slots * d * b
     router_flops = 2 * t * d * e
     expert_flops = 3 * 2 * d * f * slots
@@ -97,7 +99,8 @@ def moe_mlp(plan: Plan, chip: Chip) -> ProgramEstimate:
     if n > 1:
         for stage in ("dispatch", "combine"):
             name = f"{stage} [E, C, D] over expert"
-            ops.append(collective_op("all-to-all", ("expert",), n * buffer, dtype, chip, plan, name))
+            v = moe_exchange_bytes(n, t, MOE_TOPK, d, b, MOE_CAPACITY_FACTOR, experts=e)
+            ops.append(collective_op("all-to-all", ("expert",), v, dtype, chip, plan, name))
     # x and out; the router and the local experts' weights; the send and received buffers both ways; the float32
     # gate and up and the activation of every slot
     weights = d * e * b + 3 * (e // n) * d * f * b
@@ -163,7 +166,7 @@ def pipeline_mlp(plan: Plan, chip: Chip) -> ProgramEstimate:
     loss_axes = live(("data", "pipe"), mesh)
     if loss_axes:
         ops.append(collective_op("all-reduce", loss_axes, 4, "fp32", chip, plan, "the loss (a float32 scalar)"))
-    bubble = (p - 1) / steps
+    bubble = bubble_fraction(p, m)  # (p - 1) / (M + p - 1), as the training estimator prices a pipeline
     note = (
         f"GPipe bubble (p-1)/(M+p-1) = {p - 1}/{steps} = {bubble:.4f}: each stage idles {p - 1} of {steps} steps "
         "on zeros; the FLOPs count every step, forward and backward, idle ones included"

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lab.predict import efficiency as eff
+from lab.predict.axis_costs import bubble_over_work
 from lab.predict.limits import Limits, limits
 from lab.predict.remat import policy as remat_policy
 from lab.predict.remat import recomputed as remat_recomputed
@@ -378,8 +379,7 @@ def estimate(cfg: TrainConfig, *, check: bool = True, layer: LayerCost | None = 
 
     offload_mb = layers * lc.offload
     t_mb = compute_mb + tp_mb + ep_mb + cp_mb + pp_mb + fsdp_mb + offload_mb
-    bubble_mb = (lay.pp - 1) / lay.v if lay.pp > 1 else 0.0
-    bubble = bubble_mb * t_mb
+    bubble = bubble_over_work(lay.pp, n_mb, lay.v) * n_mb * t_mb  # (p - 1) / v microbatch times (axis_costs)
 
     # Data parallelism: one gradient reduction per step, behind the last microbatch's backward; the loss mean.
     dp_comm = sum(t for c, t in times.items() if c.role == "dp")

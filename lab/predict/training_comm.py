@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lab.core.hardware import Chip
+from lab.predict.axis_costs import moe_exchange_bytes, ring_kv_block_bytes, ring_passes
 from lab.predict.remat import policy as remat_policy
 from lab.predict.remat import recomputed
 from lab.predict.train_config import TrainConfig
@@ -341,16 +342,16 @@ def _dp(cfg: TrainConfig) -> list[Comm]:
 def _ep_cp_pp(cfg: TrainConfig) -> list[Comm]:
     m, lay = cfg.model, cfg.layout
     tokens = _tokens(cfg)
-    act = tokens * m.d_model * 2.0
     directions = 3 if cfg.remat == "full" else 2
     out = []
     if lay.ep > 1:  # dispatch and combine per direction, in the expert layers (not the leading dense ones)
-        a2a = lay.ep * act * m.experts_per_token * cfg.capacity_factor
+        a2a = moe_exchange_bytes(lay.ep, tokens, m.experts_per_token, m.d_model, 2.0, cfg.capacity_factor)
         share = m.moe_layers / m.layers
         out.append(Comm("ep", "all-to-all", a2a, 2 * directions * share, "layer", "EP dispatch and combine"))
     if lay.cp > 1:  # KV chunks around the ring: once forward, twice backward
-        kv_bytes = 2 * tokens * max(m.kv_heads / lay.tp, 1.0) * m.head_dim * 2.0
-        out.append(Comm("cp", "permute", kv_bytes, 3 * (lay.cp - 1), "layer", "CP ring passes of K and V", "attention"))
+        kv_bytes = ring_kv_block_bytes(tokens, max(m.kv_heads / lay.tp, 1.0), m.head_dim, 2.0)
+        passes = ring_passes(lay.cp, directions=3)
+        out.append(Comm("cp", "permute", kv_bytes, passes, "layer", "CP ring passes of K and V", "attention"))
     if lay.pp > 1:  # Megatron's scatter/gather: each TP rank sends 1/tp of the activation (Narayanan Sec. 4.1)
         nbytes = cfg.microbatch * cfg.seq_len / lay.cp * m.d_model * 2.0 / lay.tp
         out.append(Comm("pp", "permute", nbytes, 2 * lay.v, "microbatch", "pipeline sends: activations and gradients"))
