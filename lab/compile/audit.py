@@ -25,35 +25,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from lab.compile.hlo import CompiledCollective, axes_of_groups, axes_of_pairs, collectives, dots, parse_module
+from lab.compile.hlo import collectives, dots, parse_module
+from lab.compile.match import FLOP_TOLERANCE, AuditEntry, Key, compare, group_compiled, listed, total_bytes
 from lab.compile.target import Target, compile_for, for_target, target_mesh
 from lab.core.hardware import Chip
 from lab.core.plan import Plan, kernel_plan
 from lab.core.table import render
-from lab.core.units import dtype_bytes, fmt_bytes, fmt_seconds
-from lab.predict.program import ExpectedCollective, ProgramEstimate, estimate_program
-
-FLOP_TOLERANCE = 0.01
-HLO_TO_LAB = {"f32": "fp32", "bf16": "bf16", "f16": "fp16", "s8": "int8", "f8e4m3fn": "fp8", "f8e5m2": "fp8"}
-Key = tuple[str, tuple[str, ...]]
-
-
-@dataclass(frozen=True)
-class AuditEntry:
-    op: str
-    kind: str
-    axes: tuple[str, ...]
-    predicted_bytes: float
-    compiled_bytes: float
-    match: bool
-    instructions: tuple[str, ...] = ()
-    note: str = ""
-    predicted_time_s: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["axes"], d["instructions"] = list(self.axes), list(self.instructions)
-        return d
+from lab.core.units import fmt_bytes, fmt_seconds
+from lab.predict.program import ProgramEstimate, estimate_program
 
 
 @dataclass(frozen=True)
@@ -217,183 +196,6 @@ def _entry_row(e: AuditEntry) -> list[str]:
 # ----- comparison --------------------------------------------------------------------------
 
 
-def _live(axes: tuple[str, ...], mesh: dict[str, int]) -> tuple[str, ...]:
-    return tuple(a for a in axes if mesh.get(a, 1) > 1)
-
-
-def _axes_of(c: CompiledCollective, mesh: dict[str, int]) -> tuple[str, ...] | None:
-    if c.kind == "permute":
-        return axes_of_pairs(list(c.pairs), mesh)
-    return axes_of_groups([list(g) for g in c.groups], mesh)
-
-
-def _same(a: float, b: float) -> bool:
-    """Byte counts agree: exactly, up to the rounding of predictions computed in floating point."""
-    return abs(a - b) <= max(0.5, 1e-9 * max(abs(a), abs(b)))
-
-
-def _total(cs: list[CompiledCollective]) -> float:
-    return sum(c.bytes * c.times for c in cs)
-
-
-def _group_compiled(compiled: list[CompiledCollective], mesh: dict[str, int]) -> dict[Key, list[CompiledCollective]]:
-    groups: dict[Key, list[CompiledCollective]] = defaultdict(list)
-    for c in compiled:
-        axes = _axes_of(c, mesh)
-        key = (c.kind, _live(axes, mesh) if axes is not None else ("?",))
-        if key[1] != ():  # a collective over size-1 axes moves nothing
-            groups[key].append(c)
-    return groups
-
-
-def _group_expected(predicted: list[ExpectedCollective], mesh: dict[str, int]) -> dict[Key, list[ExpectedCollective]]:
-    order = {a: i for i, a in enumerate(mesh)}
-    want: dict[Key, list[ExpectedCollective]] = defaultdict(list)
-    for p in predicted:  # groups are sets of devices: the order axes are named in is not visible in HLO
-        want[(p.kind, tuple(sorted(p.axes, key=order.get)))].append(p)
-    return want
-
-
-def _lowered(label: str, key: Key, nbytes: float, used: list, how: str) -> AuditEntry:
-    """A match through another lowering that moves the same V (XLA's choice, not a layout error)."""
-    return AuditEntry(label, key[0], key[1], nbytes, nbytes, True, tuple(c.name for c in used), how)
-
-
-def _split_all_reduce(key: Key, label: str, nbytes: float, groups, used: set) -> AuditEntry | None:
-    """XLA may split an AllReduce into ReduceScatter + AllGather over the same axes."""
-    rs, ag = groups.get(("reduce-scatter", key[1]), []), groups.get(("all-gather", key[1]), [])
-    if rs and ag and _same(_total(rs), nbytes) and _same(_total(ag), nbytes):
-        used |= {("reduce-scatter", key[1]), ("all-gather", key[1])}
-        return _lowered(label, key, nbytes, rs + ag, "XLA split it into ReduceScatter + AllGather")
-    return None
-
-
-def _reduce_scatter_as_all_reduce(key: Key, label: str, nbytes: float, groups, want, used: set) -> list[AuditEntry]:
-    """XLA may lower a ReduceScatter, or some of the ReduceScatters over these axes, as an AllReduce plus a local
-    slice (combined with any AllReduces expected over the same axes): XLA:CPU for small ones, the TPU compiler
-    where it combines several gradients into one AllReduce. The V over the axes is the same."""
-    ar, rs = groups.get(("all-reduce", key[1]), []), groups.get(key, [])
-    also = sum(p.bytes for p in want.get(("all-reduce", key[1]), []))
-    if not (ar and _same(_total(ar) + _total(rs), nbytes + also)):
-        return []
-    if rs:
-        used.add(key)
-    out = []
-    if also:
-        want.pop(("all-reduce", key[1]))
-        out.append(
-            _lowered(
-                "AllReduces expected over these axes",
-                ("all-reduce", key[1]),
-                also,
-                [],
-                "combined with the ReduceScatter below",
-            )
-        )
-    used.add(("all-reduce", key[1]))
-    how = "lowered as AllReduce + local slice: same V, twice the traffic of a ReduceScatter"
-    if rs:
-        how = f"{fmt_bytes(_total(ar))} of it lowered as AllReduce + local slice (same V), the rest ReduceScatter"
-    return [*out, _lowered(label, key, nbytes, rs + ar, how)]
-
-
-def _direct(key: Key, preds: list[ExpectedCollective], got: list[CompiledCollective]) -> AuditEntry:
-    """Same kind over the same axes: bytes must agree, or element counts where XLA changed the element type."""
-    label = " + ".join(p.op for p in preds)
-    want_bytes = sum(p.bytes for p in preds)
-    comp_bytes = _total(got)
-    match = bool(got) and _same(comp_bytes, want_bytes)
-    note = "" if got else "not in the compiled program"
-    if got and not match:
-        want_elems = sum(p.bytes / dtype_bytes(p.dtype) for p in preds)
-        elems = sum(c.elements * c.times for c in got)
-        cdtypes = {c.dtype for c in got}
-        if {HLO_TO_LAB.get(d, d) for d in cdtypes} != {p.dtype for p in preds} and _same(elems, want_elems):
-            match = True
-            note = (
-                f"XLA ran it in {'/'.join(sorted(cdtypes))}, expected {'/'.join(sorted({p.dtype for p in preds}))}; "
-                f"compared element counts ({elems:.0f})"
-            )
-    return AuditEntry(label, key[0], key[1], want_bytes, comp_bytes, match, tuple(c.name for c in got), note)
-
-
-MOVABLE = ("all-gather", "reduce-scatter", "all-reduce")  # kinds XLA may lower as one another over the same axes
-
-
-def _across_kinds(axes, entries: list[AuditEntry], expected, groups, used: set) -> list[AuditEntry]:
-    """A last matching rule, over one set of axes: the TPU compiler lowers small AllGathers (of norm scales) and
-    some ReduceScatters as AllReduces of a padded buffer, which moves the same V. Where the AllGathers,
-    ReduceScatters and AllReduces over ``axes`` add up to what was expected of them together, byte for byte,
-    each kind's entry matches and says what went as another kind."""
-    want = {k: expected.get((k, axes), []) for k in MOVABLE}
-    got = {k: groups.get((k, axes), []) for k in MOVABLE}
-    total_want = sum(p.bytes for ps in want.values() for p in ps)
-    if not _same(total_want, sum(_total(cs) for cs in got.values())):
-        return entries
-    rest = [e for e in entries if not (e.axes == axes and e.kind in MOVABLE)]
-    moved = []
-    for k in MOVABLE:
-        if want[k] or got[k]:
-            used.add((k, axes))
-            delta = _total(got[k]) - sum(p.bytes for p in want[k])
-            if not _same(delta, 0.0):
-                moved.append(f"{fmt_bytes(abs(delta))} {'more' if delta > 0 else 'less'} {k}")
-    note = "lowered across kinds: " + ", ".join(moved) + "; together the same V over these axes"
-    for k in MOVABLE:
-        if want[k] or got[k]:
-            label = " + ".join(p.op for p in want[k]) or f"{k}s nobody expected"
-            names = tuple(c.name for c in got[k])
-            rest.append(AuditEntry(label, k, axes, sum(p.bytes for p in want[k]), _total(got[k]), True, names, note))
-    return rest
-
-
-def compare(
-    predicted: list[ExpectedCollective], compiled: list[CompiledCollective], mesh: dict[str, int]
-) -> tuple[list[AuditEntry], list[dict[str, Any]]]:
-    """Match expected and compiled collectives per (kind, axes); list what nobody expected."""
-    groups = _group_compiled(compiled, mesh)
-    want = _group_expected(predicted, mesh)
-    expected = dict(want)  # as predicted, before a lowering combines two kinds into one entry
-    entries: list[AuditEntry] = []
-    used: set[Key] = set()
-    for key, preds in list(want.items()):
-        if key not in want:  # absorbed by an earlier entry (an AllReduce combined with a ReduceScatter)
-            continue
-        label, nbytes = " + ".join(p.op for p in preds), sum(p.bytes for p in preds)
-        if not groups.get(key) and key[0] == "all-reduce":
-            e = _split_all_reduce(key, label, nbytes, groups, used)
-            if e:
-                entries.append(e)
-                continue
-        direct = groups.get(key) and _same(_total(groups[key]), nbytes)
-        if not direct and key[0] == "reduce-scatter":
-            lowered = _reduce_scatter_as_all_reduce(key, label, nbytes, groups, want, used)
-            if lowered:
-                entries += lowered
-                continue
-        if groups.get(key):
-            used.add(key)
-        entries.append(_direct(key, preds, groups.get(key, [])))
-    for axes in {e.axes for e in entries if not e.match}:
-        entries = _across_kinds(axes, entries, expected, groups, used)
-    unexpected = [_listed(c, mesh) for key, cs in groups.items() if key not in used for c in cs]
-    return entries, unexpected
-
-
-def _listed(c: CompiledCollective, mesh: dict[str, int]) -> dict[str, Any]:
-    """A compiled collective outside the expected entries, as the audit lists it."""
-    axes = _axes_of(c, mesh)
-    return {
-        "name": c.name,
-        "kind": c.kind,
-        "axes": list(_live(axes, mesh)) if axes is not None else ["?"],
-        "bytes": c.bytes * c.times,
-        "dtype": c.dtype,
-        "source": c.source,
-        "op_name": c.op_name,
-    }
-
-
 # ----- auditing a Plan ------------------------------------------------------------------------
 
 
@@ -459,7 +261,7 @@ def audit_compiled(plan: Plan, compiled, est: ProgramEstimate, backend: str) -> 
     expected = est.collectives()
     found = collectives(module)
     entries, unexpected = compare(expected, [c for c in found if not c.explained], mesh)
-    explained = [_listed(c, mesh) | {"why": c.explained} for c in found if c.explained]
+    explained = [listed(c, mesh) | {"why": c.explained} for c in found if c.explained]
     times: dict[Key, float] = defaultdict(float)
     order = {a: i for i, a in enumerate(mesh)}
     for o in est.ops:
@@ -528,9 +330,9 @@ def inventory(plan: Plan, target: Target | None = None) -> tuple[dict[str, Any],
     _, compiled = compile_plan(plan, target)
     text = compiled.as_text()
     module = parse_module(text)
-    groups = _group_compiled(collectives(module), plan.shape)
+    groups = group_compiled(collectives(module), plan.shape)
     rows = [
-        {"kind": kind, "axes": list(axes), "bytes": _total(cs), "instructions": [c.name for c in cs]}
+        {"kind": kind, "axes": list(axes), "bytes": total_bytes(cs), "instructions": [c.name for c in cs]}
         for (kind, axes), cs in sorted(groups.items())
     ]
     cost, mem = _analyses(compiled)
