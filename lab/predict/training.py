@@ -75,6 +75,9 @@ SCOPES = {
     "mlp.up": "mlp/up",
     "mlp.activation": "mlp/up",
     "mlp.down": "mlp/down",
+    "mlp.shared": "mlp/shared",
+    "mlp.dense": "mlp/dense",
+    "moe.dispatch": "mlp/dispatch",
     "norms": "norm",
     "residuals": "residual",
 }
@@ -259,16 +262,16 @@ def _mlp_ops(cfg: TrainConfig, tokens: float, ops: list, mm, mem) -> None:
     act_elems = tokens * (m.experts_per_token + m.shared_experts) * m.d_ff / t
     mem("mlp.activation", act_elems * (6.0 if m.gated_mlp else 4.0))
     mm("mlp.down", per_expert, m.d_ff / t, d, experts_local)
-    if moe_share < 1.0:  # scale the expert layers' MLP ops, and add the dense layers' MLP
-        ops[start:] = [
-            (n, k, f * moe_share, b * moe_share, fl * moe_share, by * moe_share) for n, k, f, b, fl, by in ops[start:]
-        ]
+    if moe_share < 1.0:  # the expert layers' MLP ops for their share of the layers, the dense MLP for the rest
+        _weigh(ops, start, moe_share)
         dense = len(ops)
         mm("mlp.dense", tokens, d, m.dense_ff * (gate + 1) / t)
-        ops[dense:] = [
-            (n, k, f * (1 - moe_share), b * (1 - moe_share), fl * (1 - moe_share), by * (1 - moe_share))
-            for n, k, f, b, fl, by in ops[dense:]
-        ]
+        _weigh(ops, dense, 1.0 - moe_share)
+
+
+def _weigh(ops: list, start: int, w: float) -> None:
+    """Scale the times, FLOPs and bytes of ``ops[start:]`` by ``w`` (their share of the layers)."""
+    ops[start:] = [(n, k, f * w, b * w, fl * w, by * w) for n, k, f, b, fl, by in ops[start:]]
 
 
 _PRICED: dict[int, tuple[object, dict[tuple, float]]] = {}  # chip id -> (the chip, its priced collectives)
@@ -340,13 +343,14 @@ def _logits_time(cfg: TrainConfig) -> float:
 def _fsdp_exposed(cfg: TrainConfig, lc: LayerCost, times: dict[Comm, float]) -> float:
     """FSDP per microbatch: each layer's gathers and scatter beyond the same layer's compute, the embeddings'
     beyond the logits'."""
-    layer: dict[str, float] = {}
+    fwd = bwd = 0.0  # a gather issued twice per layer is one forward and one backward; once, a backward one
     for c, t in times.items():
         if c.role == "fsdp" and c.per == "layer":
-            layer[c.kind] = layer.get(c.kind, 0.0) + t * c.calls / (2 if c.kind == "all-gather" else 1)
-    ag, rs = layer.get("all-gather", 0.0), layer.get("reduce-scatter", 0.0)
+            ahead = c.calls // 2 if c.kind == "all-gather" else 0
+            fwd += t * ahead
+            bwd += t * (c.calls - ahead)
     chip = cfg.chip  # hidden is not free: the overlapped compute runs slower on a GPU (efficiency.overlap_cost)
-    per_layer = eff.overlap_cost(chip, ag, lc.fwd) + eff.overlap_cost(chip, ag + rs, lc.bwd + lc.recompute)
+    per_layer = eff.overlap_cost(chip, fwd, lc.fwd) + eff.overlap_cost(chip, bwd, lc.bwd + lc.recompute)
     exposed = cfg.layout.stage_layers(cfg.model.layers) * per_layer
     rest = sum(c.calls * t for c, t in times.items() if c.role == "fsdp" and c.per == "microbatch")
     return exposed + eff.overlap_cost(chip, rest, _logits_time(cfg)) if rest else exposed
