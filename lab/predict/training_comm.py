@@ -100,30 +100,22 @@ def _stride(cfg: TrainConfig, role: str) -> int:
 
 def placement(chip: Chip, size: int, stride: int, cross_node: bool = False) -> dict[str, Any]:
     """Where a parallel group of ``size`` chips, ``stride`` apart, sits on the fabric (``cross_node``: it is known
-    to cross the slow link, DCN or scale-out)."""
+    to cross the slow link, DCN or scale-out, with one member per node or slice).
+
+    A group larger than one fast domain (an NVLink node; a TPU pod, taken as the slice) is priced in two levels,
+    as NCCL runs it across nodes and XLA across slices: inside each domain on the fast links, and only a domain's
+    share of the bytes over the slow one (``members_per_node`` members in each)."""
     if size <= 1:
         return {}
-    if chip.topology == "torus":
-        pod = math.prod(chip.pod_shape or (size,))
-        if size * stride <= pod and not cross_node:
-            return {"scope": "node"}
-        if cross_node:  # the Plan's slow axis: one member per slice
-            return {"scope": "cross-node", "members_per_node": 1}
-        # across slices (a pod each), hierarchically as XLA runs it: over ICI inside each slice, and only a slice's
-        # share of the bytes over DCN between slices (the same two-level form as NCCL across GPU nodes)
-        per_slice = max(1, min(size, pod // stride)) if stride < pod else 1
-        while size % per_slice:
-            per_slice -= 1
-        return {"scope": "cross-node", "members_per_node": per_slice}
-    n = chip.node_size or 1
-    if cross_node:  # the Plan says its axes cross the slow link: one member per node
+    domain = math.prod(chip.pod_shape or (size,)) if chip.topology == "torus" else (chip.node_size or 1)
+    if cross_node:
         return {"scope": "cross-node", "members_per_node": 1}
-    if size * stride <= n:
+    if size * stride <= domain:
         return {"scope": "node"}
-    per_node = max(1, min(size, n // stride)) if stride < n else 1
-    while size % per_node:
-        per_node -= 1
-    return {"scope": "cross-node", "members_per_node": per_node}
+    per_domain = max(1, min(size, domain // stride)) if stride < domain else 1
+    while size % per_domain:
+        per_domain -= 1
+    return {"scope": "cross-node", "members_per_node": per_domain}
 
 
 def place(cfg: TrainConfig, role: str) -> dict[str, Any]:
