@@ -27,6 +27,9 @@ def cal(jax_devices):
     # force: this fixture checks what a calibration records; refusing a busy host is tested on its own below
     result = calibrate(quick=True, progress=lines.append, force=True)
     assert lines, "progress is called once per phase"
+    steps = [line for line in lines if line.startswith("step ")]  # numbered phases, with the time so far
+    assert [line.split(" (")[0] for line in steps] == [f"step {i} of 5" for i in range(1, 6)], lines
+    assert all(" s elapsed): " in line for line in steps)
     return result
 
 

@@ -1,7 +1,10 @@
 """The main job end to end on the emulated mesh: files, report keys and the sweep/resume contract."""
 
+import contextlib
+import io
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -146,10 +149,17 @@ def test_sweep_keeps_finished_points_and_resume_continues(jax_devices, tmp_path)
     for name in ("N4096", "N16384"):
         shutil.rmtree(first.run_dir / "points" / name)
     time.sleep(0.01)
-    again = run_experiment(path, out, quiet=True, hardware="cpu", run_id="s", resume=True)
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        again = run_experiment(path, out, quiet=False, hardware="cpu", run_id="s", resume=True)
     assert again.run_dir == first.run_dir
     assert kept.stat().st_mtime_ns == stamp  # not recomputed
     assert (again.run_dir / "points" / "N16384" / "report.json").is_file()
+    # progress: the kept point said so, the others counted with the time left once one has run here
+    lines = err.getvalue().splitlines()
+    assert any(line.endswith("N1024: done already, kept") for line in lines)
+    (second,) = [line for line in lines if "point 2 of 3 (N4096)" in line]
+    (third,) = [line for line in lines if "point 3 of 3 (N16384)" in line]
+    assert "left" not in second and re.search(r"s elapsed, about \d+ s left$", third), lines
 
 
 @pytest.mark.parametrize(

@@ -243,6 +243,17 @@ def _measure_latency(run: _Run) -> tuple[list, dict[str, float]]:
     return ag_latency, kind_latency
 
 
+class _Steps:
+    """Numbered phases of a calibration, each announced as step i of n with the time since the first."""
+
+    def __init__(self, say: Callable[[str], None], n: int):
+        self.say, self.n, self.i, self.t0 = say, n, 0, time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        self.i += 1
+        self.say(f"step {self.i} of {self.n} ({time.perf_counter() - self.t0:.0f} s elapsed): {what}")
+
+
 def _collective_sweep(run: _Run, axes: tuple[str, ...] | None, *, report: bool = False) -> dict[str, list]:
     """Bandwidth regime: ``[V, seconds]`` per message size of every kind over ``axes`` (None: every axis), with a
     progress line per kind when ``report``."""
@@ -513,7 +524,9 @@ def calibrate(
     today = datetime.date.today().isoformat()
     base = Catalog().get("cpu")  # the built-in placeholder, whatever specs/ holds
 
+    step = _Steps(say, 5)
     # 1-3. One device: matmul throughput and memory bandwidth; memory capacity from the host's RAM.
+    step("one device: matmul throughput, memory bandwidth and capacity")
     matmul = mb.matmuls(MATMUL_SIZES[run.q], run.repeats, run.budget, say)
     copies = mb.copies(MEMORY_MIB[run.q], run.repeats, run.budget, say)
     ram, ram_source = _host_ram()
@@ -523,20 +536,24 @@ def calibrate(
     fits += [hbm, fit.hbm_bytes(ram, n_dev)]
 
     # 4. Latency regime: one small collective inside a program, per group size and per kind.
+    step("collectives: the latency regime")
     ag_latency, kind_latency = _measure_latency(run)
     launch, hop, latency_how = fit.latency([size for _, size, _ in ag_latency], [t for _, _, t in ag_latency])
     fits += [launch, hop]
 
     # 5. Bandwidth regime: microkernels over every axis, each collective timed through the profiler; then each
     # single axis on its own line, since on one host a smaller group is not proportionally cheaper.
+    step("collectives: the bandwidth regime over the whole mesh")
     points = _collective_sweep(run, None, report=True)
     slopes = fit.model_slopes(base, tuple(mesh.values()))
     link_bw, factors, coll_fits = fit.collective_factors(points, launch.value, slopes, run.group)
+    step("collectives: each single mesh axis")
     by_group, group_points, axis_fits = _single_axis_lines(run, base, points, factors, launch.value, link_bw)
     fits += coll_fits + axis_fits
 
     # 6. Checks the model does not fit; the spec carries the figures with every device busy (fit.prefer_concurrent)
     # and the single-device ones stay under checks.
+    step("checks with every device busy")
     checks = _checks(run)
     spec_fits, spec_peaks, hbm_bw = fit.prefer_concurrent(fits, peaks, hbm.value, checks["concurrent"])
     if fit.concurrent_terms(checks["concurrent"], list(peaks)):

@@ -31,6 +31,20 @@ class Progress:
         if not self.quiet:
             print(f"[{time.perf_counter() - self.t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
+    def point(self, i: int, n: int, label: str, started: float, done: int) -> None:
+        """Point ``i`` of ``n`` starts: how far the sweep is, its elapsed time and (once a point has finished here)
+        the time left at this run's pace; a bar on a terminal, a plain line otherwise. Always on stderr."""
+        if self.quiet:
+            return
+        elapsed = time.perf_counter() - started
+        left = f", about {elapsed / done * (n - i + 1):.0f} s left" if done else ""
+        line = f"point {i} of {n} ({label}): {elapsed:.0f} s elapsed{left}"
+        if sys.stderr.isatty():
+            width = 20
+            filled = round(width * (i - 1) / n)
+            line = f"[{'#' * filled}{'.' * (width - filled)}] " + line
+        self(line)
+
 
 MAX_EMULATED = 4096  # host devices one process emulates; a larger mesh needs real devices (a pod, a cluster)
 

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -395,12 +396,16 @@ def _run_sweep(ctx: _Context, base: Path, name: str, points, resume: bool) -> Ru
         with store.RunLock(run_dir):
             if created and ctx.rank == 0:
                 _provenance(ctx, run_dir)
-            for label, plan in points:
+            started, ran = time.perf_counter(), 0
+            for i, (label, plan) in enumerate(points, start=1):
                 point = run_dir / "points" / label
                 if store.is_complete(point):
                     ctx.progress(f"{label}: done already, kept")
                     reports[label] = json.loads((point / "report.json").read_text())
                     continue
+                if len(points) > 1 and hasattr(ctx.progress, "point"):
+                    ctx.progress.point(i, len(points), label, started, ran)
+                ran += 1
                 tmp = store.staging(point)
                 try:
                     reports[label] = run_point(
