@@ -253,6 +253,8 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
         raise UserError("--save-plan cannot record --pp-split yet (a Plan's stages hold equal layers); drop one")
     if cfg.remat not in ("none", "selective", "full"):
         raise UserError(f"--save-plan cannot record --remat {cfg.remat} (a Plan runs none, selective or full)")
+    if cfg.capacity_factor != 1.0:
+        raise UserError("--save-plan cannot record --capacity-factor yet (a Plan has no MoE routing options); drop one")
     options = Options(
         microbatch=cfg.microbatch,
         zero=lay.zero,
