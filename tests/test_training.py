@@ -428,3 +428,74 @@ def test_moe_shapes_that_cannot_exist_are_refused():
         dataclasses.replace(m, dense_layers=28)
     with pytest.raises(UserError, match="shared experts and dense layers belong to a mixture of experts"):
         dataclasses.replace(m, experts=1, experts_per_token=1)
+    with pytest.raises(UserError, match="belong to latent attention; set --kv-lora-rank"):
+        dataclasses.replace(m, rope_head_dim=64)
+
+
+def _deepseek_v2_lite():
+    """DeepSeek-V2-Lite's shape (arXiv:2405.04434, Appendix; its Hugging Face config): 27 layers, D=2048, 16 heads
+    with latent attention (KV latent 512, no query latent, head width 128 plus 64 of RoPE, values 128), 64 routed
+    experts of width 1408 (k=6) and 2 shared, the first layer dense (10944), vocabulary 102400."""
+    from lab.core.models import ModelConfig
+
+    return ModelConfig(
+        name="deepseek-v2-lite",
+        layers=27,
+        d_model=2048,
+        d_ff=1408,
+        heads=16,
+        kv_heads=16,
+        head_dim=128,
+        vocab=102400,
+        experts=64,
+        experts_per_token=6,
+        shared_experts=2,
+        dense_layers=1,
+        dense_d_ff=10944,
+        kv_lora_rank=512,
+        rope_head_dim=64,
+        v_head_dim=128,
+    )
+
+
+def test_latent_attention_counts_its_projections_and_caches_its_latent():
+    """By hand: the query D x 16 x 192, the KV down-projection D x (512 + 64), the KV up-projection 512 x 16 x
+    (128 + 128), the output 16 x 128 x D, the latent's norm 512; 15.7B parameters in all, as published."""
+    m = _deepseek_v2_lite()
+    attn = 2048 * 16 * 192 + 2048 * 576 + 512 * 16 * 256 + 16 * 128 * 2048
+    assert m.attention_matmul_params == attn and m.attention_params_per_layer == attn + 512
+    expert = 3 * 2048 * 1408
+    moe_layer = attn + 512 + 66 * expert + 2048 * 64 + 2 * 2048
+    dense_layer = attn + 512 + 3 * 2048 * 10944 + 2 * 2048
+    assert m.params == 26 * moe_layer + dense_layer + 2 * 102400 * 2048 + 2048
+    assert round(m.params / 1e9, 1) == 15.7
+    # the cache keeps the latent and the RoPE key: 27 x 576 elements a token, not 27 x 2 x 16 x 128
+    assert m.kv_bytes_per_token("bf16") == 27 * 576 * 2
+    # scores: Q.K over 192 and P.V over 128 per head
+    assert m.attention_flops_per_token(4096, causal=False) == 27 * 2 * 4096 * (16 * 192 + 16 * 128)
+
+
+def test_latent_attention_prices_in_training_and_serving():
+    from lab.core.hardware import get_chip
+    from lab.predict.inference import InferConfig, decode_step
+
+    m = _deepseek_v2_lite()
+    c = dataclasses.replace(cfg(batch=512, seq=4096, dp=8, fsdp=8, ep=8), model=m)
+    e = estimate(c)
+    qkv = {o[0]: o for o in e.layer.ops}["qkv"]
+    assert qkv[4] == 2 * 4096 * (m.attention_matmul_params - 16 * 128 * 2048)  # 2 x tokens x the projections
+    assert e.model_flops_per_step > 0 and e.memory.fits
+    # decode: the latent cache is a seventh of the heads' K and V it replaces (576 against 2 x 2048)
+    h100 = get_chip("h100")
+    mla = decode_step(InferConfig(model=m, chip=h100, batch=64, context=32768, tp=1, achievable=True))
+    mha = decode_step(
+        InferConfig(
+            model=dataclasses.replace(m, kv_lora_rank=0, rope_head_dim=0, v_head_dim=0),
+            chip=h100,
+            batch=64,
+            context=32768,
+            tp=1,
+            achievable=True,
+        )
+    )
+    assert mla["kv_s"] == pytest.approx(mha["kv_s"] * 576 / 4096)

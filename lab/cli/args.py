@@ -279,6 +279,10 @@ MODEL_FLAGS = (
     "shared_experts",
     "dense_layers",
     "dense_d_ff",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "rope_head_dim",
+    "v_head_dim",
     "gated_mlp",
 )
 
@@ -297,6 +301,10 @@ def model_parent(positional: bool) -> argparse.ArgumentParser:
         ("shared-experts", "experts every token goes through besides its routed ones (MoE)"),
         ("dense-layers", "leading layers with a dense MLP instead of experts (MoE)"),
         ("dense-d-ff", "width of that dense MLP (default d_ff x (experts-per-token + shared-experts))"),
+        ("kv-lora-rank", "multi-head latent attention: the KV latent width (the KV cache keeps it per token)"),
+        ("q-lora-rank", "latent attention: the query latent width (default 0: a full-rank query)"),
+        ("rope-head-dim", "latent attention: the decoupled RoPE width per head (--head-dim is without it)"),
+        ("v-head-dim", "latent attention: the value head width (default --head-dim)"),
     ):
         g.add_argument(f"--{flag}", type=nonneg_int(f"--{flag}"), metavar="N", help=text)
     g.add_argument("--tied-embeddings", action=argparse.BooleanOptionalAction, default=None)

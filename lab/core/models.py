@@ -52,6 +52,12 @@ class ModelConfig:
         dense_layers: leading layers with a dense MLP instead of experts (MoE models only).
         dense_d_ff: that dense MLP's width; 0 means ``d_ff x (experts_per_token + shared_experts)``, the width of
             what one token goes through in an expert layer.
+        kv_lora_rank: multi-head latent attention (DeepSeek-V2, arXiv:2405.04434) when > 0: K and V come up from
+            a latent of this width, which is all the KV cache keeps (with the shared RoPE key). ``head_dim`` is
+            then the query/key head width without RoPE.
+        q_lora_rank: MLA's query latent width (0: a full-rank query projection).
+        rope_head_dim: MLA's decoupled RoPE width per query head (and of the one shared RoPE key).
+        v_head_dim: MLA's value head width (0: ``head_dim``).
         learned_positions: a learned position embedding of ``max_seq_len x D`` (GPT); False for RoPE.
         biases: linear layers carry biases (GPT/Megatron); LLaMA has none.
         norm: ``layernorm`` (weight and bias) or ``rmsnorm`` (weight only).
@@ -77,6 +83,10 @@ class ModelConfig:
     shared_experts: int = 0
     dense_layers: int = 0
     dense_d_ff: int = 0
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    rope_head_dim: int = 0
+    v_head_dim: int = 0
     learned_positions: bool = False
     biases: bool = False
     norm: str = "rmsnorm"
@@ -115,12 +125,24 @@ class ModelConfig:
             )
         if self.experts_per_token > self.experts:
             raise UserError(f"{where}: experts-per-token={self.experts_per_token} exceeds experts={self.experts}")
-        for f in ("shared_experts", "dense_layers", "dense_d_ff"):
+        for f in (
+            "shared_experts",
+            "dense_layers",
+            "dense_d_ff",
+            "kv_lora_rank",
+            "q_lora_rank",
+            "rope_head_dim",
+            "v_head_dim",
+        ):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_DIM:
                 raise UserError(f"{where}: {f.replace('_', '-')} must be an integer >= 0, got {v!r}")
         if (self.shared_experts or self.dense_layers or self.dense_d_ff) and self.experts == 1:
             raise UserError(f"{where}: shared experts and dense layers belong to a mixture of experts; set --experts")
+        if (self.q_lora_rank or self.rope_head_dim or self.v_head_dim) and not self.kv_lora_rank:
+            raise UserError(
+                f"{where}: q-lora-rank, rope-head-dim and v-head-dim belong to latent attention; set --kv-lora-rank"
+            )
         if self.dense_layers >= self.layers:
             raise UserError(
                 f"{where}: dense-layers={self.dense_layers} leaves no expert layer of {self.layers}; "
@@ -144,13 +166,38 @@ class ModelConfig:
         return self.experts > 1
 
     @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
     def q_dim(self) -> int:
-        """N x H, the width of the query projection."""
-        return self.heads * self.head_dim
+        """N x H, the width of the query projection (with MLA's RoPE part: N x (H + R))."""
+        return self.heads * (self.head_dim + self.rope_head_dim)
 
     @property
     def kv_dim(self) -> int:
+        """K H, the width of K (and of V) per token; with MLA, the width K and V come up to, N x H."""
         return self.kv_heads * self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """The width of the attention output: N x H, or N x MLA's value head width."""
+        return self.heads * (self.v_head_dim or self.head_dim)
+
+    @property
+    def kv_cache_width(self) -> int:
+        """Elements the KV cache keeps per token and layer: K and V (2 K H), or MLA's latent and RoPE key."""
+        return self.kv_lora_rank + self.rope_head_dim if self.is_mla else 2 * self.kv_dim
+
+    @property
+    def attention_matmul_params(self) -> int:
+        """The attention projections' weights (what a token multiplies by, twice its forward FLOPs)."""
+        d = self.d_model
+        if not self.is_mla:
+            return 2 * d * self.q_dim + 2 * d * self.kv_dim
+        q = d * self.q_lora_rank + self.q_lora_rank * self.q_dim if self.q_lora_rank else d * self.q_dim
+        kv = d * (self.kv_lora_rank + self.rope_head_dim) + self.kv_lora_rank * (self.kv_dim + self.v_dim)
+        return q + kv + self.v_dim * d
 
     @property
     def mlp_matrices(self) -> int:
@@ -161,7 +208,7 @@ class ModelConfig:
     @property
     def attention_params_per_layer(self) -> int:
         """Q and O: D x NH each; K and V: D x KH each (transformers.md: 2D(N+K)H)."""
-        p = 2 * self.d_model * self.q_dim + 2 * self.d_model * self.kv_dim
+        p = self.attention_matmul_params + (self.q_lora_rank + self.kv_lora_rank)  # MLA's latent norms
         if self.biases:
             p += self.q_dim + 2 * self.kv_dim + self.d_model
         return p
@@ -236,7 +283,7 @@ class ModelConfig:
 
     def matmul_flops_per_token(self, include_logits: bool = True) -> float:
         """Forward matmul FLOPs per token: 2 x (weights one token multiplies by)."""
-        per_layer = 2 * (2 * self.d_model * self.q_dim + 2 * self.d_model * self.kv_dim)
+        per_layer = 2 * self.attention_matmul_params
         moe = 2 * (self.experts_per_token + self.shared_experts) * self.mlp_matrices * self.d_model * self.d_ff
         moe += 2 * self.router_params_per_layer
         dense = 2 * self.mlp_matrices * self.d_model * self.dense_ff
@@ -246,8 +293,9 @@ class ModelConfig:
         return float(f)
 
     def attention_flops_per_token(self, seq_len: int, causal: bool = True) -> float:
-        """Forward attention-score FLOPs per token: QK^T and AV over ``seq_len`` keys (4 S N H per layer)."""
-        f = self.layers * 4.0 * seq_len * self.q_dim
+        """Forward attention-score FLOPs per token: QK^T and AV over ``seq_len`` keys (4 S N H per layer; with MLA
+        2 S N (H + R) + 2 S N Hv)."""
+        f = self.layers * 2.0 * seq_len * (self.q_dim + self.v_dim)
         return f / 2 if causal else f
 
     def flops_per_token(self, seq_len: int | None = None, *, causal: bool = True, recompute: str = "none") -> float:
@@ -274,8 +322,8 @@ class ModelConfig:
         return f
 
     def kv_bytes_per_token(self, dtype: str = "bf16") -> float:
-        """K and V for every layer: 2 L K H x bytes."""
-        return 2.0 * self.layers * self.kv_dim * dtype_bytes(dtype)
+        """K and V for every layer: 2 L K H x bytes (MLA: its latent and RoPE key, L (C + R) x bytes)."""
+        return float(self.layers * self.kv_cache_width) * dtype_bytes(dtype)
 
     def to_dict(self, seq_len: int | None = None, kv_dtype: str = "bf16") -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -232,7 +232,8 @@ def kv_shards(m: ModelConfig, tp: int, batch: float) -> float:
     The book's ``KV[2, B_Z, S, K_Y, H]``: past the KV head count the batch is sharded too (costing two
     AllToAlls per attention layer); with fewer sequences than that, the cache is partly replicated.
     """
-    return min(tp, m.kv_heads * max(batch, 1.0))
+    heads = 1 if m.is_mla else m.kv_heads  # MLA's latent cache has no heads to split: by sequence only
+    return min(tp, heads * max(batch, 1.0))
 
 
 def kv_bytes_per_sequence(m: ModelConfig, context: int, kv: str) -> float:

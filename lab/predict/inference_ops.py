@@ -35,8 +35,8 @@ def _params(m: ModelConfig, experts: float) -> dict[str, float]:
     else:
         mlp, router = L * d * m.d_ff * experts, 0
     return {
-        "attention/qkv": L * d * (m.q_dim + 2 * m.kv_dim),
-        "attention/out": L * m.q_dim * d,
+        "attention/qkv": L * (m.attention_matmul_params - m.v_dim * d),
+        "attention/out": L * m.v_dim * d,
         "mlp/up": (m.mlp_matrices - 1) * mlp + router,
         "mlp/down": mlp,
         "logits": d * m.vocab,

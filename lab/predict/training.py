@@ -206,9 +206,11 @@ def _compute_ops(cfg: TrainConfig) -> list[tuple[str, str, float, float, float, 
     t, cp = lay.tp, lay.cp
     s_local = cfg.seq_len / cp
     tokens = cfg.microbatch * s_local
-    d, h = m.d_model, m.head_dim
+    d = m.d_model
     q = m.heads / t
     kv = max(m.kv_heads / t, 1.0)
+    # the attention head width the score matmuls see: H, or with MLA the mean of the Q/K width and V's
+    h = (m.q_dim + m.v_dim) / (2 * m.heads)
     ops: list[tuple[str, str, float, float, float, float]] = []
 
     def mm(name: str, mm_m: float, k: float, n: float, batch: float = 1.0) -> None:
@@ -219,7 +221,10 @@ def _compute_ops(cfg: TrainConfig) -> list[tuple[str, str, float, float, float, 
         tm = eff.memory_time(chip, nbytes)
         ops.append((name, kind, tm, 2 * tm, 0.0, nbytes))
 
-    mm("qkv", tokens, d, (q + 2 * kv) * h)
+    if m.is_mla:  # the query and the latent KV projections, down and up, as one product of their weights
+        mm("qkv", tokens, d, (m.attention_matmul_params - m.v_dim * d) / (d * t))
+    else:
+        mm("qkv", tokens, d, (q + 2 * kv) * m.head_dim)
     causal_skip = 0.5 if (cfg.flash_attention and cfg.causal) else 1.0
     # fp8 recipes (Transformer Engine and the like) keep attention and the output layer in bf16.
     bmm = 2 * eff.matmul_time(chip, s_local, h, cfg.seq_len, _wide(dt), cfg.microbatch * q) * causal_skip
@@ -234,7 +239,7 @@ def _compute_ops(cfg: TrainConfig) -> list[tuple[str, str, float, float, float, 
         ops.append(("attention.bmm", "attention", bmm, 2 * bmm, bmm_flops, 0.0))
         scores = cfg.microbatch * q * s_local * cfg.seq_len
         mem("attention.softmax", scores * (4.0 + (5.0 if m.dropout else 0.0)), "attention")
-    mm("out_proj", tokens, q * h, d)
+    mm("out_proj", tokens, m.v_dim / t, d)
     _mlp_ops(cfg, tokens, ops, mm, mem)
     sp_div = t if lay.sequence_parallel else 1
     mem("norms", tokens / sp_div * d * 8.0)  # two norms: read and write 2 bytes per element each

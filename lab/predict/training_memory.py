@@ -102,6 +102,8 @@ def layer_params_local(m: ModelConfig, lay: Layout) -> float:
     t = lay.tp
     kv_per_rank = max(m.kv_heads / t, 1.0) * m.head_dim
     attn = 2 * m.d_model * m.q_dim / t + 2 * m.d_model * kv_per_rank
+    if m.is_mla:  # split by tp as the heads are (the latent down-projections too, an approximation)
+        attn = (m.attention_matmul_params + m.q_lora_rank + m.kv_lora_rank) / t
     mlp = m.mlp_matrices * m.d_model * m.d_ff / t
     if m.biases:  # Q, K, V and the MLP's first matrices' biases split; the two output biases whole
         attn += m.q_dim / t + 2 * kv_per_rank + m.d_model
