@@ -9,7 +9,7 @@ its rows), per chip family where one was measured; a calibrated chip (``shardlab
   reaches: sustained in a size sweep after 10,000 warm-up iterations where one is published (A100 bf16 82%, G9:
   a training step runs at steady-state clocks, below a short best-shape burst's 87%), else in a brute-force shape
   search (H100/H200 bf16 80%, B200 bf16 78%; fp8 71-76% of its own
-  peak, so fp8 is 1.8x bf16 and not 2x); TPU v5e's XLA matmul at 8192^3 reaches 92%, and no figure is
+  peak, so fp8 is 1.7x bf16 on Hopper and not 2x); TPU v5e's XLA matmul at 8192^3 reaches 92%, and no figure is
   published for the other TPUs, which take it. The product is a smooth stand-in for tile quantisation (the
   MXU is 128 wide, 256 on v6e; GPU tensor-core tiles are of the same order): a dimension much larger than the
   tile costs nothing, one the size of a tile halves the rate.

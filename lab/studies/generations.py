@@ -400,7 +400,7 @@ def _readings(
             "to software and per-generation tuning."
         ),
         "precision": (
-            "fp8 rows run the linear layers at the fp8 rate a large GEMM measures (1.8x bf16 on H100/H200, 2.0x on "
+            "fp8 rows run the linear layers at the fp8 rate a large GEMM measures (1.7x bf16 on H100/H200, 2.0x on "
             "B200; lab/predict/efficiency.py) with 1-byte operands; attention and "
             "the logits stay in bf16, as fp8 recipes keep them; activation memory, weights, gradients, optimizer "
             "state, collectives and memory-bound ops keep their bf16/fp32 bytes. MFU is against the row's own peak."
