@@ -389,3 +389,13 @@ def test_bad_input_exit_2(argv, needle):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_fewer_microbatches_than_stages_runs_with_the_bubble_said(capsys):
+    from lab.cli.main import main
+
+    argv = "train estimate --model llama3-8b --hardware h100 --chips 64 --pp 8 --tp 8 --global-batch 4 --seq-len 4096"
+    assert main(argv.split()) == 0
+    err = capsys.readouterr().err
+    # (p - 1) / (m + p - 1) = 7 / 11 of the step idle on every stage
+    assert "4 microbatches for 8 pipeline stages: each stage idles 64% of the step; give at least 8" in err

@@ -27,6 +27,7 @@ from lab.cli.args import (
     positive_int,
     positive_ints,
     scale_arg,
+    warn,
     write_chart,
 )
 from lab.cli.commands import help_of
@@ -210,6 +211,16 @@ def cmd_train_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     est, plan, program = _job(args)
     cfg = est.config
     m, chip = cfg.model, cfg.chip
+    lay = cfg.layout
+    if lay.pp > 1 and cfg.microbatches < lay.pp:  # runs, poorly: say by how much
+        from lab.predict.axis_costs import bubble_fraction
+
+        idle = bubble_fraction(lay.pp, cfg.microbatches, lay.v)
+        warn(
+            args,
+            f"{cfg.microbatches} microbatches for {lay.pp} pipeline stages: each stage idles {100 * idle:.0f}% of "
+            f"the step; give at least {lay.pp} (a smaller --microbatch or a larger batch)",
+        )
     d = est.to_dict()
     if args.save_plan:
         d["plan_file"] = save_plan(cfg, args.save_plan)
