@@ -435,26 +435,10 @@ def test_moe_shapes_that_cannot_exist_are_refused():
 def _deepseek_v2_lite():
     """DeepSeek-V2-Lite's shape (arXiv:2405.04434, Appendix; its Hugging Face config): 27 layers, D=2048, 16 heads
     with latent attention (KV latent 512, no query latent, head width 128 plus 64 of RoPE, values 128), 64 routed
-    experts of width 1408 (k=6) and 2 shared, the first layer dense (10944), vocabulary 102400."""
-    from lab.core.models import ModelConfig
-
-    return ModelConfig(
-        name="deepseek-v2-lite",
-        layers=27,
-        d_model=2048,
-        d_ff=1408,
-        heads=16,
-        kv_heads=16,
-        head_dim=128,
-        vocab=102400,
-        experts=64,
-        experts_per_token=6,
-        shared_experts=2,
-        dense_layers=1,
-        dense_d_ff=10944,
-        kv_lora_rank=512,
-        rope_head_dim=64,
-        v_head_dim=128,
+    experts of width 1408 (k=6) and 2 shared, the first layer dense (10944), vocabulary 102400: DeepSeekMoE 16B's
+    experts with one layer fewer and latent attention."""
+    return dataclasses.replace(
+        _deepseekmoe_16b(), name="deepseek-v2-lite", layers=27, kv_lora_rank=512, rope_head_dim=64, v_head_dim=128
     )
 
 
