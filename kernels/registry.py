@@ -28,6 +28,7 @@ from kernels import blocks, moe
 from kernels import collective_matmul as cm
 from kernels import collectives as coll
 from kernels import pipeline as pp
+from kernels import pipeline_circular as pcirc
 from kernels import ring_attention as ra
 from kernels import sharded_matmul as sm
 from kernels.mesh import make_mesh
@@ -232,7 +233,10 @@ def _moe(mesh: Mesh, sizes: Mapping[str, int], dtype: np.dtype, seed: int) -> Bu
 
 def _pipeline(mesh: Mesh, sizes: Mapping[str, int], dtype: np.dtype, seed: int) -> Built:
     """The pipelined MLP's GPipe train step: stage-stacked weights ``[p, Lmax, D, F]``, ``[p, Lmax, F, D]`` over
-    ``pipe``, x ``[B, D]`` over ``data``; the even split ``L / p`` (a Plan carries no other)."""
+    ``pipe``, x ``[B, D]`` over ``data``; the even split ``L / p`` (a Plan carries no other). With V chunks per
+    stage (``pipeline_circular``, the only one given a V) the circular schedule, weights ``[p, V, Lc, ., .]``."""
+    if "V" in sizes:
+        return pcirc.build(mesh, sizes, dtype, seed)
     return pp.build(mesh, sizes, dtype, seed)  # UserError naming L, B or M first, before anything compiles
 
 
@@ -317,7 +321,7 @@ def output_spec(kernel: Kernel, mesh: Mesh, axes: tuple[str, ...] | None = None)
     if kernel.family == "moe":
         return moe.token_spec(mesh)
     if kernel.family == "pipeline":  # a train step: the loss (replicated) and the updated weights, laid out so
-        return pp.weight_spec()
+        return pcirc.weight_spec() if kernel.name == "pipeline_circular" else pp.weight_spec()
     if kernel.notation is not None:
         return parse_matmul(kernel.notation).out.to_partition_spec()
     kind = kernel.name.removeprefix("collective_")

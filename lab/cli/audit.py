@@ -25,6 +25,7 @@ DEFAULT_MOE_SIZES = {"T": 1024, "D": 256, "F": 512, "E": 8}
 DEFAULT_MOE_MESH = {"data": 2, "expert": 4}
 DEFAULT_PIPELINE_SIZES = {"B": 64, "D": 256, "F": 1024, "L": 8, "M": 4}
 DEFAULT_PIPELINE_MESH = {"data": 2, "pipe": 4}
+DEFAULT_CIRCULAR_SIZES = {"B": 64, "D": 256, "F": 1024, "L": 16, "M": 4, "V": 2}
 
 
 def _kernel_plan(name: str) -> Plan:
@@ -41,6 +42,8 @@ def _kernel_plan(name: str) -> Plan:
         "moe": DEFAULT_MOE_SIZES,
         "pipeline": DEFAULT_PIPELINE_SIZES,
     }.get(spec.family, DEFAULT_MATMUL_SIZES)
+    if name == "pipeline_circular":
+        default = DEFAULT_CIRCULAR_SIZES
     meshes = {"attention": DEFAULT_ATTENTION_MESH, "moe": DEFAULT_MOE_MESH, "pipeline": DEFAULT_PIPELINE_MESH}
     mesh = meshes.get(spec.family, DEFAULT_MESH)
     return kernel_plan(name, mesh, default, hardware="cpu")

@@ -27,6 +27,7 @@ from lab.core.models import ModelConfig
 from lab.core.programs import (
     ProgramSpec,
     check_attention_sizes,
+    check_circular_sizes,
     check_moe_sizes,
     check_pipeline_sizes,
     complete_mesh,
@@ -256,7 +257,10 @@ class Plan:
         if spec.family == "moe":  # E over expert, T over data x expert
             check_moe_sizes(spec.name, self.shape, dict(self.sizes))
         if spec.family == "pipeline":  # L over pipe (the even split: a Plan carries none), B over data x M
-            check_pipeline_sizes(spec.name, self.shape, dict(self.sizes))
+            if spec.name == "pipeline_circular":
+                check_circular_sizes(spec.name, self.shape, dict(self.sizes))
+            else:
+                check_pipeline_sizes(spec.name, self.shape, dict(self.sizes))
         if spec.notation:
             from lab.core.notation import parse_matmul
 

@@ -219,6 +219,15 @@ _SPECS: tuple[ProgramSpec, ...] = (
         PIPELINE_AXES,
     ),
     ProgramSpec(
+        "pipeline_circular",
+        "pipeline",
+        "circular (interleaved) pipeline train step: L residual MLP blocks in pipe x V chunks, each microbatch "
+        "going round the stages V times",
+        ("B", "D", "F", "L", "M", "V"),
+        None,
+        PIPELINE_AXES,
+    ),
+    ProgramSpec(
         "train_step",
         "transformer",
         "the Transformer's training step: forward, backward and one AdamW update",
@@ -362,6 +371,30 @@ def check_pipeline_sizes(
     return out
 
 
+def check_circular_sizes(name: str, mesh: dict[str, int], sizes: dict[str, int]) -> None:
+    """The circular pipeline's sizes: those of :func:`check_pipeline_sizes`, at least two stages, L in p x V chunks
+    and M a multiple of p (microbatches go round the ring in groups of p, Megatron's condition for interleaving).
+
+    Raises:
+        UserError: naming the dim, its value and one that would do.
+    """
+    _positive(name, sizes, ("B", "D", "F", "L", "M", "V"))
+    p, v = mesh.get(PIPELINE_AXES[1], 1), sizes["V"]
+    if p < 2:
+        raise UserError(f"{name}: mesh axis pipe={p}; a circular pipeline needs at least 2 stages, e.g. pipe = 2")
+    if sizes["L"] % (p * v):
+        raise UserError(
+            f"{name}: dim L={sizes['L']} layers do not cut into pipe x V = {p} x {v} chunks; use a multiple of "
+            f"{p * v}, e.g. L={max(p * v, sizes['L'] // (p * v) * p * v)}"
+        )
+    if sizes["M"] % p:
+        raise UserError(
+            f"{name}: dim M={sizes['M']} microbatches is not a multiple of mesh axis pipe ({p} stages); the "
+            f"microbatches go round in groups of {p}, e.g. M={max(p, sizes['M'] // p * p)}"
+        )
+    check_pipeline_sizes(name, mesh, {k: sizes[k] for k in ("B", "D", "F", "M")} | {"L": sizes["L"] // v})
+
+
 __all__ = [
     "ATTENTION_AXES",
     "MLP_NOTATION",
@@ -372,6 +405,7 @@ __all__ = [
     "PROGRAMS",
     "ProgramSpec",
     "check_attention_sizes",
+    "check_circular_sizes",
     "check_moe_sizes",
     "check_pipeline_sizes",
     "complete_mesh",

@@ -146,36 +146,59 @@ def pipeline_mlp(plan: Plan, chip: Chip) -> ProgramEstimate:
     nbytes = dtype_bytes(dtype)
     bt, d, f, n_layers, m = (plan.sizes[k] for k in ("B", "D", "F", "L", "M"))
     data, p = mesh.get("data", 1), mesh.get("pipe", 1)
-    lmax = max(pipeline_split(plan.program, n_layers, p))
-    b, steps = bt // (data * m), m + p - 1
+    v = plan.sizes.get("V", 1)  # chunks per stage: the circular schedule (pipeline_circular)
+    circular = plan.program == "pipeline_circular"
+    lmax = n_layers // (p * v) if circular else max(pipeline_split(plan.program, n_layers, p))
+    b, steps = bt // (data * m), m * v + p - 1
     flops = 12 * b * d * f * lmax * steps - 2 * b * d * f * (m if p == 1 else 1)
     # HBM per layer and step, in elements: forward reads h and both weights and writes and reads the pre-activation
     # and gelu [b, F]; backward reads the weights again, reads and writes both weight gradients, and moves the
-    # [b, F] and [b, D] cotangents
+    # [b, F] and [b, D] cotangents. Circular: in a step whose stages span two repeats each weight is selected from
+    # two chunks (read both, write one) and its gradient split back (read one, write two)
     hbm = lmax * steps * (8 * d * f + 8 * b * f + 5 * b * d) * nbytes
+    if circular:
+        hbm += lmax * _two_repeat_steps(p, m, v) * 12 * d * f * nbytes
     cost = roofline(chip, flops, hbm, dtype, op="pipeline/stage")
     ops = [OpEstimate("pipeline/stage", "matmul", cost.time_s, flops, hbm, scope="pipeline/stage")]
     if p > 1:
         act = b * d * nbytes
         for what in ("activation passes down", "cotangent passes back up"):
-            name = f"{steps - 1} [b, D] {what} the pipe"
+            name = f"{steps - 1} [b, D] {what} the pipe" + (", round the ring" if circular else "")
             ops.append(collective_op("permute", ("pipe",), (steps - 1) * act, dtype, chip, plan, name, steps - 1))
     if data > 1:
-        grads = 2 * lmax * d * f * nbytes
+        grads = 2 * v * lmax * d * f * nbytes
         ops.append(collective_op("all-reduce", ("data",), grads, dtype, chip, plan, "weight gradients over data"))
     loss_axes = live(("data", "pipe"), mesh)
     if loss_axes:
         ops.append(collective_op("all-reduce", loss_axes, 4, "fp32", chip, plan, "the loss (a float32 scalar)"))
-    bubble = bubble_fraction(p, m)  # (p - 1) / (M + p - 1), as the training estimator prices a pipeline
+    return _pipeline_estimate(plan, chip, ops, flops, lmax, steps, m, p, v, b)
+
+
+def _two_repeat_steps(p: int, m: int, v: int) -> int:
+    """Steps of the circular schedule whose stages run two different repeats (kernels/pipeline_circular.py: item
+    ``j`` is at repeat ``(j // p) mod v``; stage ``i`` works on item ``s - i`` in step ``s``)."""
+    n = m * v
+    return sum(len({((s - i) // p) % v for i in range(p) if 0 <= s - i < n}) > 1 for s in range(n + p - 1))
+
+
+def _pipeline_estimate(plan: Plan, chip: Chip, ops: list, flops, lmax, steps, m, p, v, b) -> ProgramEstimate:
+    """The pipelined MLP's estimate from its ops: the bubble noted, the memory it holds."""
+    mesh, nbytes = plan.shape, dtype_bytes(plan.dtype)
+    bt, d, f = (plan.sizes[k] for k in ("B", "D", "F"))
+    data = mesh.get("data", 1)
+    bubble = bubble_fraction(p, m, v)  # (p - 1) / (V M + p - 1), as the training estimator prices a pipeline
+    kind, formula = ("GPipe", "(p-1)/(M+p-1)") if v == 1 else (f"circular (V={v})", "(p-1)/(V M+p-1)")
     note = (
-        f"GPipe bubble (p-1)/(M+p-1) = {p - 1}/{steps} = {bubble:.4f}: each stage idles {p - 1} of {steps} steps "
+        f"{kind} bubble {formula} = {p - 1}/{steps} = {bubble:.4f}: each stage idles {p - 1} of {steps} steps "
         "on zeros; the FLOPs count every step, forward and backward, idle ones included"
     )
     if m < p:
         note += f"; fewer microbatches (M={m}) than stages (p={p}): at least half of every stage's steps idle"
     # the weights, their gradients and the updated weights; x; each layer-step's input and pre-activation, saved
     # for the backward
-    held = 6 * lmax * d * f * nbytes + bt // data * d * nbytes + steps * lmax * b * (d + f) * nbytes
+    held = 6 * v * lmax * d * f * nbytes + bt // data * d * nbytes + steps * lmax * b * (d + f) * nbytes
+    if v > 1:  # the weights selected in a step that spans two repeats, saved for the backward
+        held += _two_repeat_steps(p, m, v) * lmax * 2 * d * f * nbytes
     return ProgramEstimate(
         plan.program,
         chip.name,
