@@ -21,7 +21,8 @@ Serving after the scaling book's inference chapters (inference.md, applied-infer
   at ``--mfu`` when given, otherwise the roofline max of FLOPs and weight bytes plus the same
   AllReduces over ``[B P, D]``.
 * **Ideal by default.** Like the book, the default prices peak FLOP/s and bandwidth;
-  ``achievable=True`` applies the efficiency model of :mod:`lab.predict.efficiency` instead.
+  ``achievable=True`` applies the efficiency model of :mod:`lab.predict.efficiency` instead: the GEMM ceiling
+  and, in a decode step, the tile factor of its ``B`` rows (a batch of 128 computes at half the ceiling).
 """
 
 from __future__ import annotations
@@ -244,8 +245,13 @@ def _mem_time(chip: Chip, nbytes: float, achievable: bool) -> float:
     return eff.memory_time(chip, nbytes) if achievable else nbytes / chip.hbm_bandwidth
 
 
-def _flop_time(chip: Chip, flops: float, dtype: str, achievable: bool) -> float:
-    frac = eff.gemm_ceiling(chip, dtype) if achievable else 1.0
+def _flop_time(chip: Chip, flops: float, dtype: str, achievable: bool, rows: float | None = None) -> float:
+    """FLOPs at the peak (ideal), or at the GEMM ceiling; with ``rows`` (a decode step's tokens, the rows every
+    product has) also at the tile factor ``rows / (rows + tile)`` the training estimator's matmuls take
+    (efficiency.matmul_efficiency): a batch of 128 rows on a 128-wide tile runs at half the ceiling."""
+    if not achievable:
+        return flops / chip.flops(dtype)
+    frac = eff.gemm_ceiling(chip, dtype) * (1.0 if rows is None else rows / (rows + eff.tile(chip)))
     return flops / (frac * chip.flops(dtype))
 
 
@@ -296,7 +302,7 @@ def decode_step(cfg: InferConfig, context: int | None = None) -> dict[str, float
     # Matmul FLOPs per chip: 2 x active weights x tokens, attention scores 4 S N H per layer per token.
     mm = m.matmul_flops_per_token() * b / (cfg.tp * cfg.ep)
     att = m.attention_flops_per_token(ctx, causal=False) * b / (cfg.tp * cfg.ep)
-    compute_s = _flop_time(chip, mm + att, cfg.compute, cfg.achievable)
+    compute_s = _flop_time(chip, mm + att, cfg.compute, cfg.achievable, rows=b)
     # the weights stream through skinny GEMMs, which reach less of HBM than a copy (achievable)
     weights_s = eff.decode_weights_time(chip, weight_bytes) if cfg.achievable else weight_bytes / chip.hbm_bandwidth
     kv_s = _mem_time(chip, kv_bytes, cfg.achievable)

@@ -71,7 +71,7 @@ def _split(
         if name == "logits" and logits_flops is not None:
             flops = logits_flops
         if not memory_bound:
-            t = _flop_time(chip, flops, cfg.compute, cfg.achievable)
+            t = _flop_time(chip, flops, cfg.compute, cfg.achievable, rows=cfg.replica_batch if decode else None)
         elif decode and cfg.achievable:  # the weights at the skinny-GEMM rate, as decode_step prices them all
             t = eff.decode_weights_time(chip, w)
         else:
@@ -87,7 +87,7 @@ def _split(
         )
     t_att = _mem_time(chip, kv_bytes, cfg.achievable)
     if not memory_bound:
-        t_att += _flop_time(chip, att_flops, cfg.compute, cfg.achievable)
+        t_att += _flop_time(chip, att_flops, cfg.compute, cfg.achievable, rows=cfg.replica_batch if decode else None)
     ops.append(
         {"name": "attention/scores", "kind": "attention", "time_s": t_att, "flops": att_flops, "bytes": kv_bytes}
     )
