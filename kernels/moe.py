@@ -23,6 +23,10 @@ Per device, in four named scopes:
 * ``moe/combine``: a second ``all_to_all`` returns the results to the tokens' devices, in the send buffer's
   layout; each token sums its kept choices weighted by the router.
 
+With ``S`` shared experts (``moe_shared_mlp``, as DeepSeekMoE and its successors run them) every token also goes
+through one dense SwiGLU of width ``S * F`` (the shared experts side by side), ``W_sgate, W_sup [D, S F]``, ``W_sdown
+[S F, D]`` replicated on every device, in scope ``moe/shared``: no collective, its output added to the routed one.
+
 Capacity, and so dropping, is per device (per group of ``t`` consecutive tokens): :func:`reference_moe` applies the
 same rule to the same groups on one device, so outputs agree exactly whether or not tokens are dropped.
 :func:`load_report` says how the routing loads the experts. The routing options are the module constants of
@@ -44,7 +48,7 @@ from lab.core.errors import UserError
 from lab.core.programs import MOE_AXES, MOE_CAPACITY_FACTOR, MOE_TOPK, check_moe_sizes, moe_capacity
 
 DATA, EXPERT = MOE_AXES
-SCOPES = ("moe/router", "moe/dispatch", "moe/experts", "moe/combine")
+SCOPES = ("moe/router", "moe/dispatch", "moe/experts", "moe/combine", "moe/shared")
 
 MoeFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -54,10 +58,21 @@ def token_spec(mesh: Mesh) -> P:
     return P((DATA, EXPERT) if DATA in mesh.axis_names else EXPERT, None)
 
 
-def in_specs(mesh: Mesh) -> tuple[P, P, P, P, P]:
-    """x, the router ``[D, E]`` (replicated), and ``W_gate, W_up [E_expert, D, F]``, ``W_down [E_expert, F, D]``."""
+def in_specs(mesh: Mesh, shared: bool = False) -> tuple[P, ...]:
+    """x, the router ``[D, E]`` (replicated), and ``W_gate, W_up [E_expert, D, F]``, ``W_down [E_expert, F, D]``;
+    with ``shared``, the shared experts' ``W_sgate, W_sup [D, S F]``, ``W_sdown [S F, D]`` (replicated)."""
     experts = P(EXPERT, None, None)
-    return (token_spec(mesh), P(None, None), experts, experts, experts)
+    return (token_spec(mesh), P(None, None), experts, experts, experts, *([P(None, None)] * 3 if shared else []))
+
+
+def _swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, spec: str) -> jax.Array:
+    """``(silu(h W_gate) * h W_up) W_down`` with float32 products; ``spec``: the batch letters of h (``esd`` for
+    experts' slots, ``td`` for tokens)."""
+    b, e = spec[:-1], "e" if spec.startswith("e") else ""
+    gate = jnp.einsum(f"{spec},{e}df->{b}f", h, w_gate, preferred_element_type=jnp.float32)
+    up = jnp.einsum(f"{spec},{e}df->{b}f", h, w_up, preferred_element_type=jnp.float32)
+    act = (jax.nn.silu(gate) * up).astype(h.dtype)
+    return jnp.einsum(f"{b}f,{e}fd->{b}d", act, w_down, preferred_element_type=jnp.float32).astype(h.dtype)
 
 
 def token_groups(mesh: Mesh) -> int:
@@ -92,12 +107,15 @@ def _slots(experts: jax.Array, n_experts: int, capacity: int) -> tuple[jax.Array
     return jnp.where(keep, flat * capacity + position, n_experts * capacity), keep
 
 
-def moe_mlp(mesh: Mesh, *, topk: int = MOE_TOPK, capacity_factor: float = MOE_CAPACITY_FACTOR) -> MoeFn:
-    """The jitted ``shard_map`` program ``(x, w_router, w_gate, w_up, w_down) -> out`` (module docstring)."""
+def moe_mlp(
+    mesh: Mesh, *, topk: int = MOE_TOPK, capacity_factor: float = MOE_CAPACITY_FACTOR, shared: bool = False
+) -> MoeFn:
+    """The jitted ``shard_map`` program ``(x, w_router, w_gate, w_up, w_down[, w_sgate, w_sup, w_sdown]) -> out``
+    (module docstring); the last three with ``shared``."""
     _require_expert(mesh)
     n = mesh.shape[EXPERT]
 
-    def body(x, w_router, w_gate, w_up, w_down):
+    def body(x, w_router, w_gate, w_up, w_down, *shared_weights):
         # x [t, D]; w_router [D, E]; w_gate, w_up [E/n, D, F]; w_down [E/n, F, D]
         t, d = x.shape
         local = w_gate.shape[0]
@@ -113,19 +131,20 @@ def moe_mlp(mesh: Mesh, *, topk: int = MOE_TOPK, capacity_factor: float = MOE_CA
             recv = jax.lax.all_to_all(send.reshape(e, c, d), EXPERT, 0, 0, tiled=True)
         with jax.named_scope(SCOPES[2]):
             h = recv.reshape(n, local, c, d).transpose(1, 0, 2, 3).reshape(local, n * c, d)
-            gate = jnp.einsum("esd,edf->esf", h, w_gate, preferred_element_type=jnp.float32)
-            up = jnp.einsum("esd,edf->esf", h, w_up, preferred_element_type=jnp.float32)
-            act = (jax.nn.silu(gate) * up).astype(x.dtype)
-            y = jnp.einsum("esf,efd->esd", act, w_down, preferred_element_type=jnp.float32).astype(x.dtype)
+            y = _swiglu(h, w_gate, w_up, w_down, "esd")
             y = y.reshape(local, n, c, d).transpose(1, 0, 2, 3).reshape(e, c, d)
         with jax.named_scope(SCOPES[3]):
             back = jax.lax.all_to_all(y, EXPERT, 0, 0, tiled=True).reshape(e * c, d)  # the send buffer's layout
             got = back[jnp.where(keep, slot, 0)].astype(jnp.float32)  # [k*t, D]
             w = jnp.where(keep, weights.T.reshape(-1), 0.0)
             out = jnp.sum((w[:, None] * got).reshape(topk, t, d), axis=0)
+        if shared_weights:
+            with jax.named_scope(SCOPES[4]):
+                out = out + _swiglu(x, *shared_weights, "td").astype(jnp.float32)
         return out.astype(x.dtype)
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs(mesh), out_specs=token_spec(mesh)))
+    specs = in_specs(mesh, shared)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=token_spec(mesh)))
 
 
 # ----- the single-device reference and the load report ---------------------------------------------------------
@@ -181,9 +200,17 @@ def reference_moe_jax(
     return jnp.sum(jnp.where(kept, weights, 0.0)[:, :, None] * chosen, axis=1)
 
 
-def reference_moe(x, w_router, w_gate, w_up, w_down, *, groups: int, **options) -> np.ndarray:
-    """:func:`reference_moe_jax` as a numpy array."""
-    return np.asarray(reference_moe_jax(x, w_router, w_gate, w_up, w_down, groups=groups, **options))
+def reference_shared(x, w_sgate, w_sup, w_sdown) -> jax.Array:
+    """The shared experts on one device, float32: one dense SwiGLU of width ``S F`` over every token."""
+    x32, g, u, dn = (jnp.asarray(a, jnp.float32) for a in (x, w_sgate, w_sup, w_sdown))
+    act = jax.nn.silu(jnp.dot(x32, g, precision="highest")) * jnp.dot(x32, u, precision="highest")
+    return jnp.dot(act, dn, precision="highest")
+
+
+def reference_moe(x, w_router, w_gate, w_up, w_down, *shared, groups: int, **options) -> np.ndarray:
+    """:func:`reference_moe_jax` as a numpy array, plus :func:`reference_shared` when the shared weights are given."""
+    out = reference_moe_jax(x, w_router, w_gate, w_up, w_down, groups=groups, **options)
+    return np.asarray(out + reference_shared(x, *shared) if shared else out)
 
 
 def load_report(
@@ -212,7 +239,7 @@ def load_report(
 def check_mesh(mesh: Mesh, sizes: Mapping[str, int]) -> None:
     """The sizes against a JAX mesh: E divides over ``expert``, T over ``data`` x ``expert`` (a UserError)."""
     _require_expert(mesh)
-    check_moe_sizes("moe_mlp", dict(mesh.shape), sizes)
+    check_moe_sizes("moe_shared_mlp" if "S" in sizes else "moe_mlp", dict(mesh.shape), dict(sizes))
 
 
 __all__ = [
@@ -225,6 +252,7 @@ __all__ = [
     "moe_mlp",
     "reference_moe",
     "reference_moe_jax",
+    "reference_shared",
     "token_groups",
     "token_spec",
 ]

@@ -225,10 +225,14 @@ def _moe(mesh: Mesh, sizes: Mapping[str, int], dtype: np.dtype, seed: int) -> Bu
     T over ``data`` x ``expert``, E over ``expert``."""
     moe.check_mesh(mesh, sizes)  # UserError naming E or T and a size that divides, before anything compiles
     t, d, f, e = (int(sizes[k]) for k in ("T", "D", "F", "E"))
-    shardings = [NamedSharding(mesh, s) for s in moe.in_specs(mesh)]
+    shared = "S" in sizes  # moe_shared_mlp: S shared experts, one SwiGLU of width S F
+    shardings = [NamedSharding(mesh, s) for s in moe.in_specs(mesh, shared)]
     shapes = [(t, d), (d, e), (e, d, f), (e, d, f), (e, f, d)]
+    if shared:
+        sf = int(sizes["S"]) * f
+        shapes += [(d, sf), (d, sf), (sf, d)]
     reference = partial(moe.reference_moe, groups=moe.token_groups(mesh))
-    return _placed(moe.moe_mlp(mesh), shapes, shardings, dtype, seed, reference)
+    return _placed(moe.moe_mlp(mesh, shared=shared), shapes, shardings, dtype, seed, reference)
 
 
 def _pipeline(mesh: Mesh, sizes: Mapping[str, int], dtype: np.dtype, seed: int) -> Built:

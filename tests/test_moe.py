@@ -263,3 +263,58 @@ def test_a_mesh_without_an_expert_axis_is_refused(jax_devices):
 
     with pytest.raises(UserError, match=r"needs a mesh axis named 'expert'; the mesh has X, Y"):
         get_kernel("moe_mlp").build(make_mesh({"X": 2, "Y": 4}), SIZES)
+
+
+# ----- shared experts (moe_shared_mlp) ----------------------------------------------------------------------------
+
+
+def _shared_inputs(sizes, seed=0):
+    """The routed layer's inputs and the shared experts' ``W_sgate, W_sup [D, S F]``, ``W_sdown [S F, D]``."""
+    d, sf = sizes["D"], sizes["S"] * sizes["F"]
+    rng = np.random.default_rng(seed + 100)
+    gate, up = (rng.standard_normal((d, sf), dtype=np.float32) / np.sqrt(d) for _ in range(2))
+    down = rng.standard_normal((sf, d), dtype=np.float32) / np.sqrt(sf)
+    return (*_inputs(sizes, seed), gate, up, down)
+
+
+@pytest.mark.parametrize("mesh_name", ["data2_expert4", "expert8"])
+def test_shared_experts_match_the_reference_and_add_to_every_token(jax_devices, mesh_name):
+    import jax
+    from jax.sharding import NamedSharding
+
+    from kernels.mesh import make_mesh
+    from kernels.moe import in_specs, moe_mlp, reference_moe, reference_shared, token_groups
+
+    sizes = {**SIZES, "S": 2}
+    mesh = make_mesh(MESHES[mesh_name])
+    args = _shared_inputs(sizes, seed=3)
+    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs(mesh, True), strict=True)]
+    out = np.asarray(moe_mlp(mesh, shared=True)(*placed))
+    ref = reference_moe(*args, groups=token_groups(mesh))
+    np.testing.assert_allclose(out, ref, rtol=F32_RTOL, atol=F32_ATOL)
+    routed = reference_moe(*args[:5], groups=token_groups(mesh))  # without the shared experts the output differs
+    np.testing.assert_allclose(out - routed, np.asarray(reference_shared(args[0], *args[5:])), rtol=1e-4, atol=1e-4)
+    assert np.abs(out - routed).min() > 0  # every token got the shared experts' contribution
+
+
+def test_shared_experts_audit_adds_their_flops_and_no_collective(jax_devices):
+    from lab.compile.audit import audit_plan
+    from lab.core.hardware import get_chip
+    from lab.run.experiment import load_experiment
+
+    exp = load_experiment(os.path.join(REPO, "experiments", "moe_shared4.toml"))
+    r = audit_plan(exp.plan, get_chip("cpu"))
+    assert r.all_match and not r.unexpected, r.table()
+    (e,) = r.entries  # the shared experts add no collective: still dispatch and combine only
+    assert (e.kind, e.axes, len(e.instructions)) == ("all-to-all", ("expert",), 2)
+    assert e.compiled_bytes == 2 * 4 * (8 * 40 * 256 * 4)  # as moe_expert4: t = 128, C = 40
+    # moe_expert4's FLOPs plus the shared SwiGLU: 3 matmuls of 2 * t * D * (S F) on the 128 local tokens
+    routed = 2 * 128 * 256 * 8 + 3 * 2 * 256 * 512 * 8 * 40
+    assert r.flops_compiled == routed + 3 * 2 * 128 * 256 * (2 * 512) == r.flops_predicted
+
+
+def test_shared_experts_bad_size_is_a_user_error_naming_it(jax_devices):
+    from lab.core.plan import kernel_plan
+
+    with pytest.raises(UserError, match=r"moe_shared_mlp: dim S=0 must be a positive integer"):
+        kernel_plan("moe_shared_mlp", {"data": 2, "expert": 4}, {**SIZES, "S": 0}).validate()

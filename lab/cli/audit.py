@@ -44,6 +44,8 @@ def _kernel_plan(name: str) -> Plan:
     }.get(spec.family, DEFAULT_MATMUL_SIZES)
     if name == "pipeline_circular":
         default = DEFAULT_CIRCULAR_SIZES
+    if name == "moe_shared_mlp":
+        default = {**DEFAULT_MOE_SIZES, "S": 2}
     meshes = {"attention": DEFAULT_ATTENTION_MESH, "moe": DEFAULT_MOE_MESH, "pipeline": DEFAULT_PIPELINE_MESH}
     mesh = meshes.get(spec.family, DEFAULT_MESH)
     return kernel_plan(name, mesh, default, hardware="cpu")

@@ -211,6 +211,15 @@ _SPECS: tuple[ProgramSpec, ...] = (
         MOE_AXES,
     ),
     ProgramSpec(
+        "moe_shared_mlp",
+        "moe",
+        "the MoE MLP with S shared experts every token goes through (DeepSeekMoE): top-2 of E routed over the "
+        "expert axis by AllToAll, the shared ones replicated",
+        ("T", "D", "F", "E", "S"),
+        None,
+        MOE_AXES,
+    ),
+    ProgramSpec(
         "pipeline_mlp",
         "pipeline",
         "GPipe train step of L residual MLP blocks in stages over the pipe axis, M microbatches passed by ppermute",
@@ -291,7 +300,7 @@ def check_moe_sizes(name: str, mesh: dict[str, int], sizes: dict[str, int]) -> N
     Raises:
         UserError: naming the dim, its size, the axes and a size that would divide.
     """
-    _positive(name, sizes, ("T", "D", "F", "E"))
+    _positive(name, sizes, ("T", "D", "F", "E", *(("S",) if "S" in sizes else ())))
     data, expert = (mesh.get(a, 1) for a in MOE_AXES)
     _divides(name, "E", sizes["E"], expert, "mesh axis expert")
     _divides(name, "T", sizes["T"], data * expert, "mesh axes data x expert")

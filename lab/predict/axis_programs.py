@@ -96,6 +96,14 @@ def moe_mlp(plan: Plan, chip: Chip) -> ProgramEstimate:
         OpEstimate("moe/router", "matmul", router.time_s, router_flops, router_hbm, scope="moe/router"),
         OpEstimate("moe/experts", "matmul", experts.time_s, expert_flops, expert_hbm, scope="moe/experts"),
     ]
+    sf = plan.sizes.get("S", 0) * f  # moe_shared_mlp: the shared experts, one SwiGLU of width S F on every token
+    if sf:
+        # the three [D, S F] weights read; x read twice; float32 gate and up written and read; the activation
+        # written and read; the output written
+        shared_flops = 3 * 2 * t * d * sf
+        shared_hbm = 3 * d * sf * b + 2 * t * d * b + t * sf * (4 * 4 + 2 * b) + t * d * b
+        cost = roofline(chip, shared_flops, shared_hbm, dtype, op="moe/shared")
+        ops.append(OpEstimate("moe/shared", "matmul", cost.time_s, shared_flops, shared_hbm, scope="moe/shared"))
     if n > 1:
         for stage in ("dispatch", "combine"):
             name = f"{stage} [E, C, D] over expert"
@@ -103,7 +111,7 @@ def moe_mlp(plan: Plan, chip: Chip) -> ProgramEstimate:
             ops.append(collective_op("all-to-all", ("expert",), v, dtype, chip, plan, name))
     # x and out; the router and the local experts' weights; the send and received buffers both ways; the float32
     # gate and up and the activation of every slot
-    weights = d * e * b + 3 * (e // n) * d * f * b
+    weights = d * e * b + 3 * (e // n) * d * f * b + 3 * d * sf * b
     held = {"total": 2 * t * d * b + weights + 4 * buffer + slots * f * (8 + b), "hbm_bytes": chip.hbm_bytes}
     note = (
         f"top-{MOE_TOPK} routing, capacity factor {MOE_CAPACITY_FACTOR}: {slots} expert slots computed per device "
@@ -115,7 +123,7 @@ def moe_mlp(plan: Plan, chip: Chip) -> ProgramEstimate:
         sum(o.time_s for o in ops),
         tuple(ops),
         "MoE model",
-        router_flops + expert_flops,
+        router_flops + expert_flops + (shared_flops if sf else 0),
         held,
         (note,),
     )
