@@ -10,8 +10,8 @@ from lab.core.errors import UserError
 from lab.core.hardware import get_chip
 from lab.core.models import get_model
 from lab.core.table import dumps
-from lab.predict.planner import PlanResult, plan, search_space_size
-from lab.predict.training import Layout, TrainConfig, check_config, estimate, state_min_chips
+from lab.predict.planner import PlanResult, _space, plan, search_space_size
+from lab.predict.training import Layout, TrainConfig, check_config, estimate, memory_per_chip, state_min_chips
 
 MI = 1024 * 1024
 ALL = 10**9  # a `top` larger than any search space: every feasible configuration comes back
@@ -158,12 +158,15 @@ def test_to_dict_is_strict_json(llama70b_64, h100):
         assert d["evaluated"] == r.evaluated and d["feasible"] == r.feasible
         assert d["batch_tokens"] == r.batch_tokens and d["seq_len"] == r.seq_len
         assert "seconds" in d and "configs_per_s" in d
+        assert d["priced_per_s"] == d["configs_per_s"] == r.priced_per_s == r.evaluated / r.seconds
+        assert d["screened_per_s"] == r.screened / r.seconds
         assert [t["rank"] for t in d["top"]] == list(range(1, len(r.top) + 1))
         assert d["top"][0]["step_time_s"] == r.top[0].step_time_s
         assert all(t["fits"] for t in d["top"])
     # A zero-second search has an infinite rate, which JSON carries as null.
     instant = PlanResult("m", "h", 1, 1, 1, 0, 0, 0.0, ())
     assert json.loads(dumps(instant.to_dict()))["configs_per_s"] is None
+    assert json.loads(dumps(instant.to_dict()))["priced_per_s"] is None
 
 
 def test_table_names_every_column(h100):
@@ -239,11 +242,106 @@ def test_benchmark_runs_and_prints_json(capsys):
     assert [(c["model"], c["hardware"], c["chips"]) for c in data["cases"]] == [
         (m, h, n) for m, h, n, _, _ in planner_bench.CASES
     ]
+    assert ("llama3-405b", "h100", 16384) in [(m, h, n) for m, h, n, _, _ in planner_bench.CASES]
     for c in data["cases"]:
-        assert c["evaluated"] >= c["feasible"] > 0 and c["screened"] >= c["evaluated"]
-        assert c["configs_per_s"] is None or c["configs_per_s"] > 0
+        assert c["evaluated"] == c["priced"] >= c["feasible"] > 0 and c["screened"] >= c["evaluated"]
+        assert c["priced_per_s"] == c["configs_per_s"]
+        assert c["priced_per_s"] is None or c["priced_per_s"] > 0
+        assert c["screened_per_s"] is None or c["screened_per_s"] >= c["priced_per_s"]
 
 
 def test_microbatch_larger_than_the_batch_is_named(h100):
     with pytest.raises(UserError, match=r"every microbatch size \(16\) exceeds the global batch of 8 sequences"):
         plan(get_model("llama3-8b"), h100, 8, 8 * 8192, 8192, microbatches=(16,))
+
+
+# ----- one cost model: the planner's numbers are estimate()'s -----------------------------------
+
+# (model, hardware, chips, seq_len, global batch, remats, microbatches): searches with pipeline layouts among the
+# results, a dense model on a GPU and on a TPU torus and a mixture of experts.
+EXACT_SEARCHES = [
+    ("llama3-8b", "h100", 32, 4096, 64, ("none", "selective", "full"), (1, 2, 4)),
+    ("llama3-8b", "tpu-v5e", 32, 4096, 64, ("none", "selective", "full"), (1, 2)),
+    ("mixtral-8x7b", "h100", 32, 4096, 32, ("selective", "full"), (1, 2)),
+]
+
+
+def _assert_same_estimate(planned, direct):
+    assert planned.config == direct.config
+    assert planned.step_time_s == direct.step_time_s
+    assert planned.breakdown == direct.breakdown
+    assert planned.memory == direct.memory
+    assert planned.model_flops_per_step == direct.model_flops_per_step
+    assert planned.hardware_flops_per_step == direct.hardware_flops_per_step
+    assert planned.layer == direct.layer
+    assert planned.to_dict() == direct.to_dict()
+
+
+@pytest.mark.parametrize("screen_memory", [True, False])
+@pytest.mark.parametrize(("name", "hardware", "chips", "seq_len", "gb", "remats", "microbatches"), EXACT_SEARCHES)
+def test_every_planned_estimate_is_estimates_own(
+    name, hardware, chips, seq_len, gb, remats, microbatches, screen_memory
+):
+    """Every configuration the planner returns carries exactly what a checked estimate() of it gives: step time,
+    breakdown, memory, FLOPs, layer cost and the whole to_dict (no tolerance)."""
+    model, chip = get_model(name), get_chip(hardware)
+    kw = {"top": ALL, "remats": remats, "microbatches": microbatches, "screen_memory": screen_memory}
+    result = plan(model, chip, chips, gb * seq_len, seq_len, **kw)
+    assert any(e.config.layout.pp > 1 for e in result.top), "the search must rank pipeline layouts"
+    assert any(e.config.layout.pp_schedule == "interleaved" for e in result.top)
+    if model.is_moe:
+        assert any(e.config.layout.ep > 1 for e in result.top)
+    for est in result.top:
+        _assert_same_estimate(est, estimate(est.config, check=True))
+
+
+def _reference_plan(model, chip, chips, seq_len, gb, remats, microbatches, top, screen_memory):
+    """The planner's documented search, one checked estimate() per point, nothing cached: (screened, evaluated,
+    feasible, the `top` fastest that fit, ties in search order)."""
+    screened = evaluated = feasible = 0
+    fits = []
+    for lay, mbs in _space(model, chip, chips, seq_len, gb, microbatches):
+        screened += len(mbs) * len(remats)
+        points = [
+            TrainConfig(model, chip, lay, seq_len, gb, microbatch=mb, remat=r)
+            for mb, r in itertools.product(mbs, remats)
+        ]
+        if screen_memory:
+            state = memory_per_chip(points[0])
+            if state.params + state.grads + state.optimizer > chip.hbm_bytes:
+                continue
+        for cfg in points:
+            if screen_memory and not memory_per_chip(cfg).fits:
+                continue
+            est = estimate(cfg, check=True)
+            evaluated += 1
+            if est.memory.fits:
+                feasible += 1
+                fits.append(est)
+    fits.sort(key=lambda e: e.step_time_s)  # stable: ties keep the search order
+    return screened, evaluated, feasible, fits[:top]
+
+
+@pytest.mark.parametrize("screen_memory", [True, False])
+@pytest.mark.parametrize(
+    ("name", "hardware", "chips", "seq_len", "gb", "remats", "microbatches"),
+    [
+        ("llama3-8b", "h100", 16, 4096, 32, ("none", "selective", "full"), (1, 2, 4)),
+        ("mixtral-8x7b", "h100", 16, 4096, 16, ("selective", "full"), (1, 2)),
+    ],
+)
+def test_counts_and_top_k_equal_a_brute_force_loop(
+    name, hardware, chips, seq_len, gb, remats, microbatches, screen_memory
+):
+    model, chip = get_model(name), get_chip(hardware)
+    top = 7
+    screened, evaluated, feasible, best = _reference_plan(
+        model, chip, chips, seq_len, gb, remats, microbatches, top, screen_memory
+    )
+    kw = {"top": top, "remats": remats, "microbatches": microbatches, "screen_memory": screen_memory}
+    result = plan(model, chip, chips, gb * seq_len, seq_len, **kw)
+    assert (result.screened, result.evaluated, result.feasible) == (screened, evaluated, feasible)
+    assert evaluated < screened if screen_memory else evaluated == screened
+    assert [e.config for e in result.top] == [e.config for e in best]
+    for planned, direct in zip(result.top, best, strict=True):
+        _assert_same_estimate(planned, direct)

@@ -483,3 +483,89 @@ def test_latent_attention_prices_in_training_and_serving():
         )
     )
     assert mla["kv_s"] == pytest.approx(mha["kv_s"] * 576 / 4096)
+
+
+# ----- the step's parts and the keys a search caches them on -------------------------------------
+
+
+def _layouts(model, rng, n):
+    """``n`` random layouts of ``model``: every degree, schedule and option varied (valid or not)."""
+    out = []
+    for _ in range(n):
+        tp, pp = rng.choice([1, 2, 4, 8]), rng.choice([1, 1, 2, 4])
+        sched = rng.choice(["1f1b", "interleaved", "gpipe"])
+        lay = Layout(
+            dp=rng.choice([1, 2, 4]),
+            fsdp=rng.choice([1, 2, 4]),
+            tp=tp,
+            pp=pp,
+            cp=rng.choice([1, 2]),
+            ep=rng.choice([1, 2, 4]) if model.is_moe else 1,
+            zero=rng.choice([0, 1, 3]),
+            sequence_parallel=tp > 1 and rng.random() < 0.7,
+            pp_schedule=sched,
+            interleave=2 if sched == "interleaved" else 1,
+            cross_node=tuple(rng.sample(["tp", "fsdp", "dp", "pp", "batch"], rng.choice([0, 0, 1]))),
+            pp_embedding_slots=pp > 1 and rng.random() < 0.2,
+        )
+        out.append(lay)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("model", "chip", "job"),
+    [
+        ("llama3-8b", H100, {}),
+        ("mixtral-8x7b", V5P, {"capacity_factor": 1.25}),
+        (
+            "llama3-8b",
+            A100,
+            {"param_dtype": "fp32", "cast_first": True, "remat_regathers_norms": True, "jax_remat": True},
+        ),
+    ],
+)
+def test_cache_keys_hold_everything_their_parts_read(model, chip, job):
+    """The planner caches each part of a step on a key (training.layer_key, training_memory.activation_key,
+    training_comm.content_key and layout_group): points sharing a key, the job fixed, get equal parts."""
+    import random
+
+    from lab.predict.training import layer_compute, layer_cost, layer_key
+    from lab.predict.training_comm import CONTENT_ROLES, PER_MICROBATCH, content_key, layout_group, placement
+    from lab.predict.training_memory import activation_bytes_per_layer, activation_key
+    from lab.predict.training_step import TERMS, role_comms
+
+    rng, m = random.Random(3), get_model(model)
+    points = []
+    for lay in _layouts(m, rng, 160):
+        for mb, remat in [(rng.choice([1, 2]), rng.choice(["none", "selective", "full", "minimal"]))]:
+            c = TrainConfig(m, chip, lay, 4096, 64, microbatch=mb, remat=remat, **job)
+            try:
+                check_config(c)
+            except UserError:
+                continue
+            points.append(c)
+    assert len(points) > 60
+    seen: dict[tuple, object] = {}
+    shared = 0
+
+    def same(key, value):
+        nonlocal shared
+        if key in seen:
+            shared += 1
+            assert seen[key] == value, key
+        seen.setdefault(key, value)
+
+    for c in points:
+        lay, mb, remat = c.layout, c.microbatch, c.remat
+        ops_key, key = layer_key(lay, mb)
+        same(("ops", ops_key), layer_compute(c))
+        same(("layer", key, remat), layer_cost(c))
+        per_layer = activation_bytes_per_layer(m, lay, 4096, mb, remat, c.flash_attention, c.checkpoints_per_layer)
+        same(("acts", activation_key(lay, mb), remat), per_layer)
+        for role in CONTENT_ROLES:
+            content = content_key(role, lay, remat, c.remat_regathers_norms)
+            comms = [x for x in role_comms(c, "dp" if role == "batch" else role) if x.role == role]
+            same(("content", content, mb if role in PER_MICROBATCH else None), comms)
+            same(("where", role, layout_group(lay, role)), placement(chip, *layout_group(lay, role)))
+        assert set(TERMS) | {"batch"} == set(CONTENT_ROLES)
+    assert shared > 300  # the keys do share: the check is not vacuous

@@ -14,19 +14,18 @@ The search space, for ``chips = dp * fsdp * tp * pp * cp``:
 * every recomputation policy in ``remats`` and every microbatch size in ``microbatches`` that
   divides the sequences each data-parallel replica gets.
 
-Each point is priced by :func:`lab.predict.training.estimate` with the per-layer cost reused: a layer's
-cost depends only on ``(tp, cp, ep, sequence_parallel, microbatch, remat)`` once the model, chip,
-sequence length, dtype and attention kernel are fixed. Memory (cheap) is computed first: a layout
-whose weights, gradients and optimizer state alone overflow HBM is dropped with all its microbatch
-sizes and recomputation policies, and any other point that overflows is not priced either (unless
-``screen_memory=False``). ``screened`` counts every valid point, ``evaluated`` the points whose step
-time was priced (calls to ``estimate``), ``feasible`` those of them that fit.
+Each point is priced by the estimator's own step formula (:func:`lab.predict.training_step.step_parts`,
+which :func:`lab.predict.training.estimate` calls too), its parts computed once per search for all the
+points that share what they depend on (:mod:`lab.predict.planner_search`): the layer cost, the layout's
+terms, FSDP's, the microbatches'. The results are ``estimate()``'s, exactly. Memory (cheap) is computed
+first: a layout whose weights, gradients and optimizer state alone overflow HBM is dropped with all its
+microbatch sizes and recomputation policies, and any other point that overflows is not priced either
+(unless ``screen_memory=False``). ``screened`` counts every valid point, ``evaluated`` the points whose
+step time was priced, ``feasible`` those of them that fit.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
 import time
 from collections.abc import Iterator
@@ -38,20 +37,16 @@ from lab.core.hardware import Chip
 from lab.core.models import ModelConfig
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
+from lab.predict.planner_search import Search
 from lab.predict.remat import ALL as REMAT_ALL
 from lab.predict.training import (
     GRAD_BYTES,
     OPTIMIZERS,
     REMAT,
     WEIGHT_BYTES,
-    LayerCost,
     Layout,
     TrainConfig,
     TrainEstimate,
-    check_config,
-    estimate,
-    layer_cost,
-    memory_per_chip,
     state_min_chips,
 )
 
@@ -93,9 +88,19 @@ class PlanResult:
         return self.batch_tokens // self.seq_len
 
     @property
-    def configs_per_s(self) -> float:
+    def priced_per_s(self) -> float:
         """Priced configurations per second of search wall time (screening included in the time)."""
         return self.evaluated / self.seconds if self.seconds > 0 else math.inf
+
+    @property
+    def configs_per_s(self) -> float:
+        """:attr:`priced_per_s` (its former name)."""
+        return self.priced_per_s
+
+    @property
+    def screened_per_s(self) -> float:
+        """Configurations considered (memory computed) per second of search wall time."""
+        return self.screened / self.seconds if self.seconds > 0 else math.inf
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -109,7 +114,9 @@ class PlanResult:
             "feasible": self.feasible,
             "screened": self.screened,
             "seconds": self.seconds,
-            "configs_per_s": self.configs_per_s,
+            "priced_per_s": self.priced_per_s,
+            "configs_per_s": self.priced_per_s,
+            "screened_per_s": self.screened_per_s,
             "top": [{"rank": i, **est.to_dict()} for i, est in enumerate(self.top, start=1)],
         }
 
@@ -316,62 +323,31 @@ def plan(
     chip.flops(dtype)  # a clear UserError when the chip has no such dtype
     remats, microbatches = _unique(tuple(remats)), _unique(tuple(microbatches))
     gb = batch_tokens // seq_len
-    hbm = chip.hbm_bytes
 
     start = time.perf_counter()
-    layers: dict[tuple, LayerCost] = {}
-    heap: list[tuple[float, int, TrainEstimate]] = []  # max-heap on step time: (-step, -order, est)
-    screened = evaluated = feasible = 0
-    common = dict(seq_len=seq_len, global_batch=gb, dtype=dtype, optimizer=optimizer, flash_attention=flash_attention)
+    job = TrainConfig(
+        model, chip, Layout(), seq_len, gb, dtype=dtype, optimizer=optimizer, flash_attention=flash_attention
+    )
+    search = Search(job, remats, top, screen_memory)
     for lay, mbs in _space(model, chip, chips, seq_len, gb, microbatches):
-        screened += len(mbs) * len(remats)
-        if screen_memory:
-            # Weights, gradients and optimizer state depend on the layout alone: if they overflow, so
-            # does every microbatch and recomputation policy of it.
-            probe = memory_per_chip(TrainConfig(model, chip, lay, microbatch=mbs[0], remat=remats[0], **common))
-            if probe.params + probe.grads + probe.optimizer > hbm:
-                continue
-        for mb, remat in itertools.product(mbs, remats):
-            cfg = TrainConfig(model, chip, lay, microbatch=mb, remat=remat, **common)
-            if screen_memory and memory_per_chip(cfg).total > hbm:
-                continue
-            key = (lay.tp, lay.cp, lay.ep, lay.sequence_parallel, mb, remat)
-            lc = layers.get(key)
-            if lc is None:
-                lc = layers[key] = layer_cost(cfg)
-            est = estimate(cfg, check=False, layer=lc)
-            evaluated += 1
-            if not est.memory.fits:
-                continue
-            feasible += 1
-            item = (-est.step_time_s, -evaluated, est)
-            if len(heap) < top:
-                heapq.heappush(heap, item)
-            elif item > heap[0]:  # faster than the slowest kept (ties: the earlier one stays)
-                heapq.heapreplace(heap, item)
-    seconds = time.perf_counter() - start
-
-    if not heap:
+        search.search(lay, mbs)
+    if not search.heap:
         raise UserError(
-            _nothing_fits(model, chip, chips, seq_len, gb, dtype, optimizer, remats, microbatches, screened)
+            _nothing_fits(model, chip, chips, seq_len, gb, dtype, optimizer, remats, microbatches, search.screened)
         )
-    best = tuple(e for _, _, e in sorted(heap, key=lambda it: (-it[0], -it[1])))
-    for est in best:  # the cheap filters above replicate check_config; make sure of it for what we return
-        try:
-            check_config(est.config)
-        except UserError as exc:  # pragma: no cover - a planner bug, not a user mistake
-            raise RuntimeError(f"planner produced an invalid layout {est.config.layout}: {exc}") from exc
+    best = search.best()
+    seconds = time.perf_counter() - start
     return PlanResult(
         model=model.name,
         hardware=chip.name,
         chips=chips,
         batch_tokens=batch_tokens,
         seq_len=seq_len,
-        evaluated=evaluated,
-        feasible=feasible,
+        evaluated=search.evaluated,
+        feasible=search.feasible,
         seconds=seconds,
         top=best,
-        screened=screened,
+        screened=search.screened,
     )
 
 

@@ -27,7 +27,8 @@ memory-bound ops by bytes, collectives by :mod:`lab.predict.collectives`), compo
   exposed; context-parallel KV passing hides behind attention; FSDP gathers and scatters hide
   behind the same layer's compute (exposed only beyond it); the data-parallel gradient reduction
   hides behind the last microbatch's backward. The pipeline adds its bubble:
-  ``(pp-1)/v`` microbatch-times (v = 1 unless interleaved).
+  ``(pp-1)/v`` microbatch-times (v = 1 unless interleaved). The step is composed from its parts in
+  :mod:`lab.predict.training_step`, one formula for :func:`estimate` and the layout planner.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lab.predict import efficiency as eff
-from lab.predict.axis_costs import bubble_over_work
 from lab.predict.limits import Limits, limits
 from lab.predict.remat import policy as remat_policy
 from lab.predict.remat import recomputed as remat_recomputed
@@ -47,13 +47,12 @@ from lab.predict.train_config import (
     OPTIMIZERS,
     REMAT,
     SCHEDULES,
-    UPDATE_BYTES,
     WEIGHT_BYTES,
     Layout,
     TrainConfig,
     check_config,
 )
-from lab.predict.training_comm import Comm, calls_per_step, collectives, group_size, place
+from lab.predict.training_comm import calls_per_step, collectives
 from lab.predict.training_memory import (
     Memory,
     activation_bytes_per_layer,
@@ -62,6 +61,23 @@ from lab.predict.training_memory import (
     memory_per_chip,
     min_chips,
     state_min_chips,
+)
+from lab.predict.training_step import (
+    FsdpTerms,
+    LayerCost,
+    LayoutTerms,
+    MicrobatchTerms,
+    breakdown,
+    comm_time,
+    dp_times,
+    fsdp_terms,
+    layout_terms,
+    microbatch_terms,
+    pp_time,
+    prices,
+    role_comms,
+    step_parts,
+    tp_microbatch_time,
 )
 
 # The kernels' named scope each estimator op is joined to (lab/report/ledger.py); ops sharing a scope are one row.
@@ -175,26 +191,6 @@ class TrainEstimate:
 # ----- time ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class LayerCost:
-    """One layer, one microbatch, one chip: seconds per phase and the communication it exposes.
-
-    ``ops`` are ``(name, kind, forward s, backward s, forward FLOPs, forward bytes)``; ``recomputed`` names the
-    ops the remat policy runs again in the backward pass.
-    """
-
-    fwd: float
-    bwd: float
-    recompute: float
-    tp_comm: float
-    ep_comm: float
-    cp_exposed: float
-    ops: tuple[tuple[str, str, float, float, float, float], ...]
-    recomputed: tuple[str, ...] = ()
-    tp_microbatch: float = 0.0  # TP collectives once per microbatch: the vocab-parallel embedding and loss
-    offload: float = 0.0  # host transfers of offloaded activations beyond the compute they hide behind
-
-
 def _wide(dtype: str) -> str:
     """The dtype of matmuls that low-precision recipes keep wide (attention, logits)."""
     return "bf16" if dtype in ("fp8", "fp4", "int8", "int4") else dtype
@@ -279,39 +275,36 @@ def _weigh(ops: list, start: int, w: float) -> None:
     ops[start:] = [(n, k, f * w, b * w, fl * w, by * w) for n, k, f, b, fl, by in ops[start:]]
 
 
-_PRICED: dict[int, tuple[object, dict[tuple, float]]] = {}  # chip id -> (the chip, its priced collectives)
+def layer_key(lay: Layout, microbatch: int) -> tuple[tuple, tuple]:
+    """What :func:`layer_compute` and :func:`layer_cost` depend on, of a layout and a microbatch size, besides the
+    recomputation policy (which the layer cost reads too), with the model, the chip and the job's other settings
+    held fixed, as a search's cache keys: the ops' (tp, cp, ep, sequence parallelism and the microbatch), and the
+    layer cost's (those, and the groups known to cross the slow link)."""
+    ops = (lay.tp, lay.cp, lay.ep, lay.sequence_parallel, microbatch)
+    return ops, (ops, lay.cross_node)
 
 
-def comm_time(cfg: TrainConfig, c: Comm) -> float:
-    """Achievable time of one call of ``c`` where its group sits (memoised per chip: a search prices the same
-    collectives over and over)."""
-    group, where = group_size(cfg, c.role), place(cfg, c.role)
-    key = (c.kind, c.bytes, group, tuple(sorted(where.items())))
-    held = _PRICED.get(id(cfg.chip))
-    if held is None or held[0] is not cfg.chip:
-        if len(_PRICED) > 32:
-            _PRICED.clear()
-        held = _PRICED[id(cfg.chip)] = (cfg.chip, {})
-    memo = held[1]
-    if key not in memo:
-        memo[key] = eff.comm_time(cfg.chip, c.kind, c.bytes, group, **where)
-    return memo[key]
+def layer_compute(cfg: TrainConfig) -> tuple[tuple[tuple[str, str, float, float, float, float], ...], float]:
+    """One layer's ops for one microbatch (``LayerCost.ops``) and the logits' time: what no recomputation policy
+    changes."""
+    return tuple(_compute_ops(cfg)), _logits_time(cfg)
 
 
-def layer_cost(cfg: TrainConfig) -> LayerCost:
-    """Per-op forward/backward times of one layer, and the communication it exposes (module docstring)."""
-    ops = _compute_ops(cfg)
+def layer_cost(cfg: TrainConfig, compute: tuple | None = None) -> LayerCost:
+    """Per-op forward/backward times of one layer, and the communication it exposes (module docstring).
+
+    ``compute``: this config's :func:`layer_compute` (a search shares it between policies, :func:`layer_key`)."""
+    ops, logits = compute if compute is not None else layer_compute(cfg)
     fwd = sum(o[2] for o in ops)
     bwd = sum(o[3] for o in ops)
-    comms = collectives(cfg, roles=("tp", "ep", "cp"))
-    per_layer = [c for c in comms if c.per == "layer"]
-    tp = sum(c.calls * comm_time(cfg, c) for c in per_layer if c.role == "tp" and not c.hidden)
-    tp_mb = sum(c.calls * comm_time(cfg, c) for c in comms if c.role == "tp" and c.per == "microbatch")
-    ep = sum(c.calls * comm_time(cfg, c) for c in per_layer if c.role == "ep")
+    per_layer = collectives(cfg, roles=("tp", "ep", "cp"), per="layer")
+    times = list(zip(per_layer, prices(cfg.chip, cfg.layout, per_layer), strict=True))
+    tp = sum(c.calls * t for c, t in times if c.role == "tp" and not c.hidden)
+    ep = sum(c.calls * t for c, t in times if c.role == "ep")
     cp_exposed = 0.0
-    for c in per_layer:
+    for c, t in times:
         if c.role == "cp":  # the ring's passes hide behind attention where they can (forward 1, backward 2)
-            ring = c.calls / 3 * comm_time(cfg, c)
+            ring = c.calls / 3 * t
             att = sum(o[2] for o in ops if o[1] == "attention")
             cp_exposed = max(0.0, ring - att) + max(0.0, 2 * ring - 2.5 * att)
     named = remat_policy(cfg.remat)
@@ -333,7 +326,18 @@ def layer_cost(cfg: TrainConfig) -> LayerCost:
     else:
         recomputed = ()
     recompute = sum(o[2] for o in ops if o[0] in recomputed)
-    return LayerCost(fwd, bwd, recompute, tp, ep, cp_exposed, tuple(ops), recomputed, tp_mb, offload)
+    return LayerCost(
+        fwd=fwd,
+        bwd=bwd,
+        recompute=recompute,
+        tp_comm=tp,
+        ep_comm=ep,
+        cp_exposed=cp_exposed,
+        logits=logits,
+        ops=ops,
+        recomputed=recomputed,
+        offload=offload,
+    )
 
 
 def _logits_time(cfg: TrainConfig) -> float:
@@ -345,75 +349,31 @@ def _logits_time(cfg: TrainConfig) -> float:
     return 3 * mm + ce
 
 
-def _fsdp_exposed(cfg: TrainConfig, lc: LayerCost, times: dict[Comm, float]) -> float:
-    """FSDP per microbatch: each layer's gathers and scatter beyond the same layer's compute, the embeddings'
-    beyond the logits'."""
-    fwd = bwd = 0.0  # a gather issued twice per layer is one forward and one backward; once, a backward one
-    for c, t in times.items():
-        if c.role == "fsdp" and c.per == "layer":
-            ahead = c.calls // 2 if c.kind == "all-gather" else 0
-            fwd += t * ahead
-            bwd += t * (c.calls - ahead)
-    chip = cfg.chip  # hidden is not free: the overlapped compute runs slower on a GPU (efficiency.overlap_cost)
-    per_layer = eff.overlap_cost(chip, fwd, lc.fwd) + eff.overlap_cost(chip, bwd, lc.bwd + lc.recompute)
-    exposed = cfg.layout.stage_layers(cfg.model.layers) * per_layer
-    rest = sum(c.calls * t for c, t in times.items() if c.role == "fsdp" and c.per == "microbatch")
-    return exposed + eff.overlap_cost(chip, rest, _logits_time(cfg)) if rest else exposed
+def step_terms(cfg: TrainConfig) -> tuple[LayoutTerms, MicrobatchTerms, FsdpTerms | None]:
+    """The step's parts besides the layer cost (:mod:`lab.predict.training_step`), priced for ``cfg``."""
+    chip, lay = cfg.chip, cfg.layout
+    lt = layout_terms(cfg.model, chip, lay, cfg.optimizer, *dp_times(chip, lay, role_comms(cfg, "dp")))
+    pp, tp = pp_time(chip, lay, role_comms(cfg, "pp")), tp_microbatch_time(chip, lay, role_comms(cfg, "tp"))
+    mt = microbatch_terms(lay, cfg.microbatches, pp, tp)
+    return lt, mt, fsdp_terms(chip, lay, role_comms(cfg, "fsdp"))
 
 
-def estimate(cfg: TrainConfig, *, check: bool = True, layer: LayerCost | None = None) -> TrainEstimate:
-    """Predict one training step (see the module docstring for the model and its assumptions)."""
+def estimate(
+    cfg: TrainConfig, *, check: bool = True, layer: LayerCost | None = None, terms: tuple | None = None
+) -> TrainEstimate:
+    """Predict one training step (see the module docstring for the model and its assumptions).
+
+    The step time is :func:`lab.predict.training_step.step_parts` of the layer cost and the other terms
+    (:func:`step_terms`); ``layer`` and ``terms``, when given, are this config's, priced already (the planner caches
+    them on what they depend on: :func:`layer_key`, ``training_comm.content_key``).
+    """
     if check:
         check_config(cfg)
     m, lay, chip = cfg.model, cfg.layout, cfg.chip
     lc = layer if layer is not None else layer_cost(cfg)
-    # Each collective priced once; TP, EP and CP are the layer cost's (the planner caches those).
-    times = {c: comm_time(cfg, c) for c in collectives(cfg, roles=("pp", "fsdp", "dp", "batch"))}
-    layers = lay.stage_layers(m.layers)
-    n_mb = cfg.microbatches
-
-    layer_t = lc.fwd + lc.bwd + lc.recompute
-    if lay.stage_split:  # uneven stages: the last one also computes the logits; the busiest sets the pace
-        last = len(lay.stage_split) - 1
-        compute_mb = max(n * layer_t + (_logits_time(cfg) if i == last else 0.0) for i, n in enumerate(lay.stage_split))
-    elif lay.pp > 1 and lay.pp_embedding_slots:  # the last stage trades a layer for the loss; the busiest sets the pace
-        compute_mb = max(layers * layer_t, (layers - 1) * layer_t + _logits_time(cfg))
-    else:
-        compute_mb = layers * layer_t + _logits_time(cfg)
-    tp_mb = layers * lc.tp_comm + lc.tp_microbatch
-    ep_mb = layers * lc.ep_comm
-    cp_mb = layers * lc.cp_exposed
-    pp_mb = sum(c.calls * t for c, t in times.items() if c.role == "pp")  # once per chunk boundary, both ways
-    fsdp_mb = _fsdp_exposed(cfg, lc, times) if lay.fsdp_eff > 1 else 0.0
-
-    offload_mb = layers * lc.offload
-    t_mb = compute_mb + tp_mb + ep_mb + cp_mb + pp_mb + fsdp_mb + offload_mb
-    bubble = bubble_over_work(lay.pp, n_mb, lay.v) * n_mb * t_mb  # (p - 1) / v microbatch times (axis_costs)
-
-    # Data parallelism: one gradient reduction per step, behind the last microbatch's backward; the loss mean.
-    dp_comm = sum(t for c, t in times.items() if c.role == "dp")
-    loss = sum(t for c, t in times.items() if c.role == "batch")
-    dp_exposed = eff.overlap_cost(chip, dp_comm, layers * (lc.bwd + lc.recompute)) + loss
-
-    # Optimizer: a memory-bound pass over this chip's share of the state.
-    shard = lay.dp * lay.fsdp if lay.zero >= 1 else lay.fsdp_eff
-    optimizer = eff.memory_time(chip, local_params(m, lay) / shard * UPDATE_BYTES[cfg.optimizer])
-
-    step = n_mb * t_mb + bubble + dp_exposed + optimizer
-    breakdown = {
-        "compute_s": n_mb * compute_mb,
-        "exposed_comm_s": n_mb * (tp_mb + ep_mb + cp_mb + pp_mb + fsdp_mb) + dp_exposed,
-        "bubble_s": bubble,
-        "optimizer_s": optimizer,
-        "comm_tp_s": n_mb * tp_mb,
-        "comm_ep_s": n_mb * ep_mb,
-        "comm_cp_s": n_mb * cp_mb,
-        "comm_pp_s": n_mb * pp_mb,
-        "comm_fsdp_s": n_mb * fsdp_mb,
-        "comm_dp_s": dp_exposed,
-        "dp_reduction_s": dp_comm,
-        "offload_s": n_mb * offload_mb,
-    }
+    lt, mt, ft = terms if terms is not None else step_terms(cfg)
+    parts = step_parts(chip, lc, lt, mt, ft)
+    layers, n_mb = lt.layers, mt.n_mb
     tokens = cfg.batch_tokens
     model_flops = m.flops_per_token(cfg.seq_len, causal=cfg.causal) * tokens
     # Under fused attention, selective recomputation reruns elementwise ops only: no extra FLOPs.
@@ -426,8 +386,8 @@ def estimate(cfg: TrainConfig, *, check: bool = True, layer: LayerCost | None = 
     mem = memory_per_chip(cfg)
     return TrainEstimate(
         config=cfg,
-        step_time_s=step,
-        breakdown=breakdown,
+        step_time_s=parts[0],
+        breakdown=breakdown(parts, lt, mt),
         memory=mem,
         model_flops_per_step=model_flops,
         hardware_flops_per_step=hw_flops,
@@ -459,7 +419,7 @@ def step_ops(est: TrainEstimate) -> list[dict[str, Any]]:
         {
             "name": "logits",
             "kind": "matmul",
-            "time_s": cfg.microbatches * _logits_time(cfg),
+            "time_s": cfg.microbatches * lc.logits,
             "flops": cfg.microbatches * logits_flops,
             "bytes": 0.0,
         }
@@ -515,7 +475,9 @@ __all__ = [
     "activation_bytes_per_layer",
     "check_config",
     "estimate",
+    "layer_compute",
     "layer_cost",
+    "layer_key",
     "layer_params_local",
     "limits",
     "local_params",
@@ -523,4 +485,5 @@ __all__ = [
     "min_chips",
     "state_min_chips",
     "step_ops",
+    "step_terms",
 ]

@@ -38,7 +38,7 @@ from lab.core.hardware import Chip
 from lab.predict.axis_costs import moe_exchange_bytes, ring_kv_block_bytes, ring_passes
 from lab.predict.remat import policy as remat_policy
 from lab.predict.remat import recomputed
-from lab.predict.train_config import TrainConfig
+from lab.predict.train_config import Layout, TrainConfig
 from lab.predict.training_memory import layer_params_local, local_params
 
 LOSS_BYTES = 4.0  # the float32 loss
@@ -71,31 +71,30 @@ class Comm:
     dtype: str = "bf16"
 
 
+def layout_group(lay: Layout, role: str) -> tuple[int, int, bool]:
+    """``(size, stride, cross_node)`` of the group a ``role`` collective spans in ``lay``: its chips, the chips
+    between neighbours (tp innermost, then cp, fsdp, dp, pp: the estimator's mesh order) and whether it is known to
+    cross the slow link. All that :func:`placement` reads of a layout."""
+    cross = role in lay.cross_node
+    if role == "tp":
+        return lay.tp, 1, cross
+    if role == "cp":
+        return lay.cp, lay.tp, cross
+    if role == "ep":
+        return lay.ep, lay.tp * lay.cp, cross
+    if role == "fsdp":
+        return lay.fsdp_eff, lay.tp * lay.cp, cross
+    if role == "batch":
+        return lay.dp * lay.fsdp, lay.tp * lay.cp, cross
+    if role == "dp":
+        return lay.dp_eff, lay.tp * lay.cp * lay.fsdp, cross
+    if role == "pp":
+        return lay.pp, lay.tp * lay.cp * lay.fsdp * lay.dp, cross
+    raise KeyError(role)
+
+
 def group_size(cfg: TrainConfig, role: str) -> int:
-    lay = cfg.layout
-    return {
-        "tp": lay.tp,
-        "ep": lay.ep,
-        "cp": lay.cp,
-        "pp": lay.pp,
-        "fsdp": lay.fsdp_eff,
-        "dp": lay.dp_eff,
-        "batch": lay.dp * lay.fsdp,
-    }[role]
-
-
-def _stride(cfg: TrainConfig, role: str) -> int:
-    """Chips between neighbours of a group: tp innermost, then cp, fsdp, dp, pp (the estimator's mesh order)."""
-    lay = cfg.layout
-    return {
-        "tp": 1,
-        "cp": lay.tp,
-        "ep": lay.tp * lay.cp,
-        "fsdp": lay.tp * lay.cp,
-        "batch": lay.tp * lay.cp,
-        "dp": lay.tp * lay.cp * lay.fsdp,
-        "pp": lay.tp * lay.cp * lay.fsdp * lay.dp,
-    }[role]
+    return layout_group(cfg.layout, role)[0]
 
 
 def placement(chip: Chip, size: int, stride: int, cross_node: bool = False) -> dict[str, Any]:
@@ -119,7 +118,34 @@ def placement(chip: Chip, size: int, stride: int, cross_node: bool = False) -> d
 
 
 def place(cfg: TrainConfig, role: str) -> dict[str, Any]:
-    return placement(cfg.chip, group_size(cfg, role), _stride(cfg, role), role in cfg.layout.cross_node)
+    return placement(cfg.chip, *layout_group(cfg.layout, role))
+
+
+def content_key(role: str, lay: Layout, remat: str, regathers_norms: bool = False) -> tuple:
+    """What the collectives of ``role`` (which, their bytes and calls; where their group sits is
+    :func:`layout_group`'s) depend on, of a layout and a recomputation policy, with the model, the chip and the job's
+    other settings held fixed (``regathers_norms``: the job's ``remat_regathers_norms``), and for ``pp`` and ``tp``
+    (:data:`PER_MICROBATCH`) on the microbatch size besides: a search's cache key. ``role`` is ``pp``, ``fsdp``,
+    ``dp``, ``batch`` or ``tp`` (the TP collectives once per microbatch; the per-layer ones are the layer cost's).
+    Read off the functions below; tests/test_training.py checks it against them."""
+    # A group of one has none at all: (role, None).
+    if role == "pp":  # a microbatch's activations on a tp rank and cp shard, each way per chunk
+        return (role, lay.v, lay.tp, lay.cp) if lay.pp > 1 else (role, None)
+    if role == "tp":  # a microbatch's tokens on a cp shard; with SP, the norm-scale gradients of the stage's layers
+        stage = (lay.pp, lay.pp_embedding_slots, lay.stage_split)
+        return (role, lay.cp, lay.sequence_parallel, stage) if lay.tp > 1 else (role, None)
+    if role == "fsdp":  # a tp/ep rank's layer and stage weights; the norm scales again under recomputation
+        again = regathers_norms and remat != "none"
+        return (role, lay.tp, lay.ep, lay.pp, again) if lay.fsdp_eff > 1 else (role, None)
+    if role == "dp":  # a tp/ep rank's stage gradients over fsdp
+        return (role, lay.tp, lay.ep, lay.pp, lay.fsdp_eff) if lay.dp_eff > 1 else (role, None)
+    if role == "batch":  # the loss
+        return (role, LOSS_BYTES) if lay.dp * lay.fsdp > 1 else (role, None)
+    raise KeyError(role)
+
+
+CONTENT_ROLES = ("pp", "tp", "fsdp", "dp", "batch")  # content_key's
+PER_MICROBATCH = ("pp", "tp")  # roles whose content_key leaves out the microbatch size they depend on
 
 
 def _tokens(cfg: TrainConfig) -> float:
@@ -143,38 +169,49 @@ def _recomputed_tp(cfg: TrainConfig, row: int) -> tuple[int, int, int]:
     return row, row, row  # Megatron: the whole layer again, and the weight gradients' inputs gathered again
 
 
-def _tp(cfg: TrainConfig) -> list[Comm]:
-    m, lay = cfg.model, cfg.layout
-    if lay.tp <= 1:
+def _dtype(nbytes: float) -> str:
+    return "fp32" if nbytes == 4 else "bf16"
+
+
+def _tp(cfg: TrainConfig, per: str | None = None) -> list[Comm]:
+    """TP's collectives: each layer's, then those once per microbatch (``per``: only those)."""
+    if cfg.layout.tp <= 1:
         return []
-    tokens = _tokens(cfg)
-    act = tokens * m.d_model * cfg.act_bytes
+    out = _tp_layer(cfg) if per != "microbatch" else []
+    return out + _tp_microbatch(cfg) if per != "layer" else out
+
+
+def _tp_layer(cfg: TrainConfig) -> list[Comm]:
+    m, lay = cfg.model, cfg.layout
+    act = _tokens(cfg) * m.d_model * cfg.act_bytes
     dt = "fp32" if cfg.act_bytes == 4 else "bf16"
     row, col = 2, (2 if cfg.fused_projections else 5)
     rows_again, gathers_again, regather = _recomputed_tp(cfg, row)
 
-    def on_act(kind: str, calls: float, per: str, what: str, hidden: str = "") -> Comm:
-        return Comm("tp", kind, act, calls, per, what, hidden, dt)
+    def on_act(kind: str, calls: float, what: str, hidden: str = "") -> Comm:
+        return Comm("tp", kind, act, calls, "layer", what, hidden, dt)
 
     if not lay.sequence_parallel:
-        calls = row + rows_again + col
-        out = [on_act("all-reduce", calls, "layer", f"TP AllReduces: {row} forward, {col} backward")]
-    else:
+        return [on_act("all-reduce", row + rows_again + col, f"TP AllReduces: {row} forward, {col} backward")]
+    return [
+        on_act("all-gather", row + gathers_again + row, "SP AllGathers: forward, and the transposes"),
+        on_act("all-gather", regather, "SP inputs gathered again for the weight gradients", "dgrad"),
+        on_act("reduce-scatter", row + rows_again + col, f"SP ReduceScatters: {row} fwd, {col} bwd"),
+    ]
+
+
+def _tp_microbatch(cfg: TrainConfig) -> list[Comm]:
+    m, lay = cfg.model, cfg.layout
+    tokens = _tokens(cfg)
+    dt = "fp32" if cfg.act_bytes == 4 else "bf16"
+    out = []
+    if lay.sequence_parallel:
+        act = tokens * m.d_model * cfg.act_bytes
         grads = (2 * lay.stage_layers(m.layers) + 1) * m.d_model * cfg.grad_reduce_bytes
+        what = "norm-scale gradients, partial over the sequence shards"
         out = [
-            on_act("all-gather", row + gathers_again + row, "layer", "SP AllGathers: forward, and the transposes"),
-            on_act("all-gather", regather, "layer", "SP inputs gathered again for the weight gradients", "dgrad"),
-            on_act("reduce-scatter", row + rows_again + col, "layer", f"SP ReduceScatters: {row} fwd, {col} bwd"),
-            on_act("all-gather", 2, "microbatch", "SP: the logits' input, the embedding's gradient"),
-            Comm(
-                "tp",
-                "all-reduce",
-                grads,
-                1,
-                "microbatch",
-                "norm-scale gradients, partial over the sequence shards",
-                dtype="fp32" if cfg.grad_reduce_bytes == 4 else "bf16",
-            ),
+            Comm("tp", "all-gather", act, 2, "microbatch", "SP: the logits' input, the embedding's gradient", "", dt),
+            Comm("tp", "all-reduce", grads, 1, "microbatch", what, dtype=_dtype(cfg.grad_reduce_bytes)),
         ]
     # The lookup's partial rows are summed in the table's dtype, and with fp32 weights the logits' input gradient
     # comes out of an fp32-accumulating matmul: both fp32 there (the lab's Transformer), activations' elsewhere.
@@ -182,18 +219,8 @@ def _tp(cfg: TrainConfig) -> list[Comm]:
     vocab_act = tokens * m.d_model * (4.0 if vocab_dt == "fp32" else cfg.act_bytes)
     what = "vocab-parallel embedding (forward), logits (backward)"
     out.append(Comm("tp", "all-reduce", vocab_act, 2, "microbatch", what, "", vocab_dt))
-    softmax = tokens * SOFTMAX_BYTES
-    out.append(
-        Comm(
-            "tp",
-            "all-reduce",
-            softmax,
-            3,
-            "microbatch",
-            "vocab-parallel softmax: max, sum, sum's backward",
-            dtype="fp32",
-        )
-    )
+    what = "vocab-parallel softmax: max, sum, sum's backward"
+    out.append(Comm("tp", "all-reduce", tokens * SOFTMAX_BYTES, 3, "microbatch", what, dtype="fp32"))
     return out
 
 
@@ -350,18 +377,19 @@ def _ep_cp_pp(cfg: TrainConfig) -> list[Comm]:
     return out
 
 
-def collectives(cfg: TrainConfig, roles: tuple[str, ...] = ROLES) -> list[Comm]:
-    """Every collective of one training step (see the module docstring), or those of ``roles``."""
+def collectives(cfg: TrainConfig, roles: tuple[str, ...] = ROLES, per: str | None = None) -> list[Comm]:
+    """Every collective of one training step (see the module docstring), or those of ``roles`` (and issued once
+    per ``per``: ``layer``, ``microbatch`` or ``step``)."""
     out = []
     if "tp" in roles:
-        out += _tp(cfg)
-    if {"ep", "cp", "pp"} & set(roles):
+        out += _tp(cfg, per)
+    if "ep" in roles or "cp" in roles or "pp" in roles:
         out += [c for c in _ep_cp_pp(cfg) if c.role in roles]
     if "fsdp" in roles:
         out += _fsdp(cfg)
-    if {"dp", "batch"} & set(roles):
+    if "dp" in roles or "batch" in roles:
         out += [c for c in _dp(cfg) if c.role in roles]
-    return [c for c in out if c.calls > 0]
+    return [c for c in out if c.calls > 0 and (per is None or c.per == per)]
 
 
 def calls_per_step(cfg: TrainConfig, c: Comm) -> float:
@@ -372,4 +400,16 @@ def calls_per_step(cfg: TrainConfig, c: Comm) -> float:
     return n * cfg.layout.stage_layers(cfg.model.layers) if c.per == "layer" else n
 
 
-__all__ = ["ROLES", "Comm", "calls_per_step", "collectives", "group_size", "place", "placement"]
+__all__ = [
+    "CONTENT_ROLES",
+    "PER_MICROBATCH",
+    "ROLES",
+    "Comm",
+    "calls_per_step",
+    "collectives",
+    "content_key",
+    "group_size",
+    "layout_group",
+    "place",
+    "placement",
+]

@@ -92,6 +92,12 @@ def activation_bytes_per_layer(
     return (shared / (t if sp else 1)) + attn + mlp + scores
 
 
+def activation_key(lay: Layout, microbatch: int) -> tuple:
+    """What :func:`activation_bytes_per_layer` reads of a layout and a microbatch size, besides the recomputation
+    policy (the model, sequence length, attention and checkpoints held fixed): a search's cache key."""
+    return (lay.tp, lay.cp, lay.sequence_parallel, microbatch)
+
+
 def layer_params_local(m: ModelConfig, lay: Layout) -> float:
     """One layer's parameters on one tensor/expert-parallel rank (what FSDP gathers for that layer).
 
@@ -118,48 +124,74 @@ def layer_params_local(m: ModelConfig, lay: Layout) -> float:
     return attn + moe + m.norm_params_per_layer
 
 
-def local_params(m: ModelConfig, lay: Layout) -> float:
+def local_params(m: ModelConfig, lay: Layout, layer: float | None = None) -> float:
     """Parameters one chip owns before ZeRO/FSDP: its stage's layers on its tp/ep rank, and the (vocab-parallel)
-    embeddings, learned positions and final norm, averaged over the pipeline stages."""
+    embeddings, learned positions and final norm, averaged over the pipeline stages (``layer``: the layout's
+    :func:`layer_params_local`, when at hand)."""
+    layer = layer_params_local(m, lay) if layer is None else layer
     emb = m.vocab * m.d_model * (1 if m.tied_embeddings else 2) / lay.tp
     pos = m.max_seq_len * m.d_model if m.learned_positions else 0.0
     final = m.d_model * (2 if m.norm == "layernorm" else 1)
-    return (m.layers * layer_params_local(m, lay) + emb + pos + final) / lay.pp
+    return (m.layers * layer + emb + pos + final) / lay.pp
 
 
-def memory_per_chip(cfg: TrainConfig) -> Memory:
-    m, lay = cfg.model, cfg.layout
-    local = local_params(m, lay)
+def state_bytes(m: ModelConfig, lay: Layout, weight_bytes: float, optimizer_bytes: float) -> tuple[float, ...]:
+    """``(params, grads, optimizer, gathered, local)`` per chip: the state, which depends on the layout alone
+    (``gathered``: of ``params``, the layers FSDP holds gathered whole; ``local``: :func:`local_params`)."""
+    layer = layer_params_local(m, lay)
+    local = local_params(m, lay, layer)
     f = lay.fsdp_eff
     zero_group = lay.dp * lay.fsdp
-    params = local * cfg.weight_bytes / f
-    gathered = 2 * layer_params_local(m, lay) * cfg.weight_bytes if f > 1 else 0.0
+    params = local * weight_bytes / f
+    gathered = 2 * layer * weight_bytes if f > 1 else 0.0
     params += gathered  # the layer being computed (and the next, prefetched) are gathered whole
     grads = local * GRAD_BYTES / (zero_group if lay.zero >= 2 else f)
-    opt = local * cfg.optimizer_bytes / (zero_group if lay.zero >= 1 else f)
-    per_layer = activation_bytes_per_layer(
-        m, lay, cfg.seq_len, cfg.microbatch, cfg.remat, cfg.flash_attention, cfg.checkpoints_per_layer
-    )
+    opt = local * optimizer_bytes / (zero_group if lay.zero >= 1 else f)
+    return params, grads, opt, gathered, local
+
+
+def activation_terms(
+    m: ModelConfig, lay: Layout, seq_len: int, microbatch: int, microbatches: int
+) -> tuple[float, float, float]:
+    """``(a, b, rest)``: a chip holds ``per_layer * a * b + rest`` bytes of activations (:func:`activations`), with
+    ``per_layer`` one layer's for one microbatch (:func:`activation_bytes_per_layer`)."""
     layers_per_stage = lay.stage_layers(m.layers)
     if lay.pp == 1:
         in_flight = 1.0
     elif lay.pp_schedule == "gpipe":
-        in_flight = float(cfg.microbatches)
+        in_flight = float(microbatches)
     else:
-        in_flight = float(min(lay.pp, cfg.microbatches))
+        in_flight = float(min(lay.pp, microbatches))
         if lay.pp_schedule == "interleaved":
             in_flight *= 1 + (lay.pp - 1) / (lay.pp * lay.v)
-    acts = per_layer * layers_per_stage * in_flight
+    a, b = layers_per_stage, in_flight
     if lay.stage_split and lay.pp_schedule == "1f1b":  # stage i holds min(pp - i, m) microbatches: the peak stage
-        acts = per_layer * max(n * min(lay.pp - i, cfg.microbatches) for i, n in enumerate(lay.stage_split))
+        a, b = max(n * min(lay.pp - i, microbatches) for i, n in enumerate(lay.stage_split)), 1.0
     # Korthikanti Sec. 4.3: embeddings and logits, 4 s b (h + V) / t on a single stage; s b h p / t otherwise.
-    s, b, h = cfg.seq_len / lay.cp, cfg.microbatch, m.d_model
-    acts += 4.0 * s * b * (h + m.vocab) / lay.tp if lay.pp == 1 else s * b * h * lay.pp / lay.tp
+    s, mb, h = seq_len / lay.cp, microbatch, m.d_model
+    rest = 4.0 * s * mb * (h + m.vocab) / lay.tp if lay.pp == 1 else s * mb * h * lay.pp / lay.tp
+    return a, b, rest
+
+
+def activations(per_layer: float, terms: tuple[float, float, float]) -> float:
+    """Activation bytes per chip: the layers a stage holds for the microbatches in flight, and the embeddings' and
+    logits' (:func:`activation_terms`)."""
+    a, b, rest = terms
+    return per_layer * a * b + rest
+
+
+def memory_per_chip(cfg: TrainConfig) -> Memory:
+    m, lay = cfg.model, cfg.layout
+    params, grads, opt, gathered, _ = state_bytes(m, lay, cfg.weight_bytes, cfg.optimizer_bytes)
+    per_layer = activation_bytes_per_layer(
+        m, lay, cfg.seq_len, cfg.microbatch, cfg.remat, cfg.flash_attention, cfg.checkpoints_per_layer
+    )
+    terms = activation_terms(m, lay, cfg.seq_len, cfg.microbatch, cfg.microbatches)
     return Memory(
         params=params,
         grads=grads,
         optimizer=opt,
-        activations=acts,
+        activations=activations(per_layer, terms),
         activations_per_layer=per_layer,
         hbm_bytes=cfg.chip.hbm_bytes,
         gathered=gathered,

@@ -1,0 +1,250 @@
+"""A training step's time from parts, each a function of what it depends on: the estimator's one step formula.
+
+:func:`lab.predict.training.estimate` prices a step with :func:`step_parts`, and the layout planner
+(:mod:`lab.predict.planner`) prices every point of its search with the same function, computing each part once
+for all the points that share it:
+
+* :class:`LayerCost` (``training.layer_cost``): one layer, and the logits, for one microbatch (what
+  ``training.layer_key`` holds);
+* :class:`LayoutTerms` (:func:`layout_terms`): the layout's stage layers and optimizer pass, and the data-parallel
+  gradient reduction and loss mean (:func:`dp_times`);
+* :class:`FsdpTerms` (:func:`fsdp_terms`): the layout's FSDP gathers and scatters, per layer and per microbatch;
+* :class:`MicrobatchTerms` (:func:`microbatch_terms`): the microbatch count, the pipeline sends (:func:`pp_time`),
+  the TP collectives once per microbatch (:func:`tp_microbatch_time`) and the bubble.
+
+What each role's collectives depend on is :func:`lab.predict.training_comm.content_key` and
+:func:`lab.predict.training_comm.layout_group`. The overlap rules are the module docstring's of
+:mod:`lab.predict.training`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from lab.core.hardware import Chip
+from lab.core.models import ModelConfig
+from lab.predict import efficiency as eff
+from lab.predict.axis_costs import bubble_over_work
+from lab.predict.train_config import UPDATE_BYTES, Layout, TrainConfig
+from lab.predict.training_comm import Comm, collectives, layout_group, placement
+from lab.predict.training_memory import local_params
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer, one microbatch, one chip: seconds per phase and the communication it exposes.
+
+    ``ops`` are ``(name, kind, forward s, backward s, forward FLOPs, forward bytes)``; ``recomputed`` names the
+    ops the remat policy runs again in the backward pass; ``logits`` is the last stage's output projection and
+    cross-entropy (forward and backward), which depends on the same tp, cp and microbatch.
+    """
+
+    fwd: float
+    bwd: float
+    recompute: float
+    tp_comm: float
+    ep_comm: float
+    cp_exposed: float
+    logits: float
+    ops: tuple[tuple[str, str, float, float, float, float], ...]
+    recomputed: tuple[str, ...] = ()
+    offload: float = 0.0  # host transfers of offloaded activations beyond the compute they hide behind
+
+
+_PRICED: dict[int, tuple[object, dict[tuple, float]]] = {}  # chip id -> (the chip, its priced collectives)
+
+
+def _memo(chip: Chip) -> dict[tuple, float]:
+    held = _PRICED.get(id(chip))
+    if held is None or held[0] is not chip:
+        if len(_PRICED) > 32:
+            _PRICED.clear()
+        held = _PRICED[id(chip)] = (chip, {})
+    return held[1]
+
+
+def prices(chip: Chip, lay: Layout, comms: tuple[Comm, ...] | list[Comm]) -> list[float]:
+    """Achievable time of one call of each of ``comms`` where its group sits in ``lay`` (memoised per chip: a search
+    prices the same collectives over and over)."""
+    memo, groups, out = _memo(chip), {}, []
+    for c in comms:
+        g = groups.get(c.role)
+        if g is None:
+            g = groups[c.role] = layout_group(lay, c.role)
+        key = (c.kind, c.bytes, *g)  # placement() reads the chip and the group (size, stride, cross_node) alone
+        t = memo.get(key)
+        if t is None:
+            t = memo[key] = eff.comm_time(chip, c.kind, c.bytes, g[0], **placement(chip, *g))
+        out.append(t)
+    return out
+
+
+def comm_time(cfg: TrainConfig, c: Comm) -> float:
+    """Achievable time of one call of ``c`` in ``cfg``'s layout (:func:`prices`)."""
+    return prices(cfg.chip, cfg.layout, (c,))[0]
+
+
+class LayoutTerms(NamedTuple):
+    """A layout's part of the step (seconds): what neither the layer cost nor the microbatch changes."""
+
+    layers: float  # transformer layers on the busiest stage (Layout.stage_layers)
+    split: tuple[int, ...]  # uneven stages' layers (Layout.stage_split), else empty
+    slots: bool  # the embedding and the loss take a layer's slot on the first and last stage
+    dp: float  # the data-parallel gradient reduction, once per step (0 without one)
+    loss: float  # the loss mean over the batch axes
+    optimizer: float  # the optimizer's memory-bound pass over this chip's share of the state
+
+
+class FsdpTerms(NamedTuple):
+    """FSDP's collectives per layer (ahead of the forward, in the backward) and per microbatch (seconds)."""
+
+    fwd: float
+    bwd: float
+    rest: float
+
+
+class MicrobatchTerms(NamedTuple):
+    """A layout and microbatch size's part of the step."""
+
+    n_mb: int  # microbatches per pipeline per step
+    pp: float  # pipeline sends per microbatch, seconds
+    tp: float  # TP collectives once per microbatch (the vocab-parallel embedding and loss, SP's norm gradients)
+    bubble: float  # the pipeline bubble as a multiple of the work (axis_costs.bubble_over_work)
+
+
+TERMS = {"dp": ("dp", "batch"), "fsdp": ("fsdp",), "pp": ("pp",), "tp": ("tp",)}  # the roles each term prices
+
+
+def role_comms(cfg: TrainConfig, term: str) -> tuple[Comm, ...]:
+    """The collectives a term prices (:data:`TERMS`); for ``tp``, the TP collectives once per microbatch."""
+    return tuple(collectives(cfg, roles=TERMS[term], per="microbatch" if term == "tp" else None))
+
+
+def dp_times(chip: Chip, lay: Layout, comms: tuple[Comm, ...]) -> tuple[float, float]:
+    """The DP gradient reduction and the loss mean over the batch axes (``role_comms(cfg, "dp")``): seconds of one
+    call each, once per step."""
+    times = list(zip(comms, prices(chip, lay, comms), strict=True))
+    return sum(t for c, t in times if c.role == "dp"), sum(t for c, t in times if c.role == "batch")
+
+
+def layout_terms(
+    model: ModelConfig, chip: Chip, lay: Layout, optimizer: str, dp: float, loss: float, local: float | None = None
+) -> LayoutTerms:
+    """The layout's terms, with its DP reduction and loss mean (:func:`dp_times`) priced (``local``: the layout's
+    ``training_memory.local_params``, when at hand)."""
+    shard = lay.dp * lay.fsdp if lay.zero >= 1 else lay.fsdp_eff
+    local = local_params(model, lay) if local is None else local
+    update = eff.memory_time(chip, local / shard * UPDATE_BYTES[optimizer])
+    slots = lay.pp > 1 and lay.pp_embedding_slots
+    return LayoutTerms(lay.stage_layers(model.layers), lay.stage_split, slots, dp, loss, update)
+
+
+def fsdp_terms(chip: Chip, lay: Layout, comms: tuple[Comm, ...]) -> FsdpTerms | None:
+    """FSDP's gathers and scatters (``role_comms(cfg, "fsdp")``), summed per layer and per microbatch; None without
+    FSDP."""
+    if lay.fsdp_eff <= 1:
+        return None
+    times = dict(zip(comms, prices(chip, lay, comms), strict=True))
+    fwd = bwd = 0.0  # a gather issued twice per layer is one forward and one backward; once, a backward one
+    for c, t in times.items():
+        if c.per == "layer":
+            ahead = c.calls // 2 if c.kind == "all-gather" else 0
+            fwd += t * ahead
+            bwd += t * (c.calls - ahead)
+    rest = sum(c.calls * t for c, t in times.items() if c.per == "microbatch")
+    return FsdpTerms(fwd, bwd, rest)
+
+
+def pp_time(chip: Chip, lay: Layout, comms: tuple[Comm, ...]) -> float:
+    """The pipeline sends of one microbatch (``role_comms(cfg, "pp")``: once per chunk boundary, both ways)."""
+    return sum(c.calls * t for c, t in zip(comms, prices(chip, lay, comms), strict=True))
+
+
+def tp_microbatch_time(chip: Chip, lay: Layout, comms: tuple[Comm, ...]) -> float:
+    """The TP collectives once per microbatch (``role_comms(cfg, "tp")``): the vocab-parallel embedding and loss,
+    and with sequence parallelism the gathers around them and the norm-scale gradients of the stage's layers."""
+    return sum(c.calls * t for c, t in zip(comms, prices(chip, lay, comms), strict=True) if c.per == "microbatch")
+
+
+def microbatch_terms(lay: Layout, n_mb: int, pp: float, tp: float) -> MicrobatchTerms:
+    """``n_mb`` microbatches of this layout, with their pipeline sends (:func:`pp_time`) and TP collectives
+    (:func:`tp_microbatch_time`) priced."""
+    return MicrobatchTerms(n_mb, pp, tp, bubble_over_work(lay.pp, n_mb, lay.v))
+
+
+def fsdp_exposed(chip: Chip, ft: FsdpTerms, lc: LayerCost, layers: float) -> float:
+    """FSDP per microbatch: each layer's gathers and scatter beyond the same layer's compute, the embeddings'
+    beyond the logits'. Hidden is not free: the overlapped compute runs slower on a GPU (efficiency.overlap_cost)."""
+    per_layer = eff.overlap_cost(chip, ft.fwd, lc.fwd) + eff.overlap_cost(chip, ft.bwd, lc.bwd + lc.recompute)
+    exposed = layers * per_layer
+    return exposed + eff.overlap_cost(chip, ft.rest, lc.logits) if ft.rest else exposed
+
+
+def step_parts(
+    chip: Chip, lc: LayerCost, lt: LayoutTerms, mt: MicrobatchTerms, ft: FsdpTerms | None
+) -> tuple[float, ...]:
+    """The step time and its parts: ``(step, compute, tp, ep, cp, pp, fsdp, offload, bubble, dp_exposed)``,
+    the six after compute per microbatch, the rest per step (:func:`breakdown` names them)."""
+    layers, n_mb = lt.layers, mt.n_mb
+    layer_t = lc.fwd + lc.bwd + lc.recompute
+    if lt.split:  # uneven stages: the last one also computes the logits; the busiest sets the pace
+        last = len(lt.split) - 1
+        compute_mb = max(n * layer_t + (lc.logits if i == last else 0.0) for i, n in enumerate(lt.split))
+    elif lt.slots:  # the last stage trades a layer for the loss; the busiest sets the pace
+        compute_mb = max(layers * layer_t, (layers - 1) * layer_t + lc.logits)
+    else:
+        compute_mb = layers * layer_t + lc.logits
+    tp_mb = layers * lc.tp_comm + mt.tp
+    ep_mb = layers * lc.ep_comm
+    cp_mb = layers * lc.cp_exposed
+    pp_mb = mt.pp  # once per chunk boundary, both ways
+    fsdp_mb = 0.0 if ft is None else fsdp_exposed(chip, ft, lc, layers)
+    offload_mb = layers * lc.offload
+    t_mb = compute_mb + tp_mb + ep_mb + cp_mb + pp_mb + fsdp_mb + offload_mb
+    bubble = mt.bubble * n_mb * t_mb  # (p - 1) / v microbatch times (axis_costs)
+    # Data parallelism: one gradient reduction per step, behind the last microbatch's backward; the loss mean.
+    dp_exposed = eff.overlap_cost(chip, lt.dp, layers * (lc.bwd + lc.recompute)) + lt.loss
+    step = n_mb * t_mb + bubble + dp_exposed + lt.optimizer
+    return step, compute_mb, tp_mb, ep_mb, cp_mb, pp_mb, fsdp_mb, offload_mb, bubble, dp_exposed
+
+
+def breakdown(parts: tuple[float, ...], lt: LayoutTerms, mt: MicrobatchTerms) -> dict[str, float]:
+    """The step's parts (:func:`step_parts`) as the estimate's breakdown: seconds per step."""
+    _, compute_mb, tp_mb, ep_mb, cp_mb, pp_mb, fsdp_mb, offload_mb, bubble, dp_exposed = parts
+    n_mb = mt.n_mb
+    return {
+        "compute_s": n_mb * compute_mb,
+        "exposed_comm_s": n_mb * (tp_mb + ep_mb + cp_mb + pp_mb + fsdp_mb) + dp_exposed,
+        "bubble_s": bubble,
+        "optimizer_s": lt.optimizer,
+        "comm_tp_s": n_mb * tp_mb,
+        "comm_ep_s": n_mb * ep_mb,
+        "comm_cp_s": n_mb * cp_mb,
+        "comm_pp_s": n_mb * pp_mb,
+        "comm_fsdp_s": n_mb * fsdp_mb,
+        "comm_dp_s": dp_exposed,
+        "dp_reduction_s": lt.dp,
+        "offload_s": n_mb * offload_mb,
+    }
+
+
+__all__ = [
+    "TERMS",
+    "FsdpTerms",
+    "LayerCost",
+    "LayoutTerms",
+    "MicrobatchTerms",
+    "breakdown",
+    "comm_time",
+    "dp_times",
+    "fsdp_exposed",
+    "fsdp_terms",
+    "layout_terms",
+    "microbatch_terms",
+    "pp_time",
+    "prices",
+    "role_comms",
+    "step_parts",
+    "tp_microbatch_time",
+]
