@@ -95,6 +95,23 @@ def test_child_env_keeps_every_process_on_loopback_with_its_share_of_devices(mon
     assert env["JAX_PLATFORMS"] == "cpu"
 
 
+def test_the_runtimes_chatter_inside_process_zeros_json_report_is_cut_out():
+    """gloo writes into the pipe process 0 prints its report to; a message can land inside one of its lines (seen
+    on a loaded host: the launch failed with 'printed no JSON report')."""
+    import json
+
+    from lab.run.launch import json_report
+
+    report = {"experiment": "x", "timings": {"report_s": 0.65, "total_s": 2.54}, "ops": [1, 2]}
+    text = json.dumps(report, indent=2) + "\n"
+    cut = text.index('"report_s"') + 5
+    chatter = "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n"
+    assert json_report(text[:cut] + chatter + text[cut:]) == report
+    assert json_report(chatter + text + chatter) == report
+    with pytest.raises(ValueError):
+        json_report("[rank 0] no report\n")
+
+
 def test_free_port_picks_one_or_refuses_a_port_in_use():
     port = free_port(None)
     assert 1024 <= port < 65536

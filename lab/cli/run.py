@@ -127,9 +127,7 @@ def run_text(result) -> str:
 
 
 def cmd_launch(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    import json
-
-    from lab.run.launch import launch
+    from lab.run.launch import json_report, launch
 
     run_args = [a for a in args.run_args if a != "--json"]
     json_out = args.json or len(run_args) < len(args.run_args)
@@ -152,9 +150,10 @@ def cmd_launch(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         return {"error": done.message, "failed_rank": done.failed_rank}, ""
     if json_out:
         try:
-            return json.loads(done.stdout), ""
-        except ValueError:
-            raise UserError(f"process 0 printed no JSON report ({done.stdout[-200:]!r})") from None
+            return json_report(done.stdout), ""
+        except ValueError as exc:
+            head, tail = done.stdout[:200], done.stdout[-200:]
+            raise UserError(f"process 0 printed no JSON report ({exc}; begins {head!r}, ends {tail!r})") from None
     return {}, done.message
 
 

@@ -31,6 +31,11 @@ GRACE_S = 5.0  # how long the others get to stop after one failed, before SIGKIL
 POLL_S = 0.05
 # gloo's connection chatter, written by several threads at once (so its lines interleave)
 NOISE = re.compile(r"\[Gloo\]|connected peer ranks|^\s*$")
+# one message of that chatter: written by the runtime's own stream into the same pipe as process 0's JSON report,
+# it can land inside a line of it (a gather at the end of the run connects again), so it is cut out, not the line
+GLOO_MESSAGE = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+\n?"
+)
 # a process's last words: `shardlab: error: ...`, `shardlab run: error: ...`, an internal error, Ctrl-C
 ERROR = re.compile(r"^shardlab[^:]*: (?:error: |(?=internal error: |interrupted: ))")
 FORCED = re.compile(r"--xla_force_host_platform_device_count=\S+")
@@ -92,10 +97,10 @@ def _forward(proc: _Proc, stream, keep: bool, write: Callable[[str], None], stat
     """Copy one stream of one process, line by line, with its rank in front (``keep``: hold stdout instead).
     Once a process has failed, the others' output is their reaction to it and is not copied."""
     for line in iter(stream.readline, ""):
-        if NOISE.search(line):
-            continue
-        if keep:
+        if keep:  # process 0's report: kept whole (json_report cuts the chatter out of it)
             proc.stdout.append(line)
+            continue
+        if NOISE.search(line):
             continue
         if ERROR.match(line):  # said once, in the launcher's own line naming the process
             proc.last_error = ERROR.sub("", line.strip())
@@ -148,6 +153,17 @@ def _watch(procs: Sequence[_Proc], threads: Sequence[threading.Thread], state: d
             for line in p.held:
                 write(line)
     return (0, None) if failed is None else (failed.popen.returncode, failed)
+
+
+def json_report(stdout: str) -> dict:
+    """Process 0's ``--json`` report from its standard output, the runtime's chatter cut out of it.
+
+    Raises:
+        ValueError: nothing there parses as JSON.
+    """
+    import json
+
+    return json.loads(GLOO_MESSAGE.sub("", stdout))
 
 
 @dataclass(frozen=True)
