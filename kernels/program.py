@@ -31,8 +31,10 @@ class Built:
         host_args: Callable[[], tuple] | None = None,
         reference: Callable | None = None,
         carry: Callable[[Any, tuple], tuple] | None = None,
+        facts: Callable[[], dict[str, Any]] | None = None,
     ):
         self.fn = fn
+        self.facts = facts  # what the program's inputs make of it that a report states (the MoE's routing load)
         self.abstract = abstract
         self.reference = reference
         self._make_args = make_args

@@ -232,7 +232,9 @@ def _moe(mesh: Mesh, sizes: Mapping[str, int], dtype: np.dtype, seed: int) -> Bu
         sf = int(sizes["S"]) * f
         shapes += [(d, sf), (d, sf), (sf, d)]
     reference = partial(moe.reference_moe, groups=moe.token_groups(mesh))
-    return _placed(moe.moe_mlp(mesh, shared=shared), shapes, shardings, dtype, seed, reference)
+    built = _placed(moe.moe_mlp(mesh, shared=shared), shapes, shardings, dtype, seed, reference)
+    built.facts = lambda: {"routing": moe.load_report(*built.host_args[:2], groups=moe.token_groups(mesh))}
+    return built
 
 
 def _pipeline(mesh: Mesh, sizes: Mapping[str, int], dtype: np.dtype, seed: int) -> Built:

@@ -318,3 +318,23 @@ def test_shared_experts_bad_size_is_a_user_error_naming_it(jax_devices):
 
     with pytest.raises(UserError, match=r"moe_shared_mlp: dim S=0 must be a positive integer"):
         kernel_plan("moe_shared_mlp", {"data": 2, "expert": 4}, {**SIZES, "S": 0}).validate()
+
+
+def test_a_run_reports_the_routing_load_the_reference_counts(jax_devices, tmp_path):
+    """shardlab run of an MoE experiment states the router's load (imbalance, drops) in report.json and
+    report.md: the load report of the inputs it ran, counted again here by a plain loop over the routing."""
+    from kernels.moe import _route
+    from kernels.registry import build
+    from lab.run.experiment import load_experiment
+    from lab.run.pipeline import run_experiment
+
+    path = os.path.join(REPO, "experiments", "moe_expert4.toml")
+    result = run_experiment(path, str(tmp_path / "runs"), quiet=True, hardware="cpu")
+    routing = result.report["routing"]
+    x, w_router = build(load_experiment(path).plan).host_args[:2]  # the inputs the run drew (seed 0)
+    _, experts = _route(x, w_router, 2)
+    routed = np.bincount(np.asarray(experts).ravel(), minlength=8)
+    assert routing["routed"] == routed.tolist() and sum(routing["kept"]) + routing["dropped"] == 2 * 1024
+    assert routing["imbalance"] == pytest.approx(routed.max() / routed.mean())
+    md = (result.run_dir / "report.md").read_text()
+    assert f"load imbalance {routing['imbalance']:.2f}" in md and f"{routing['dropped']} assignments dropped" in md

@@ -104,6 +104,10 @@ def run_text(result) -> str:
         + (f" (estimated ops: {100 * cover:.0f}% of matmul and collective time)" if cover is not None else "")
         + f"; ops of 1 MB or more: {large}",
     ]
+    if r.get("routing"):
+        from lab.report.writer import routing_line
+
+        lines.append(f"routing: {routing_line(r['routing'])}")
     if r.get("processes"):
         steps = ", ".join(
             f"{p['rank']} ({p['host']}, {p['local_devices']} devices) {s(p['step_time_measured_s'])}"

@@ -95,6 +95,15 @@ FAR = 3.0  # an elementwise op measured this many times its roofline or more get
 LEDGER_ROWS = 25
 
 
+def routing_line(r: dict[str, Any]) -> str:
+    """The MoE router's load in one line (kernels.moe.load_report)."""
+    return (
+        f"{len(r['routed'])} experts, {r['capacity']} slots each in every one of {r['groups']} token groups; "
+        f"load imbalance {r['imbalance']:.2f} (the busiest expert's assignments over the mean); "
+        f"{r['dropped']} assignments dropped ({100 * r['dropped_fraction']:.1f}%)"
+    )
+
+
 def _facts(report: dict[str, Any]) -> list[str]:
     """The run in bullets: where, which spec, the three step times, coverage, ratios, trust, the audit."""
     hw, summary = report["hardware"], report["summary"]
@@ -117,6 +126,8 @@ def _facts(report: dict[str, Any]) -> list[str]:
         f"- ops of at least 1 MB: median measured/predicted {f'{ratio:.2f}' if ratio is not None else 'none'} "
         f"over {summary['ops_large']} ops",
     ]
+    if report.get("routing"):
+        lines.append(f"- routing: {routing_line(report['routing'])}")
     if spread is not None or load is not None:
         said = [f"the repeats of one op differ by {spread:.2f}x (median over those ops)"] if spread else []
         if load is not None:
@@ -291,4 +302,13 @@ def write_all(report: dict[str, Any], out: Path, timings=None) -> list[str]:
     return [*write_reports(report, out), *drawn]
 
 
-__all__ = ["breakdown", "ledger_table", "markdown", "median", "named_table", "write_all", "write_reports"]
+__all__ = [
+    "breakdown",
+    "ledger_table",
+    "markdown",
+    "median",
+    "named_table",
+    "routing_line",
+    "write_all",
+    "write_reports",
+]

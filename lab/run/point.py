@@ -305,6 +305,7 @@ def run_point(
         "breakdown": report.breakdown(row_dicts, named),
         "summary": _summary(row_dicts, exp.warmup, exp.repeats) | {"host_load": m.host_load},
         "result": m.result,
+        **(built.facts() if built.facts is not None else {}),
         **processes,
         "audit": audit,
         **({"compiled_for": env["compiled_for"], "xla": audit.get("xla")} if target is not None else {}),
