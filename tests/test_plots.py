@@ -112,7 +112,10 @@ def test_the_roofline_is_the_programs_dtype_and_every_op_with_flops_is_on_it():
     roof_line = ax.get_lines()[0]
     assert max(roof_line.get_ydata()) == PEAKS["fp32"]  # not the int8 peak
     texts = " ".join(t.get_text() for t in ax.texts)
-    assert "(fp32)" in texts and "ridge 40 FLOP/B" in texts and "HBM 1e+12 B/s" in texts
+    assert "peak 40 TFLOP/s (fp32)" in texts and "ridge 40 FLOP/B" in texts and "HBM 1 TB/s" in texts
+    roof_fig.canvas.draw()  # ticks in engineering units, as plain text (no mathtext 10^n)
+    ticks = [t.get_text() for t in ax.get_yticklabels() + cx.get_xticklabels() if t.get_text()]
+    assert any(t.endswith("FLOP/s") for t in ticks) and not any("$" in t for t in ticks), ticks
     points = sum(len(c.get_offsets()) for c in ax.collections if isinstance(c, PathCollection))
     assert points == 2  # the two ops with FLOPs and a measured time
     comm = sum(len(c.get_offsets()) for c in cx.collections if isinstance(c, PathCollection))
