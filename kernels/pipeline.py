@@ -188,6 +188,21 @@ def reference_step(w1, w2, x, *, split: tuple[int, ...], learning_rate: float = 
     return loss, np.asarray(w1, np.float32) - learning_rate * g1, np.asarray(w2, np.float32) - learning_rate * g2
 
 
+def train_step_program(step: StepFn, shapes: list, shardings: list, dtype, host, reference) -> Built:
+    """A pipelined train step as the registry builds it: ``(w1, w2, x)`` of ``shapes`` placed with ``shardings``
+    on demand from ``host()``, the reference, and the updated weights carried from one call to the next (the
+    circular schedule's builder shares it)."""
+    abstract = tuple(jax.ShapeDtypeStruct(s, dtype, sharding=sh) for s, sh in zip(shapes, shardings, strict=True))
+
+    def place():
+        return tuple(jax.device_put(a, sh) for a, sh in zip(host(), shardings, strict=True))
+
+    def carry(out, args):  # train on: the next call starts from the updated weights
+        return out[1], out[2], args[2]
+
+    return Built(step, abstract, place, host_args=host, reference=reference, carry=carry)
+
+
 def build(mesh: Mesh, sizes: Mapping[str, int], dtype, seed: int = 0, split: tuple[int, ...] | None = None) -> Built:
     """The registry's program: the train step on ``mesh`` with its inputs (:func:`init_inputs`) placed on demand,
     the reference, and the updated weights carried from one call to the next."""
@@ -196,21 +211,13 @@ def build(mesh: Mesh, sizes: Mapping[str, int], dtype, seed: int = 0, split: tup
     p, lmax = len(split), max(split)
     shapes = [(p, lmax, d, f), (p, lmax, f, d), (b, d)]
     shardings = [NamedSharding(mesh, weight_spec())] * 2 + [NamedSharding(mesh, batch_spec(mesh))]
-    abstract = tuple(jax.ShapeDtypeStruct(s, dtype, sharding=sh) for s, sh in zip(shapes, shardings, strict=True))
-
-    def host():
-        return init_inputs(sizes, split, dtype, seed)
-
-    def place():
-        return tuple(jax.device_put(a, sh) for a, sh in zip(host(), shardings, strict=True))
-
-    def carry(out, args):  # train on: the next call starts from the updated weights
-        return out[1], out[2], args[2]
 
     def reference(w1, w2, x):
         return reference_step(w1, w2, x, split=split)
 
-    return Built(pipeline_mlp(mesh, m), abstract, place, host_args=host, reference=reference, carry=carry)
+    return train_step_program(
+        pipeline_mlp(mesh, m), shapes, shardings, dtype, lambda: init_inputs(sizes, split, dtype, seed), reference
+    )
 
 
 __all__ = [
@@ -228,5 +235,6 @@ __all__ = [
     "reference_loss",
     "reference_step",
     "stack_layers",
+    "train_step_program",
     "weight_spec",
 ]

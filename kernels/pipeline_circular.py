@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kernels.pipeline import DATA, LEARNING_RATE, PIPE, StepFn, _block, batch_spec
+from kernels.pipeline import DATA, LEARNING_RATE, PIPE, StepFn, _block, batch_spec, train_step_program
 from kernels.program import Built
 from lab.core.errors import UserError
 from lab.core.programs import check_circular_sizes
@@ -188,18 +188,8 @@ def build(mesh: Mesh, sizes: Mapping[str, int], dtype, seed: int = 0) -> Built:
     lc = n_layers // (p * v)
     shapes = [(p, v, lc, d, f), (p, v, lc, f, d), (b, d)]
     shardings = [NamedSharding(mesh, weight_spec())] * 2 + [NamedSharding(mesh, batch_spec(mesh))]
-    abstract = tuple(jax.ShapeDtypeStruct(s, dtype, sharding=sh) for s, sh in zip(shapes, shardings, strict=True))
-
-    def host():
-        return init_inputs(sizes, p, dtype, seed)
-
-    def place():
-        return tuple(jax.device_put(a, sh) for a, sh in zip(host(), shardings, strict=True))
-
-    def carry(out, args):
-        return out[1], out[2], args[2]
-
-    return Built(circular_mlp(mesh, m, v), abstract, place, host_args=host, reference=reference_step, carry=carry)
+    host = lambda: init_inputs(sizes, p, dtype, seed)  # noqa: E731
+    return train_step_program(circular_mlp(mesh, m, v), shapes, shardings, dtype, host, reference_step)
 
 
 __all__ = [

@@ -32,3 +32,30 @@ def jax_devices():
     devices = jax.devices()
     assert len(devices) == N_DEVICES, f"expected {N_DEVICES} emulated devices, got {len(devices)}"
     return devices
+
+
+@pytest.fixture
+def pipeline_audit(jax_devices):
+    """``check(path, permutes, permute_bytes, grad_bytes, flops)``: audit a pipeline experiment file on the cpu
+    chip and hold it to hand-counted figures (both schedules' tests use it); returns the audit and its Plan."""
+
+    def check(path, permutes, permute_bytes, grad_bytes, flops):
+        from lab.compile.audit import audit_plan
+        from lab.core.hardware import get_chip
+        from lab.run.experiment import load_experiment
+
+        exp = load_experiment(os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments", path))
+        r = audit_plan(exp.plan, get_chip("cpu"))
+        assert r.all_match and not r.unexpected, r.table()
+        by_kind = {(e.kind, e.axes): e for e in r.entries}
+        assert set(by_kind) == {("permute", ("pipe",)), ("all-reduce", ("data",)), ("all-reduce", ("data", "pipe"))}
+        permute = by_kind[("permute", ("pipe",))]
+        assert permute.predicted_bytes == permute_bytes and permute.compiled_bytes == permute_bytes, r.table()
+        assert len(permute.instructions) == permutes  # one collective-permute per pass, forward and backward
+        grads = by_kind[("all-reduce", ("data",))]
+        assert grads.predicted_bytes == grads.compiled_bytes == grad_bytes
+        assert by_kind[("all-reduce", ("data", "pipe"))].compiled_bytes == 4  # the float32 loss
+        assert r.flops_compiled == flops and r.flops_predicted == flops
+        return r, exp.plan
+
+    return check

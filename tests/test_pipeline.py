@@ -113,25 +113,9 @@ GPIPE2 = (16, 16 * 2 * 256 * 4, 2 * 4 * 256 * 1024 * 4, 12 * 2 * 256 * 1024 * 4 
 
 
 @pytest.mark.parametrize(("path", "hand"), [("pipeline_gpipe4.toml", GPIPE4), ("pipeline_gpipe2.toml", GPIPE2)])
-def test_experiment_audit_finds_the_hand_counted_permutes(jax_devices, path, hand):
-    from lab.compile.audit import audit_plan
-    from lab.core.hardware import get_chip
-    from lab.run.experiment import load_experiment
-
-    permutes, permute_bytes, grad_bytes, flops = hand
-    exp = load_experiment(os.path.join(REPO, "experiments", path))
-    assert exp.plan.sizes["B"] == 64 and exp.plan.dtype == "fp32"
-    r = audit_plan(exp.plan, get_chip("cpu"))
-    assert r.all_match and not r.unexpected, r.table()
-    by_kind = {(e.kind, e.axes): e for e in r.entries}
-    assert set(by_kind) == {("permute", ("pipe",)), ("all-reduce", ("data",)), ("all-reduce", ("data", "pipe"))}
-    permute = by_kind[("permute", ("pipe",))]
-    assert permute.predicted_bytes == permute_bytes and permute.compiled_bytes == permute_bytes, r.table()
-    assert len(permute.instructions) == permutes  # one collective-permute per pass, forward and backward
-    grads = by_kind[("all-reduce", ("data",))]
-    assert grads.predicted_bytes == grads.compiled_bytes == grad_bytes
-    assert by_kind[("all-reduce", ("data", "pipe"))].compiled_bytes == 4  # the float32 loss
-    assert r.flops_compiled == flops and r.flops_predicted == flops
+def test_experiment_audit_finds_the_hand_counted_permutes(pipeline_audit, path, hand):
+    r, plan = pipeline_audit(path, *hand)  # conftest: the audit against these hand counts
+    assert plan.sizes["B"] == 64 and plan.dtype == "fp32"
     assert "all-gather(" not in r.hlo_text and "all-to-all(" not in r.hlo_text
 
 

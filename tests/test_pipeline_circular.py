@@ -99,30 +99,18 @@ CIRCULAR2 = (24, 24 * 4 * 256 * 4, 2 * 3 * 2 * 256 * 1024 * 4, 12 * 4 * 256 * 10
     ("path", "hand", "bubble"),
     [("pipeline_circular4.toml", CIRCULAR4, (3, 11)), ("pipeline_circular2.toml", CIRCULAR2, (1, 13))],
 )
-def test_experiment_audit_finds_the_hand_counted_permutes(jax_devices, path, hand, bubble):
-    from lab.compile.audit import audit_plan
+def test_experiment_audit_finds_the_hand_counted_permutes(pipeline_audit, path, hand, bubble):
     from lab.core.hardware import get_chip
-    from lab.run.experiment import load_experiment
+    from lab.predict.program import estimate_program
 
-    permutes, permute_bytes, grad_bytes, flops = hand
-    exp = load_experiment(os.path.join(REPO, "experiments", path))
-    r = audit_plan(exp.plan, get_chip("cpu"))
-    assert r.all_match and not r.unexpected, r.table()
-    by_kind = {(e.kind, e.axes): e for e in r.entries}
-    assert set(by_kind) == {("permute", ("pipe",)), ("all-reduce", ("data",)), ("all-reduce", ("data", "pipe"))}
-    permute = by_kind[("permute", ("pipe",))]
-    assert permute.predicted_bytes == permute_bytes and permute.compiled_bytes == permute_bytes, r.table()
-    assert len(permute.instructions) == permutes
-    assert by_kind[("all-reduce", ("data",))].compiled_bytes == grad_bytes
-    assert r.flops_compiled == flops and r.flops_predicted == flops
-    p = exp.plan.shape["pipe"]  # every permute is the ring: the last stage sends to the first
+    r, plan = pipeline_audit(path, *hand)  # conftest: the audit against these hand counts
+    permutes = hand[0]
+    p = plan.shape["pipe"]  # every permute is the ring: the last stage sends to the first
     pairs = re.findall(r"collective-permute\(.*?source_target_pairs=(\{[{},0-9]*\})", r.hlo_text)
     assert len(pairs) == permutes  # forward: the last stage sends to the first; backward, the transpose
     if p > 2:  # (with two stages both directions hold both pairs)
         assert sum(f"{{{p - 1},0}}" in x for x in pairs) == sum(f"{{0,{p - 1}}}" in x for x in pairs) == permutes // 2
-    from lab.predict.program import estimate_program
-
-    (note,) = estimate_program(exp.plan, get_chip("cpu")).notes
+    (note,) = estimate_program(plan, get_chip("cpu")).notes
     assert f"bubble (p-1)/(V M+p-1) = {bubble[0]}/{bubble[1]} = {bubble[0] / bubble[1]:.4f}" in note
 
 
