@@ -108,6 +108,8 @@ def test_the_runtimes_chatter_inside_process_zeros_json_report_is_cut_out():
     chatter = "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n"
     assert json_report(text[:cut] + chatter + text[cut:]) == report
     assert json_report(chatter + text + chatter) == report
+    split = chatter.replace(". Expected", ".\nExpected")  # its two sentences on two lines
+    assert json_report(split + split + text[:cut] + split + text[cut:]) == report
     with pytest.raises(ValueError):
         json_report("[rank 0] no report\n")
 

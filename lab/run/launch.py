@@ -31,10 +31,10 @@ GRACE_S = 5.0  # how long the others get to stop after one failed, before SIGKIL
 POLL_S = 0.05
 # gloo's connection chatter, written by several threads at once (so its lines interleave)
 NOISE = re.compile(r"\[Gloo\]|connected peer ranks|^\s*$")
-# one message of that chatter: written by the runtime's own stream into the same pipe as process 0's JSON report,
-# it can land inside a line of it (a gather at the end of the run connects again), so it is cut out, not the line
+# one message of that chatter (its two sentences sometimes on two lines): written by the runtime's own stream into
+# the same pipe as process 0's JSON report, it can land inside a line of it, so it is cut out, not the line
 GLOO_MESSAGE = re.compile(
-    r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+\n?"
+    r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\.\s*Expected number of connected peer ranks is : \d+\n?"
 )
 # a process's last words: `shardlab: error: ...`, `shardlab run: error: ...`, an internal error, Ctrl-C
 ERROR = re.compile(r"^shardlab[^:]*: (?:error: |(?=internal error: |interrupted: ))")
@@ -163,7 +163,10 @@ def json_report(stdout: str) -> dict:
     """
     import json
 
-    return json.loads(GLOO_MESSAGE.sub("", stdout))
+    lines = GLOO_MESSAGE.sub("", stdout).splitlines()
+    lines = [line for line in lines if not NOISE.search(line)]  # a fragment of the chatter, on its own line
+    start = next((i for i, line in enumerate(lines) if line == "{"), 0)  # the report is printed indented
+    return json.loads("\n".join(lines[start:]))
 
 
 @dataclass(frozen=True)
