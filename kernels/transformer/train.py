@@ -68,15 +68,21 @@ def init_opt_state(params, cfg: ModelConfig, rules: ShardingRules, mesh: Mesh, l
 
 
 def make_grads_fn(
-    cfg: ModelConfig, rules: ShardingRules, mesh: Mesh, remat: str = "none", dtype: str = "float32"
+    cfg: ModelConfig,
+    rules: ShardingRules,
+    mesh: Mesh,
+    remat: str = "none",
+    dtype: str = "float32",
+    microbatches: int = 1,
 ) -> Callable:
-    """Jitted ``(params, tokens) -> (loss, grads)``, gradients placed like the parameters."""
+    """Jitted ``(params, tokens) -> (loss, grads)``, gradients placed like the parameters (``microbatches``: of
+    the pipeline, when the rules put the layers on a mesh axis)."""
     _remat_policy(remat)
     validate(cfg, rules, mesh)
     p_sh = shardings(param_info(cfg), rules, mesh)
 
     def grads(params, tokens):
-        return jax.value_and_grad(loss_fn)(params, tokens, cfg, rules, mesh, remat, dtype)
+        return jax.value_and_grad(loss_fn)(params, tokens, cfg, rules, mesh, remat, dtype, microbatches)
 
     return jax.jit(
         grads, in_shardings=(p_sh, token_sharding(rules, mesh)), out_shardings=(NamedSharding(mesh, P()), p_sh)
@@ -90,10 +96,12 @@ def make_train_step(
     remat: str = "none",
     dtype: str = "float32",
     learning_rate: float = 1e-2,
+    microbatches: int = 1,
 ) -> Callable:
     """Jitted ``step(params, opt_state, tokens) -> (params, opt_state, loss)``: one AdamW step.
 
-    Parameters and optimizer state are donated (updated in place) and keep their shardings.
+    Parameters and optimizer state are donated (updated in place) and keep their shardings. ``microbatches``:
+    of the pipeline, when the rules put the layers on a mesh axis.
     """
     _remat_policy(remat)
     validate(cfg, rules, mesh)
@@ -102,7 +110,7 @@ def make_train_step(
     o_sh = opt_state_shardings(tx, cfg, rules, mesh)
 
     def step(params, opt_state, tokens):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, cfg, rules, mesh, remat, dtype)
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, cfg, rules, mesh, remat, dtype, microbatches)
         grads = jax.lax.with_sharding_constraint(grads, p_sh)
         with jax.named_scope("optimizer"):
             updates, opt_state = tx.update(grads, opt_state, params)
@@ -128,7 +136,7 @@ def build_train(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0, learning
     assert cfg is not None and rules is not None and remat in REMAT
     batch, seq = plan.sizes["batch"], plan.sizes["seq"]
     m = mesh if mesh is not None else make_mesh(plan.shape, slow=plan.slow_axes)
-    step = make_train_step(cfg, rules, m, remat, plan.dtype, learning_rate)
+    step = make_train_step(cfg, rules, m, remat, plan.dtype, learning_rate, plan.microbatches())
     tx = optimizer(learning_rate)
     tok_sh = token_sharding(rules, m)
     spec = (

@@ -278,6 +278,7 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
         cast_first=cfg.cast_first,
         regather_norms=cfg.remat_regathers_norms,
         jax_remat=cfg.jax_remat,
+        spmd_pipeline=cfg.spmd_pipeline,
     )
     plan = plan_from_degrees(
         cfg.model,

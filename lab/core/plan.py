@@ -81,6 +81,8 @@ class Options:
             (XLA:CPU does; the TPU compiler keeps them: ``for_target`` clears it).
         jax_remat: recomputation as ``jax.checkpoint`` runs it (the lab's Transformer): XLA leaves the layer's
             last projection out of the recomputed forward. False: the whole layer again (Megatron).
+        spmd_pipeline: a pipeline as the lab's Transformer runs it (every stage computes and sends in all
+            M + p - 1 steps, whole activations; the embeddings' gradients summed over the stages). False: Megatron's.
     """
 
     microbatch: int | None = None
@@ -94,6 +96,7 @@ class Options:
     cast_first: bool = False
     regather_norms: bool = True
     jax_remat: bool = True
+    spmd_pipeline: bool = True
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
@@ -165,6 +168,14 @@ class Plan:
         if self.rules is None:
             raise UserError(f"{self.program} has no sharding rules: the training and inference estimators need them")
         return self.rules.degrees(self.shape)
+
+    def microbatches(self) -> int:
+        """Microbatches per step: each data-parallel replica's sequences over ``options.microbatch`` (1 without
+        it); a train step the lab runs cuts its batch into these only when the layers are pipelined."""
+        if self.rules is None or self.options.microbatch is None:
+            return 1
+        deg = self.degrees()
+        return max(1, self.sizes["batch"] // (deg["dp"] * deg["fsdp"] * self.options.microbatch))
 
     def roles(self) -> dict[str, tuple[str, ...]]:
         """Mesh axes of each parallelism (``tp``, ``fsdp``, ``dp``, ``batch``, ...), live axes only."""
@@ -270,6 +281,43 @@ class Plan:
                     if arr is not None:
                         arr.check(self.shape, self.sizes)
 
+    def _validate_pipeline(self) -> None:
+        """What the lab's pipelined train step (``layers`` on a mesh axis) runs: GPipe on one mesh axis that splits
+        nothing else, whole microbatches (kernels/transformer/model.py, ``_pipelined_loss``)."""
+        rules = self.rules
+        assert rules is not None
+        axes = rules.live("layers", self.shape)
+        if not axes:
+            return
+        if self.program != "train_step":
+            raise UserError(f"[rules] layers = {list(axes)}: {self.program} runs unpipelined; leave layers out")
+        if len(axes) > 1:
+            raise UserError(f"[rules] layers = {list(axes)}: the lab pipelines over one mesh axis; name one")
+        others = [f for f in FIELDS if f != "layers" and axes[0] in rules.axes(f)]
+        if others:
+            raise UserError(
+                f"[rules] layers = {axes[0]!r} and {others[0]} = {rules.axes(others[0])!r}: the pipeline's axis holds "
+                "stages only; give the other dim another axis"
+            )
+        if self.options.pp_schedule != "gpipe":
+            raise UserError(
+                f'pp_schedule = "{self.options.pp_schedule}": the lab\'s pipelined train step runs GPipe; give '
+                '[options] pp_schedule = "gpipe" (the estimator prices the others)'
+            )
+        deg, batch, mb = self.degrees(), self.sizes["batch"], self.options.microbatch
+        replicas = deg["dp"] * deg["fsdp"]
+        if mb is not None and (batch % replicas or (batch // replicas) % mb):
+            raise UserError(
+                f"[options] microbatch = {mb} does not divide the {batch} // {replicas} = {batch // replicas} "
+                f"sequences of each data-parallel replica; give a divisor, e.g. microbatch = 1"
+            )
+        m = self.microbatches()
+        if (batch // m) % max(1, math.prod(self.shape[a] for a in rules.live("batch", self.shape))):
+            raise UserError(
+                f"batch={batch} in {m} microbatches of {batch // m}: a microbatch must split over the batch axes "
+                f"({', '.join(rules.live('batch', self.shape))}); give a larger microbatch"
+            )
+
     def _validate_transformer(self, executable: bool) -> None:
         m, rules = self.model, self.rules
         if m is None:
@@ -284,6 +332,7 @@ class Plan:
             )
         if not executable:
             return
+        self._validate_pipeline()
         for dim in NOT_EXECUTED:
             if rules.axes(dim):
                 raise UserError(
@@ -473,7 +522,10 @@ def plan_from_degrees(
         rules=rules,
         remat=remat,
         optimizer=optimizer,
-        options=options or Options(flash_attention=True, fused_projections=True, regather_norms=False, jax_remat=False),
+        options=options
+        or Options(
+            flash_attention=True, fused_projections=True, regather_norms=False, jax_remat=False, spmd_pipeline=False
+        ),
     )
 
 

@@ -17,7 +17,7 @@ heads        N of Wq, Wo, q and the attention output (tensor parallelism)
 kv_heads     K of Wk, Wv, k, v and the KV cache
 ffw          F of the MLP weights and the MLP hidden activation
 vocab        V of the embedding tables and the logits (vocab-parallel embedding and loss)
-layers       L of the stacked layer weights: pipeline stages (priced; not executed yet)
+layers       L of the stacked layer weights: pipeline stages (GPipe over that one mesh axis)
 experts      E of expert weights: expert parallelism (priced; not executed yet)
 context      T of every activation and of attention: context parallelism (priced; not executed yet)
 ===========  ==========================================================================================
@@ -44,8 +44,9 @@ MESH_AXES = (DATA, MODEL)
 
 # Logical names that are never sharded, accepted for documentation.
 UNSHARDED = ("head_dim", "kv_seq")
-# Dims the JAX Transformer does not execute sharded yet (pipeline, expert and context parallelism).
-NOT_EXECUTED = ("layers", "experts", "context")
+# Dims the JAX Transformer does not execute sharded yet (expert and context parallelism); layers over a mesh axis
+# run as a GPipe pipeline (kernels/transformer/model.py).
+NOT_EXECUTED = ("experts", "context")
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,18 @@ class TrainConfig:
     # Under recomputation XLA:CPU gathers a layer's FSDP-sharded norm scales a third time, for the recomputed
     # forward (the TPU compiler keeps them).
     remat_regathers_norms: bool = False
+    # A pipeline as the lab's Transformer runs it (GPipe in one SPMD program): every stage computes in all
+    # M + p - 1 steps (the idle ones on values nothing reads) and sends after each but the last, whole activations
+    # in the compute dtype (Megatron's sends go in M of the steps, split over the TP ranks); every stage holds the
+    # embeddings and the final norm, whose gradients the stages sum, and the loss comes from the last stage.
+    spmd_pipeline: bool = False
+
+    @property
+    def pipeline_steps(self) -> int:
+        """Steps in which each stage computes: the microbatches, plus the p - 1 idle ones where the SPMD pipeline
+        computes them too (:attr:`spmd_pipeline`)."""
+        lay = self.layout
+        return self.microbatches + (lay.pp - 1 if self.spmd_pipeline and lay.pp > 1 else 0)
 
     @property
     def weight_bytes(self) -> float:

@@ -352,7 +352,8 @@ def _logits_time(cfg: TrainConfig) -> float:
 def step_terms(cfg: TrainConfig) -> tuple[LayoutTerms, MicrobatchTerms, FsdpTerms | None]:
     """The step's parts besides the layer cost (:mod:`lab.predict.training_step`), priced for ``cfg``."""
     chip, lay = cfg.chip, cfg.layout
-    lt = layout_terms(cfg.model, chip, lay, cfg.optimizer, *dp_times(chip, lay, role_comms(cfg, "dp")))
+    local = local_params(cfg.model, lay, ends_on_every_stage=cfg.spmd_pipeline)
+    lt = layout_terms(cfg.model, chip, lay, cfg.optimizer, *dp_times(chip, lay, role_comms(cfg, "dp")), local)
     pp, tp = pp_time(chip, lay, role_comms(cfg, "pp")), tp_microbatch_time(chip, lay, role_comms(cfg, "tp"))
     mt = microbatch_terms(lay, cfg.microbatches, pp, tp)
     return lt, mt, fsdp_terms(chip, lay, role_comms(cfg, "fsdp"))
@@ -401,7 +402,7 @@ def step_ops(est: TrainEstimate) -> list[dict[str, Any]]:
     every layer and microbatch), the logits, the optimizer, and every collective with its calls and bytes."""
     cfg, lc = est.config, est.layer
     m, lay = cfg.model, cfg.layout
-    runs = cfg.microbatches * lay.stage_layers(m.layers)  # layer executions per step
+    runs = cfg.pipeline_steps * lay.stage_layers(m.layers)  # layer executions per step (the SPMD pipeline's idle too)
     rows: dict[str, dict[str, Any]] = {}
     for name, kind, f, b, flops, nbytes in lc.ops:
         again = name in lc.recomputed

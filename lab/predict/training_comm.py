@@ -350,7 +350,8 @@ def _dp(cfg: TrainConfig) -> list[Comm]:
     lay = cfg.layout
     out = []
     if lay.dp_eff > 1:
-        grads = local_params(cfg.model, lay) / lay.fsdp_eff * cfg.grad_reduce_bytes
+        local = local_params(cfg.model, lay, ends_on_every_stage=cfg.spmd_pipeline)
+        grads = local / lay.fsdp_eff * cfg.grad_reduce_bytes
         dt = "fp32" if cfg.grad_reduce_bytes == 4 else "bf16"
         out.append(Comm("dp", "all-reduce", grads, 1, "step", "DP gradient AllReduce", "backward", dt))
     if lay.dp * lay.fsdp > 1:
@@ -371,7 +372,17 @@ def _ep_cp_pp(cfg: TrainConfig) -> list[Comm]:
         kv_bytes = ring_kv_block_bytes(tokens, max(m.kv_heads / lay.tp, 1.0), m.head_dim, 2.0)
         passes = ring_passes(lay.cp, directions=3)
         out.append(Comm("cp", "permute", kv_bytes, passes, "layer", "CP ring passes of K and V", "attention"))
-    if lay.pp > 1:  # Megatron's scatter/gather: each TP rank sends 1/tp of the activation (Narayanan Sec. 4.1)
+    if lay.pp > 1 and cfg.spmd_pipeline:  # the lab's: whole activations (split over tp only by SP), every step
+        n_mb = cfg.microbatches
+        split = lay.tp if lay.sequence_parallel else 1
+        nbytes = cfg.microbatch * cfg.seq_len / lay.cp * m.d_model * cfg.act_bytes / split
+        sends = 2.0 * (n_mb + lay.pp - 2) / n_mb  # M + p - 2 each way, per microbatch
+        out.append(Comm("pp", "permute", nbytes, sends, "microbatch", "pipeline sends: activations and gradients"))
+        ends = (m.vocab * m.d_model * (1 if m.tied_embeddings else 2)) / lay.tp + m.d_model
+        what = "the embeddings' and final norm's gradients over the stages"
+        out.append(Comm("pp", "all-reduce", ends * cfg.grad_reduce_bytes, 1, "step", what, "backward", "fp32"))
+        out.append(Comm("pp", "all-reduce", LOSS_BYTES, 1, "step", "the loss from the last stage", dtype="fp32"))
+    elif lay.pp > 1:  # Megatron's scatter/gather: each TP rank sends 1/tp of the activation (Narayanan Sec. 4.1)
         nbytes = cfg.microbatch * cfg.seq_len / lay.cp * m.d_model * 2.0 / lay.tp
         out.append(Comm("pp", "permute", nbytes, 2 * lay.v, "microbatch", "pipeline sends: activations and gradients"))
     return out
@@ -396,8 +407,9 @@ def calls_per_step(cfg: TrainConfig, c: Comm) -> float:
     """How many times a step issues ``c`` on one chip (its stage's layers, every microbatch)."""
     if c.per == "step":
         return c.calls
-    n = cfg.microbatches * c.calls
-    return n * cfg.layout.stage_layers(cfg.model.layers) if c.per == "layer" else n
+    if c.per == "layer":  # in every step a stage computes (the SPMD pipeline's idle ones too)
+        return cfg.pipeline_steps * c.calls * cfg.layout.stage_layers(cfg.model.layers)
+    return cfg.microbatches * c.calls
 
 
 __all__ = [

@@ -124,22 +124,27 @@ def layer_params_local(m: ModelConfig, lay: Layout) -> float:
     return attn + moe + m.norm_params_per_layer
 
 
-def local_params(m: ModelConfig, lay: Layout, layer: float | None = None) -> float:
+def local_params(m: ModelConfig, lay: Layout, layer: float | None = None, ends_on_every_stage: bool = False) -> float:
     """Parameters one chip owns before ZeRO/FSDP: its stage's layers on its tp/ep rank, and the (vocab-parallel)
-    embeddings, learned positions and final norm, averaged over the pipeline stages (``layer``: the layout's
+    embeddings, learned positions and final norm, averaged over the pipeline stages, or held by every stage
+    (``ends_on_every_stage``: the SPMD pipeline, ``TrainConfig.spmd_pipeline``) (``layer``: the layout's
     :func:`layer_params_local`, when at hand)."""
     layer = layer_params_local(m, lay) if layer is None else layer
     emb = m.vocab * m.d_model * (1 if m.tied_embeddings else 2) / lay.tp
     pos = m.max_seq_len * m.d_model if m.learned_positions else 0.0
     final = m.d_model * (2 if m.norm == "layernorm" else 1)
+    if ends_on_every_stage:
+        return m.layers * layer / lay.pp + emb + pos + final
     return (m.layers * layer + emb + pos + final) / lay.pp
 
 
-def state_bytes(m: ModelConfig, lay: Layout, weight_bytes: float, optimizer_bytes: float) -> tuple[float, ...]:
+def state_bytes(
+    m: ModelConfig, lay: Layout, weight_bytes: float, optimizer_bytes: float, ends_on_every_stage: bool = False
+) -> tuple[float, ...]:
     """``(params, grads, optimizer, gathered, local)`` per chip: the state, which depends on the layout alone
     (``gathered``: of ``params``, the layers FSDP holds gathered whole; ``local``: :func:`local_params`)."""
     layer = layer_params_local(m, lay)
-    local = local_params(m, lay, layer)
+    local = local_params(m, lay, layer, ends_on_every_stage)
     f = lay.fsdp_eff
     zero_group = lay.dp * lay.fsdp
     params = local * weight_bytes / f
@@ -182,7 +187,7 @@ def activations(per_layer: float, terms: tuple[float, float, float]) -> float:
 
 def memory_per_chip(cfg: TrainConfig) -> Memory:
     m, lay = cfg.model, cfg.layout
-    params, grads, opt, gathered, _ = state_bytes(m, lay, cfg.weight_bytes, cfg.optimizer_bytes)
+    params, grads, opt, gathered, _ = state_bytes(m, lay, cfg.weight_bytes, cfg.optimizer_bytes, cfg.spmd_pipeline)
     per_layer = activation_bytes_per_layer(
         m, lay, cfg.seq_len, cfg.microbatch, cfg.remat, cfg.flash_attention, cfg.checkpoints_per_layer
     )

@@ -113,19 +113,23 @@ class MicrobatchTerms(NamedTuple):
     bubble: float  # the pipeline bubble as a multiple of the work (axis_costs.bubble_over_work)
 
 
-TERMS = {"dp": ("dp", "batch"), "fsdp": ("fsdp",), "pp": ("pp",), "tp": ("tp",)}  # the roles each term prices
+# The roles each term prices; the pipeline's once-a-step reductions (the SPMD pipeline's embedding gradients and
+# loss over the stages) go with the DP gradient reduction, its sends with the microbatch.
+TERMS = {"dp": ("dp", "batch", "pp"), "fsdp": ("fsdp",), "pp": ("pp",), "tp": ("tp",)}
+_PER = {"dp": "step", "pp": "microbatch", "tp": "microbatch"}
 
 
 def role_comms(cfg: TrainConfig, term: str) -> tuple[Comm, ...]:
-    """The collectives a term prices (:data:`TERMS`); for ``tp``, the TP collectives once per microbatch."""
-    return tuple(collectives(cfg, roles=TERMS[term], per="microbatch" if term == "tp" else None))
+    """The collectives a term prices (:data:`TERMS`): for ``dp`` those once a step, for ``pp`` and ``tp`` those
+    once per microbatch."""
+    return tuple(collectives(cfg, roles=TERMS[term], per=_PER.get(term)))
 
 
 def dp_times(chip: Chip, lay: Layout, comms: tuple[Comm, ...]) -> tuple[float, float]:
-    """The DP gradient reduction and the loss mean over the batch axes (``role_comms(cfg, "dp")``): seconds of one
-    call each, once per step."""
+    """The DP gradient reduction (with the SPMD pipeline's reductions over the stages) and the loss mean over the
+    batch axes (``role_comms(cfg, "dp")``): seconds of one call each, once per step."""
     times = list(zip(comms, prices(chip, lay, comms), strict=True))
-    return sum(t for c, t in times if c.role == "dp"), sum(t for c, t in times if c.role == "batch")
+    return sum(t for c, t in times if c.role in ("dp", "pp")), sum(t for c, t in times if c.role == "batch")
 
 
 def layout_terms(

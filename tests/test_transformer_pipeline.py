@@ -1,0 +1,149 @@
+"""The Transformer's train step with its layers pipelined over a mesh axis (rules ``layers = "pipe"``), on 8
+emulated CPU devices: loss and gradients against one device on several meshes and remat policies, the audit of
+the experiment against the training estimator with hand-counted sends, and bad plans refused before compiling.
+
+Tolerances are test_transformer.py's, fixed before the first run: loss rtol 1e-5 / atol 1e-5 (float32 sums in
+another order), gradients rtol 1e-4 / atol 1e-5 (partial sums reduced in another order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+
+from lab.core.errors import UserError
+
+LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-5
+GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-5
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+B, T = 16, 32
+
+# (mesh, rules preset, microbatches, remat): pipe x data x model, pipe x data, pipe x model (SP), and remat
+CASES = {
+    "pipe2_data2_model2_tp_M4": ({"pipe": 2, "data": 2, "model": 2}, "tp", 4, "none"),
+    "pipe4_data2_dp_M2": ({"pipe": 4, "data": 2, "model": 1}, "dp", 2, "none"),
+    "pipe2_model4_tp_sp_M2_full": ({"pipe": 2, "data": 1, "model": 4}, "tp_sp", 2, "full"),
+    "pipe2_data4_dp_M1_selective": ({"pipe": 2, "data": 4, "model": 1}, "dp", 1, "selective"),
+}
+
+
+def _model(layers: int = 4):
+    from kernels.transformer import TINY
+
+    return dataclasses.replace(TINY, layers=layers)
+
+
+def _reference(cfg, params, tokens):
+    import jax
+
+    from kernels.transformer.model import loss_fn
+
+    host = jax.tree.map(np.asarray, params)
+    return jax.value_and_grad(loss_fn)(host, np.asarray(tokens), cfg)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_loss_and_grads_match_one_device(jax_devices, case):
+    import jax
+
+    from kernels.mesh import make_mesh
+    from kernels.transformer.model import init_params, synthetic_tokens, token_sharding
+    from kernels.transformer.train import make_grads_fn
+    from lab.core.rules import get_rules
+
+    shape, preset, m, remat = CASES[case]
+    cfg = _model(layers=8 if shape["pipe"] == 4 else 4)
+    rules = dataclasses.replace(get_rules(preset), layers="pipe")
+    mesh = make_mesh(shape)
+    params = init_params(cfg, rules, mesh, jax.random.key(1))
+    tokens = synthetic_tokens(cfg, B, T, seed=1)
+    loss, grads = make_grads_fn(cfg, rules, mesh, remat, microbatches=m)(
+        params, jax.device_put(tokens, token_sharding(rules, mesh))
+    )
+    ref_loss, ref_grads = _reference(cfg, params, tokens)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=LOSS_RTOL, atol=LOSS_ATOL)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=GRAD_RTOL, atol=GRAD_ATOL)
+    assert float(np.abs(np.asarray(grads["layers"]["wq"])).min(axis=(1, 2, 3)).min()) > 0  # every stage's layers
+
+
+# train_pipe_dp_tp: p = 2, M = 4 microbatches of 2 sequences per data replica: 4 + 2 - 2 = 4 sends each way, each a
+# microbatch's [2, 32, 56] float32 activations (whole on every model rank: no sequence parallelism). Over the
+# stages, the gradients of both [88 / 2, 56] tables and the [56] final norm, and the float32 loss.
+SENDS = 8 * 2 * 32 * 56 * 4
+ENDS = (2 * 44 * 56 + 56) * 4 + 4
+
+
+def test_experiment_audit_matches_the_estimator_with_hand_counted_sends(jax_devices):
+    from lab.compile.audit import audit_plan
+    from lab.core.hardware import get_chip
+    from lab.run.experiment import load_experiment
+
+    exp = load_experiment(os.path.join(REPO, "experiments", "train_pipe_dp_tp.toml"))
+    assert exp.plan.microbatches() == 4 and exp.plan.degrees()["pp"] == 2
+    r = audit_plan(exp.plan, get_chip("cpu"))
+    assert r.all_match and not r.unexpected, r.table()
+    by = {(e.kind, e.axes): e for e in r.entries}
+    assert set(by) == {("all-reduce", ("model",)), ("permute", ("pipe",)), ("all-reduce", ("pipe",)),
+                       ("all-reduce", ("data",))}  # fmt: skip
+    sends = by[("permute", ("pipe",))]
+    assert sends.predicted_bytes == sends.compiled_bytes == SENDS and len(sends.instructions) == 8
+    assert by[("all-reduce", ("pipe",))].compiled_bytes == by[("all-reduce", ("pipe",))].predicted_bytes == ENDS
+    assert r.flops_compiled == pytest.approx(r.flops_predicted, rel=1e-9)
+
+
+def test_the_estimate_counts_the_idle_steps_the_spmd_pipeline_computes():
+    """5 steps of each stage's 2 layers for 4 microbatches: the FLOPs of 5/4 of the layer work, the bubble the
+    same (p - 1) / (M + p - 1) = 1/5 of the step as GPipe's; Megatron's pipeline (spmd_pipeline off) computes 4."""
+    from lab.core.hardware import get_chip
+    from lab.predict.program import train_config
+    from lab.predict.training import estimate, step_ops
+    from lab.run.experiment import load_experiment
+
+    plan = load_experiment(os.path.join(REPO, "experiments", "train_pipe_dp_tp.toml")).plan
+    cfg = train_config(plan, get_chip("cpu"))
+    assert cfg.spmd_pipeline and cfg.pipeline_steps == 5 and cfg.microbatches == 4
+    lab = {o["name"]: o for o in step_ops(estimate(cfg))}
+    megatron = {o["name"]: o for o in step_ops(estimate(dataclasses.replace(cfg, spmd_pipeline=False)))}
+    assert lab["mlp/up"]["flops"] == pytest.approx(megatron["mlp/up"]["flops"] * 5 / 4, rel=1e-12)
+    e = estimate(cfg)
+    idle = e.breakdown["bubble_s"] / (e.step_time_s - e.breakdown["optimizer_s"] - e.breakdown["comm_dp_s"])
+    assert idle == pytest.approx(1 / 5, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("options", "rules", "match"),
+    [
+        ({"pp_schedule": "1f1b"}, {}, r'pp_schedule = "1f1b": the lab\'s pipelined train step runs GPipe'),
+        ({}, {"batch": ("data", "pipe")}, r"layers = 'pipe' and batch = \('data', 'pipe'\): .* holds stages only"),
+        ({"microbatch": 3}, {}, r"microbatch = 3 does not divide the 16 // 2 = 8 sequences"),
+        ({}, {"layers": ("pipe", "data")}, r"the lab pipelines over one mesh axis"),
+    ],
+)
+def test_bad_pipelined_plans_are_refused_before_compiling(options, rules, match):
+    from lab.run.experiment import load_experiment
+
+    plan = load_experiment(os.path.join(REPO, "experiments", "train_pipe_dp_tp.toml")).plan
+    bad = dataclasses.replace(
+        plan,
+        options=dataclasses.replace(plan.options, **options),
+        rules=dataclasses.replace(plan.rules, **rules),
+    )
+    with pytest.raises(UserError, match=match):
+        bad.validate()
+
+
+def test_decode_does_not_run_pipelined():
+    from lab.core.plan import make_mesh_axes
+    from lab.run.experiment import load_experiment
+
+    plan = load_experiment(os.path.join(REPO, "experiments", "decode_tp.toml")).plan
+    rules = dataclasses.replace(plan.rules, layers="pipe")
+    one = dataclasses.replace(plan, mesh=make_mesh_axes({"data": 2, "model": 4, "pipe": 1}), rules=rules)
+    one.validate()  # a pipe axis of one device is no pipeline
+    two = dataclasses.replace(one, mesh=make_mesh_axes({"data": 1, "model": 4, "pipe": 2}))
+    with pytest.raises(UserError, match=r"layers = \['pipe'\]: decode runs unpipelined; leave layers out"):
+        two.validate()
