@@ -46,6 +46,14 @@ precision) is what matmuls run in, parameters being cast at use; norms, softmax,
 float32. Activation recomputation (``remat``) uses the estimators' words: ``none``; ``selective`` keeps matmul
 outputs without batch dims (the projections) and recomputes the rest, the attention softmax included
 (Korthikanti et al. 2022); ``full`` keeps only each layer's input.
+
+Pipeline: rules with ``layers`` on a mesh axis (``layers = "pipe"``) cut the stacked layers into that axis's stages
+and run GPipe over ``microbatches`` (:func:`_pipelined_loss`): a ``shard_map`` manual over the stage axis and the
+batch's axes, tensor parallelism placed by the rules inside as above. Every stage computes in all ``M + p - 1``
+steps, the ``p - 1`` idle ones on values nothing reads, and passes its output on with a ``ppermute`` after each but
+the last; every stage holds the embeddings and the final norm, whose gradients the stages sum; each weight's
+gradient is summed over the data-parallel replicas once, after the last microbatch. The training estimator
+prices exactly this with ``spmd_pipeline`` (``lab.predict.train_config``).
 """
 
 from __future__ import annotations
