@@ -81,8 +81,9 @@ class Options:
             (XLA:CPU does; the TPU compiler keeps them: ``for_target`` clears it).
         jax_remat: recomputation as ``jax.checkpoint`` runs it (the lab's Transformer): XLA leaves the layer's
             last projection out of the recomputed forward. False: the whole layer again (Megatron).
-        spmd_pipeline: a pipeline as the lab's Transformer runs it (every stage computes and sends in all
-            M + p - 1 steps, whole activations; the embeddings' gradients summed over the stages). False: Megatron's.
+        spmd_pipeline: a GPipe pipeline as the lab's Transformer runs it (every stage computes and sends in all
+            M + p - 1 steps, whole activations; the embeddings' gradients summed over the stages). False, or another
+            schedule: Megatron's.
     """
 
     microbatch: int | None = None

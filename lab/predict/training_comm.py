@@ -39,7 +39,7 @@ from lab.predict.axis_costs import moe_exchange_bytes, ring_kv_block_bytes, ring
 from lab.predict.remat import policy as remat_policy
 from lab.predict.remat import recomputed
 from lab.predict.train_config import Layout, TrainConfig
-from lab.predict.training_memory import layer_params_local, local_params
+from lab.predict.training_memory import end_params, layer_params_local, local_params
 
 LOSS_BYTES = 4.0  # the float32 loss
 SOFTMAX_BYTES = 4.0  # max and sum of float32 logits per token
@@ -378,9 +378,9 @@ def _ep_cp_pp(cfg: TrainConfig) -> list[Comm]:
         nbytes = cfg.microbatch * cfg.seq_len / lay.cp * m.d_model * cfg.act_bytes / split
         sends = 2.0 * (n_mb + lay.pp - 2) / n_mb  # M + p - 2 each way, per microbatch
         out.append(Comm("pp", "permute", nbytes, sends, "microbatch", "pipeline sends: activations and gradients"))
-        ends = (m.vocab * m.d_model * (1 if m.tied_embeddings else 2)) / lay.tp + m.d_model
         what = "the embeddings' and final norm's gradients over the stages"
-        out.append(Comm("pp", "all-reduce", ends * cfg.grad_reduce_bytes, 1, "step", what, "backward", "fp32"))
+        ends, dt = end_params(m, lay) * cfg.grad_reduce_bytes, "fp32" if cfg.grad_reduce_bytes == 4 else "bf16"
+        out.append(Comm("pp", "all-reduce", ends, 1, "step", what, "backward", dt))
         out.append(Comm("pp", "all-reduce", LOSS_BYTES, 1, "step", "the loss from the last stage", dtype="fp32"))
     elif lay.pp > 1:  # Megatron's scatter/gather: each TP rank sends 1/tp of the activation (Narayanan Sec. 4.1)
         nbytes = cfg.microbatch * cfg.seq_len / lay.cp * m.d_model * 2.0 / lay.tp

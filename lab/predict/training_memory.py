@@ -130,12 +130,17 @@ def local_params(m: ModelConfig, lay: Layout, layer: float | None = None, ends_o
     (``ends_on_every_stage``: the SPMD pipeline, ``TrainConfig.spmd_pipeline``) (``layer``: the layout's
     :func:`layer_params_local`, when at hand)."""
     layer = layer_params_local(m, lay) if layer is None else layer
+    if ends_on_every_stage:
+        return m.layers * layer / lay.pp + end_params(m, lay)
+    return (m.layers * layer + end_params(m, lay)) / lay.pp
+
+
+def end_params(m: ModelConfig, lay: Layout) -> float:
+    """Parameters outside the layers on one tp rank: the (vocab-parallel) embeddings, learned positions and the
+    final norm."""
     emb = m.vocab * m.d_model * (1 if m.tied_embeddings else 2) / lay.tp
     pos = m.max_seq_len * m.d_model if m.learned_positions else 0.0
-    final = m.d_model * (2 if m.norm == "layernorm" else 1)
-    if ends_on_every_stage:
-        return m.layers * layer / lay.pp + emb + pos + final
-    return (m.layers * layer + emb + pos + final) / lay.pp
+    return emb + pos + m.d_model * (2 if m.norm == "layernorm" else 1)
 
 
 def state_bytes(
