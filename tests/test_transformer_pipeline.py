@@ -39,7 +39,7 @@ def _model(layers: int = 4):
 def _reference(cfg, params, tokens):
     import jax
 
-    from kernels.transformer.model import loss_fn
+    from kernels.transformer.loss import loss_fn
 
     host = jax.tree.map(np.asarray, params)
     return jax.value_and_grad(loss_fn)(host, np.asarray(tokens), cfg)

@@ -2,6 +2,7 @@
 and its greedy decoding (``decode``). Each builder takes a :class:`lab.core.plan.Plan`."""
 
 from kernels.transformer.decode import build_decode, decode_step, generate, make_generate, prefill
+from kernels.transformer.loss import loss_fn
 from kernels.transformer.model import (
     DATA,
     MODEL,
@@ -17,7 +18,6 @@ from kernels.transformer.model import (
     forward,
     get_rules,
     init_params,
-    loss_fn,
     mesh_shape,
     param_bytes_per_device,
     param_info,

@@ -17,13 +17,13 @@ from jax.sharding import PartitionSpec as P
 
 from kernels.mesh import make_mesh
 from kernels.program import Built
+from kernels.transformer.loss import loss_fn
 from kernels.transformer.model import (
     REMAT,
     _is_info,
     _remat_policy,
     abstract,
     init_params,
-    loss_fn,
     param_info,
     shardings,
     synthetic_tokens,

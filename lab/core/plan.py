@@ -284,7 +284,7 @@ class Plan:
 
     def _validate_pipeline(self) -> None:
         """What the lab's pipelined train step (``layers`` on a mesh axis) runs: GPipe on one mesh axis that splits
-        nothing else, whole microbatches (kernels/transformer/model.py, ``_pipelined_loss``)."""
+        nothing else, whole microbatches (``kernels.transformer.loss.pipelined_loss``)."""
         rules = self.rules
         assert rules is not None
         axes = rules.live("layers", self.shape)
