@@ -295,13 +295,13 @@ def test_options_refuse_what_does_not_add_up():
         Options(zero=4)
     with pytest.raises(UserError, match="link 'dcn'"):
         make_mesh_axes({"data": 2}) and MeshAxis("data", 2, "dcn")
-    with pytest.raises(UserError, match="not run context sharded yet"):  # layers over an axis now run (GPipe)
+    with pytest.raises(UserError, match="not run experts sharded yet"):  # layers and context over axes now run
         Plan(
             "train_step",
-            make_mesh_axes({"ctx": 2, "data": 4}),
+            make_mesh_axes({"expert": 2, "data": 4}),
             {"batch": 8, "seq": 32},
             model=dataclasses.replace(get_model("llama3-8b"), layers=2, max_seq_len=64),
-            rules=dataclasses.replace(PRESETS["dp"], batch="data", context="ctx"),
+            rules=dataclasses.replace(PRESETS["dp"], batch="data", experts="expert"),
         ).validate()
     with pytest.raises(UserError, match="one mesh axis can split only one dim"):
         ShardingRules(batch="data", heads="data").spec(("batch", None, "heads", None), "q")

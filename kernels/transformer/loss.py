@@ -47,13 +47,17 @@ def loss_fn(
     lay = _Layout(rules or PRESETS["single"], mesh, compute_dtype(dtype))
     if mesh is not None and pipeline_stages(lay.rules, mesh) > 1:
         return pipelined_loss(params, tokens, cfg, lay, remat, microbatches)
-    return _xent(_forward(params, tokens, cfg, lay, remat)[0], tokens)
+    return _xent(_forward(params, tokens, cfg, lay, remat)[0], tokens, lay)
 
 
-def _xent(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Mean next-token cross entropy of float32 logits ``[B, T, V]`` (the last position masked)."""
+def _xent(logits: jax.Array, tokens: jax.Array, lay: _Layout | None = None) -> jax.Array:
+    """Mean next-token cross entropy of float32 logits ``[B, T, V]`` (the last position masked). The shifted
+    targets are pinned whole along T, as the tokens come (``lay``), so a context shard takes its own slice of them
+    instead of the partitioner shifting them across the shards."""
     B, T, V = logits.shape
     targets = jnp.roll(tokens, -1, axis=1)
+    if lay is not None:
+        targets = lay.constrain(targets, ("batch", None))
     mask = (jnp.arange(T) < T - 1).astype(jnp.float32)  # [T]
     lse = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
     target_logit = jnp.sum(logits * jax.nn.one_hot(targets, V, dtype=jnp.float32), axis=-1)

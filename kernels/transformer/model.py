@@ -54,6 +54,12 @@ stage computes in all ``M + p - 1`` steps, the ``p - 1`` idle ones on values not
 on with a ``ppermute`` after each but the last; every stage holds the embeddings and the final norm, whose
 gradients the stages sum; each weight's gradient is summed over the data-parallel replicas once, after the last
 microbatch. The training estimator prices exactly this with ``spmd_pipeline`` (``lab.predict.train_config``).
+
+Context parallelism: rules with ``context`` on mesh axes split the T of every activation over them (and over the
+sequence-parallel axes too between blocks); the partitioner gathers K and V whole for attention, forward and again
+backward, reduces their gradients, and sums the weight gradients over the context shards (the all-gather form,
+not a ring: priced by the estimator's ``spmd_context``). The shifted targets stay whole along T, so each shard
+slices its own.
 """
 
 from __future__ import annotations
@@ -294,7 +300,13 @@ class _Layout:
         if self.decode:  # one token: the residual stream is not split along T
             logical = tuple(None if a == "sequence" else a for a in logical)
         mesh = jax.sharding.get_abstract_mesh() if self.manual else self.mesh
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, partition_spec(self.rules, logical)))
+        spec = partition_spec(self.rules, logical)
+        ctx = self.rules.axes("context")
+        if ctx and not self.decode and len(logical) >= 3:  # an activation [B, T, ...]: T over the context axes too
+            seq = self.rules.axes("sequence") if logical[1] == "sequence" else ()
+            t = (*ctx, *seq)
+            spec = P(spec[0], t if len(t) > 1 else t[0], *spec[2:])
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 RESIDUAL = ("batch", "sequence", "act_embed")

@@ -279,6 +279,7 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
         regather_norms=cfg.remat_regathers_norms,
         jax_remat=cfg.jax_remat,
         spmd_pipeline=cfg.spmd_pipeline,
+        spmd_context=cfg.spmd_context,
     )
     plan = plan_from_degrees(
         cfg.model,

@@ -84,6 +84,8 @@ class Options:
         spmd_pipeline: a GPipe pipeline as the lab's Transformer runs it (every stage computes and sends in all
             M + p - 1 steps, whole activations; the embeddings' gradients summed over the stages). False, or another
             schedule: Megatron's.
+        spmd_context: context parallelism as the lab's Transformer compiles it (K and V gathered over the context
+            shards, forward and backward; weight gradients summed over them). False: a ring (Megatron's).
     """
 
     microbatch: int | None = None
@@ -98,6 +100,7 @@ class Options:
     regather_norms: bool = True
     jax_remat: bool = True
     spmd_pipeline: bool = True
+    spmd_context: bool = True
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
@@ -319,6 +322,29 @@ class Plan:
                 f"({', '.join(rules.live('batch', self.shape))}); give a larger microbatch"
             )
 
+    def _validate_context(self) -> None:
+        """What the lab's context-parallel train step (``context`` on mesh axes) runs: the sequence split evenly
+        over the context axes (and the sequence-parallel ones between blocks), without a pipeline."""
+        rules = self.rules
+        assert rules is not None
+        ctx = rules.live("context", self.shape)
+        if not ctx:
+            return
+        if self.program != "train_step":
+            raise UserError(f"[rules] context = {list(ctx)}: {self.program} runs unsplit along T; leave context out")
+        if rules.live("layers", self.shape):
+            raise UserError(
+                "[rules] context and pipeline (layers) together are priced by the estimator, not run by the lab yet; "
+                "give one of them"
+            )
+        axes = (*ctx, *rules.live("sequence", self.shape))
+        n, seq = math.prod(self.shape[a] for a in axes), self.sizes["seq"]
+        if seq % n:
+            raise UserError(
+                f"seq={seq} does not split over the context axes {' x '.join(axes)} ({n}); "
+                f"use a multiple of {n}, e.g. seq={max(n, seq // n * n)}"
+            )
+
     def _validate_transformer(self, executable: bool) -> None:
         m, rules = self.model, self.rules
         if m is None:
@@ -334,6 +360,7 @@ class Plan:
         if not executable:
             return
         self._validate_pipeline()
+        self._validate_context()
         for dim in NOT_EXECUTED:
             if rules.axes(dim):
                 raise UserError(
@@ -525,7 +552,12 @@ def plan_from_degrees(
         optimizer=optimizer,
         options=options
         or Options(
-            flash_attention=True, fused_projections=True, regather_norms=False, jax_remat=False, spmd_pipeline=False
+            flash_attention=True,
+            fused_projections=True,
+            regather_norms=False,
+            jax_remat=False,
+            spmd_pipeline=False,
+            spmd_context=False,
         ),
     )
 

@@ -19,7 +19,7 @@ ffw          F of the MLP weights and the MLP hidden activation
 vocab        V of the embedding tables and the logits (vocab-parallel embedding and loss)
 layers       L of the stacked layer weights: pipeline stages (GPipe over that one mesh axis)
 experts      E of expert weights: expert parallelism (priced; not executed yet)
-context      T of every activation and of attention: context parallelism (priced; not executed yet)
+context      T of every activation and of attention: context parallelism (K and V gathered for attention)
 ===========  ==========================================================================================
 
 Optimizer state always follows its parameter (the moments of ``W[D_X, F_Y]`` are ``[D_X, F_Y]``).
@@ -44,9 +44,9 @@ MESH_AXES = (DATA, MODEL)
 
 # Logical names that are never sharded, accepted for documentation.
 UNSHARDED = ("head_dim", "kv_seq")
-# Dims the JAX Transformer does not execute sharded yet (expert and context parallelism); layers over a mesh axis
-# run as a GPipe pipeline (kernels/transformer/model.py).
-NOT_EXECUTED = ("experts", "context")
+# Dims the JAX Transformer does not execute sharded yet (expert parallelism); layers over a mesh axis run as a GPipe
+# pipeline, context over one as T split with K and V gathered for attention (kernels/transformer/model.py).
+NOT_EXECUTED = ("experts",)
 
 
 @dataclass(frozen=True)

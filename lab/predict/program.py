@@ -94,6 +94,7 @@ def train_config(plan: Plan, chip: Chip) -> TrainConfig:
         jax_remat=opts.jax_remat,
         remat_regathers_norms=opts.regather_norms,
         spmd_pipeline=opts.spmd_pipeline and opts.pp_schedule == "gpipe",  # the lab runs GPipe alone
+        spmd_context=opts.spmd_context,
     )
 
 

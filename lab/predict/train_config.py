@@ -124,6 +124,12 @@ class TrainConfig:
     # in the compute dtype (Megatron's sends go in M of the steps, split over the TP ranks); every stage holds the
     # embeddings and the final norm, whose gradients the stages sum, and the loss comes from the last stage.
     spmd_pipeline: bool = False
+    # Context parallelism as the lab's Transformer compiles it (every activation's T over the context axes under
+    # GSPMD): attention gathers K and V whole over the context shards, forward and again backward, and reduces
+    # their gradients; the weight gradients are summed over the context shards apart from the data-parallel ones.
+    # The all-gather form Llama 3 trained with (Dubey et al., arXiv:2407.21783, Sec. 3.3.2). False: a ring of
+    # K, V passes hidden behind attention where it can be (Megatron's).
+    spmd_context: bool = False
 
     @property
     def pipeline_steps(self) -> int:

@@ -303,7 +303,9 @@ def layer_cost(cfg: TrainConfig, compute: tuple | None = None) -> LayerCost:
     ep = sum(c.calls * t for c, t in times if c.role == "ep")
     cp_exposed = 0.0
     for c, t in times:
-        if c.role == "cp":  # the ring's passes hide behind attention where they can (forward 1, backward 2)
+        if c.role == "cp" and cfg.spmd_context:  # gathered and reduced in line with the attention around them
+            cp_exposed += c.calls * t
+        elif c.role == "cp":  # the ring's passes hide behind attention where they can (forward 1, backward 2)
             ring = c.calls / 3 * t
             att = sum(o[2] for o in ops if o[1] == "attention")
             cp_exposed = max(0.0, ring - att) + max(0.0, 2 * ring - 2.5 * att)

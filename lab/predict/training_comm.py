@@ -368,7 +368,16 @@ def _ep_cp_pp(cfg: TrainConfig) -> list[Comm]:
         a2a = moe_exchange_bytes(lay.ep, tokens, m.experts_per_token, m.d_model, 2.0, cfg.capacity_factor)
         share = m.moe_layers / m.layers
         out.append(Comm("ep", "all-to-all", a2a, 2 * directions * share, "layer", "EP dispatch and combine"))
-    if lay.cp > 1:  # KV chunks around the ring: once forward, twice backward
+    if lay.cp > 1 and cfg.spmd_context:  # K and V gathered whole (forward, backward), their gradients summed
+        kv = tokens * lay.cp * max(m.kv_heads / lay.tp, 1.0) * m.head_dim * cfg.act_bytes  # one of them, gathered
+        # K and V, forward and backward (a recomputed forward's gathers serve the backward, as XLA compiles it)
+        what = "CP: K and V gathered over the context shards, forward and again backward"
+        out.append(Comm("cp", "all-gather", kv, 4, "layer", what))
+        out.append(Comm("cp", "all-reduce", 2 * kv, 1, "layer", "CP: the K and V gradients over the context shards"))
+        grads = local_params(m, lay) / lay.fsdp_eff * cfg.grad_reduce_bytes + LOSS_BYTES
+        what = "the weight gradients (and the loss) over the context shards"
+        out.append(Comm("cp", "all-reduce", grads, 1, "step", what, "backward", "fp32"))
+    elif lay.cp > 1:  # KV chunks around the ring: once forward, twice backward
         kv_bytes = ring_kv_block_bytes(tokens, max(m.kv_heads / lay.tp, 1.0), m.head_dim, 2.0)
         passes = ring_passes(lay.cp, directions=3)
         out.append(Comm("cp", "permute", kv_bytes, passes, "layer", "CP ring passes of K and V", "attention"))

@@ -113,9 +113,10 @@ class MicrobatchTerms(NamedTuple):
     bubble: float  # the pipeline bubble as a multiple of the work (axis_costs.bubble_over_work)
 
 
-# The roles each term prices; the pipeline's once-a-step reductions (the SPMD pipeline's embedding gradients and
-# loss over the stages) go with the DP gradient reduction, its sends with the microbatch.
-TERMS = {"dp": ("dp", "batch", "pp"), "fsdp": ("fsdp",), "pp": ("pp",), "tp": ("tp",)}
+# The roles each term prices; the pipeline's and context's once-a-step reductions (the SPMD pipeline's embedding
+# gradients and loss over the stages, the weight gradients over the context shards) go with the DP gradient
+# reduction, the pipeline's sends with the microbatch.
+TERMS = {"dp": ("dp", "batch", "pp", "cp"), "fsdp": ("fsdp",), "pp": ("pp",), "tp": ("tp",)}
 _PER = {"dp": "step", "pp": "microbatch", "tp": "microbatch"}
 
 
@@ -129,7 +130,7 @@ def dp_times(chip: Chip, lay: Layout, comms: tuple[Comm, ...]) -> tuple[float, f
     """The DP gradient reduction (with the SPMD pipeline's reductions over the stages) and the loss mean over the
     batch axes (``role_comms(cfg, "dp")``): seconds of one call each, once per step."""
     times = list(zip(comms, prices(chip, lay, comms), strict=True))
-    return sum(t for c, t in times if c.role in ("dp", "pp")), sum(t for c, t in times if c.role == "batch")
+    return sum(t for c, t in times if c.role in ("dp", "pp", "cp")), sum(t for c, t in times if c.role == "batch")
 
 
 def layout_terms(

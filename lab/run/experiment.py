@@ -80,6 +80,7 @@ OPTIONS = {
     "cast_first": Field("bool", "fp32 weights cast to the compute dtype before FSDP gathers them (the TPU compiler)"),
     "regather_norms": Field("bool", "FSDP gathers the norm scales again for a recomputed forward (XLA:CPU)"),
     "jax_remat": Field("bool", "recomputation as jax.checkpoint runs it (the layer's last projection left out)"),
+    "spmd_context": Field("bool", "context parallelism as the lab compiles it (K, V gathered; not a ring)"),
     "spmd_pipeline": Field("bool", "a pipeline as the lab runs it (stages compute and send in all M + p - 1 steps)"),
 }
 RULES = {"preset": Field("str", "a preset the other keys override", tuple(PRESETS))} | {
