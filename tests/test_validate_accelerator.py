@@ -38,6 +38,7 @@ def test_mfu_is_model_flops_over_measured_step_and_peak():
     assert mfu(report | {"kernel": "decode"}, {"bf16": 1e15}) is None
 
 
+@pytest.mark.slow  # about 45 s (a quick calibration of the host first); test_the_whole_record runs the same path
 def test_the_record_of_an_emulated_run(tmp_path):
     done = _script(tmp_path, "--experiments", "llama3_8b_decode")
     assert done.returncode == 0, done.stderr[-2000:]
