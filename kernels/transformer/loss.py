@@ -4,7 +4,6 @@ the rules put the layers on a mesh axis (``model``'s docstring, *Pipeline*)."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 
 import jax
@@ -67,7 +66,7 @@ def _xent(logits: jax.Array, tokens: jax.Array, lay: _Layout | None = None) -> j
 def pipeline_stages(rules: ShardingRules, mesh: Mesh | Mapping[str, int]) -> int:
     """How many pipeline stages the rules cut the layers into on this mesh (1: no pipeline)."""
     shape = dict(mesh.shape) if isinstance(mesh, Mesh) else dict(mesh)
-    return math.prod(shape[a] for a in rules.live("layers", shape))
+    return rules.size("layers", shape)
 
 
 def pipelined_loss(params, tokens, cfg, lay: _Layout, remat: str, m: int) -> jax.Array:
@@ -87,7 +86,7 @@ def pipelined_loss(params, tokens, cfg, lay: _Layout, remat: str, m: int) -> jax
     shape = dict(lay.mesh.shape)
     (axis,) = lay.rules.live("layers", shape)
     batch_axes = lay.rules.live("batch", shape)
-    p, replicas = shape[axis], math.prod(shape[a] for a in batch_axes)
+    p, replicas = shape[axis], lay.rules.size("batch", shape)
     inner = dataclasses.replace(lay, rules=dataclasses.replace(lay.rules, layers=None, batch=None), manual=True)
     stacked = jax.tree.map(lambda _: P(axis), params["layers"])
     specs = {k: (stacked if k == "layers" else jax.tree.map(lambda _: P(), v)) for k, v in params.items()}

@@ -316,7 +316,7 @@ class Plan:
                 f"sequences of each data-parallel replica; give a divisor, e.g. microbatch = 1"
             )
         m = self.microbatches()
-        if (batch // m) % max(1, math.prod(self.shape[a] for a in rules.live("batch", self.shape))):
+        if (batch // m) % rules.size("batch", self.shape):
             raise UserError(
                 f"batch={batch} in {m} microbatches of {batch // m}: a microbatch must split over the batch axes "
                 f"({', '.join(rules.live('batch', self.shape))}); give a larger microbatch"
@@ -338,7 +338,7 @@ class Plan:
                 "give one of them"
             )
         axes = (*ctx, *rules.live("sequence", self.shape))
-        n, seq = math.prod(self.shape[a] for a in axes), self.sizes["seq"]
+        n, seq = rules.size("context", self.shape) * rules.size("sequence", self.shape), self.sizes["seq"]
         if seq % n:
             raise UserError(
                 f"seq={seq} does not split over the context axes {' x '.join(axes)} ({n}); "

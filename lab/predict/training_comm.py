@@ -237,7 +237,7 @@ def _fsdp(cfg: TrainConfig) -> list[Comm]:
     if lay.fsdp_eff <= 1:
         return []
     wdt = "fp32" if cfg.weight_bytes == 4 else "bf16"
-    gdt = "fp32" if cfg.grad_reduce_bytes == 4 else "bf16"
+    gdt = _dtype(cfg.grad_reduce_bytes)
     layer = layer_params_local(m, lay)
     # A stage holds its share of the embeddings (the first stage the input table, the last the output one and the
     # final norm), averaged over the stages as local_params averages them.
@@ -346,13 +346,18 @@ def _fsdp_cast_first(cfg: TrainConfig, layer: float, final: float, rest: float, 
     ]
 
 
+def _reduced_grads(cfg: TrainConfig) -> float:
+    """Bytes of the gradients one chip reduces over its replicas (data parallelism, or the context shards): its
+    stage's share, and every stage's embeddings in the SPMD pipeline, over FSDP's shards."""
+    local = local_params(cfg.model, cfg.layout, ends_on_every_stage=cfg.spmd_pipeline)
+    return local / cfg.layout.fsdp_eff * cfg.grad_reduce_bytes
+
+
 def _dp(cfg: TrainConfig) -> list[Comm]:
     lay = cfg.layout
     out = []
     if lay.dp_eff > 1:
-        local = local_params(cfg.model, lay, ends_on_every_stage=cfg.spmd_pipeline)
-        grads = local / lay.fsdp_eff * cfg.grad_reduce_bytes
-        dt = "fp32" if cfg.grad_reduce_bytes == 4 else "bf16"
+        grads, dt = _reduced_grads(cfg), _dtype(cfg.grad_reduce_bytes)
         out.append(Comm("dp", "all-reduce", grads, 1, "step", "DP gradient AllReduce", "backward", dt))
     if lay.dp * lay.fsdp > 1:
         out.append(Comm("batch", "all-reduce", LOSS_BYTES, 1, "step", "the loss mean over the batch", dtype="fp32"))
@@ -374,9 +379,9 @@ def _ep_cp_pp(cfg: TrainConfig) -> list[Comm]:
         what = "CP: K and V gathered over the context shards, forward and again backward"
         out.append(Comm("cp", "all-gather", kv, 4, "layer", what))
         out.append(Comm("cp", "all-reduce", 2 * kv, 1, "layer", "CP: the K and V gradients over the context shards"))
-        grads = local_params(m, lay) / lay.fsdp_eff * cfg.grad_reduce_bytes + LOSS_BYTES
         what = "the weight gradients (and the loss) over the context shards"
-        out.append(Comm("cp", "all-reduce", grads, 1, "step", what, "backward", "fp32"))
+        grads, dt = _reduced_grads(cfg) + LOSS_BYTES, _dtype(cfg.grad_reduce_bytes)
+        out.append(Comm("cp", "all-reduce", grads, 1, "step", what, "backward", dt))
     elif lay.cp > 1:  # KV chunks around the ring: once forward, twice backward
         kv_bytes = ring_kv_block_bytes(tokens, max(m.kv_heads / lay.tp, 1.0), m.head_dim, 2.0)
         passes = ring_passes(lay.cp, directions=3)
@@ -388,7 +393,7 @@ def _ep_cp_pp(cfg: TrainConfig) -> list[Comm]:
         sends = 2.0 * (n_mb + lay.pp - 2) / n_mb  # M + p - 2 each way, per microbatch
         out.append(Comm("pp", "permute", nbytes, sends, "microbatch", "pipeline sends: activations and gradients"))
         what = "the embeddings' and final norm's gradients over the stages"
-        ends, dt = end_params(m, lay) * cfg.grad_reduce_bytes, "fp32" if cfg.grad_reduce_bytes == 4 else "bf16"
+        ends, dt = end_params(m, lay) * cfg.grad_reduce_bytes, _dtype(cfg.grad_reduce_bytes)
         out.append(Comm("pp", "all-reduce", ends, 1, "step", what, "backward", dt))
         out.append(Comm("pp", "all-reduce", LOSS_BYTES, 1, "step", "the loss from the last stage", dtype="fp32"))
     elif lay.pp > 1:  # Megatron's scatter/gather: each TP rank sends 1/tp of the activation (Narayanan Sec. 4.1)
