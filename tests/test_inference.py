@@ -333,3 +333,27 @@ def test_a_decode_steps_matmuls_run_at_the_tile_factor_of_their_rows():
     assert sum(o["time_s"] for o in decode_ops(cfg)) == pytest.approx(d["step_s"])
     one = decode_step(dataclasses.replace(cfg, batch=1))  # one row: the weights bound it, as before
     assert one["compute_s"] < one["weights_s"]
+
+
+def test_decode_weights_stream_at_the_skinny_gemm_share_of_each_gpus_own_copy_rate():
+    """G16 (DeepGEMM M=64 on H800, HBM3 as H100's): 68% of HBM, which is 0.68 / 0.87 of H100's STREAM copy (H2);
+    an A100 takes that share of its own copy rate (H1, 79%), an H200 of its 84% (H3); TPUs keep 68%; the ideal
+    roofline reads the weights at the full bandwidth."""
+    import dataclasses
+
+    from lab.predict.inference import decode_step
+
+    m = get_model("llama2-70b")
+    a100 = InferConfig(model=m, chip=get_chip("a100-80gb"), batch=1, context=512, tp=8, achievable=True)
+    d = decode_step(a100)
+    assert d["weights_s"] == pytest.approx(d["weight_bytes"] / (0.68 / 0.87 * 0.79 * 2.039e12), rel=1e-9)
+    assert d["weights_s"] == pytest.approx(d["weight_bytes"] / (0.6175 * 2.039e12), rel=1e-3)  # 61.7% of HBM
+    h100 = decode_step(dataclasses.replace(a100, chip=get_chip("h100")))
+    assert h100["weights_s"] == pytest.approx(h100["weight_bytes"] / (0.68 * 3.35e12), rel=1e-9)
+    h200 = decode_step(dataclasses.replace(a100, chip=get_chip("h200")))
+    assert h200["weights_s"] == pytest.approx(h200["weight_bytes"] / (0.68 / 0.87 * 0.84 * 4.8e12), rel=1e-9)
+    tpu = dataclasses.replace(a100, chip=get_chip("tpu-v5p"))
+    t = decode_step(tpu)
+    assert t["weights_s"] == pytest.approx(t["weight_bytes"] / (0.68 * tpu.chip.hbm_bandwidth), rel=1e-9)
+    ideal = decode_step(dataclasses.replace(a100, achievable=False))
+    assert ideal["weights_s"] == pytest.approx(ideal["weight_bytes"] / 2.039e12, rel=1e-9)

@@ -120,3 +120,32 @@ def test_an_uneven_pipeline_split_with_embedding_and_loss_slots():
         estimate(TrainConfig(m, h100, Layout(**kw), seq_len=8192, global_batch=1152, microbatch=1))
     with pytest.raises(UserError, match=r"layers plus the embedding and loss slots \(128\)"):
         estimate(TrainConfig(m, h100, Layout(pp=6, dp=8, pp_embedding_slots=True), seq_len=8192, global_batch=48))
+
+
+def test_a_per_token_figure_over_a_whole_generate_call_includes_its_prefill(public):
+    """BLOOM's DeepSpeed-Inference figure is the benchmark script's 'Throughput per token including tokenize': whole
+    generate() calls over the new tokens, so the prediction is the prefill (which yields the first token) plus
+    generated - 1 decode steps at the mean context, over generated; the other serving rows are one decode step."""
+    import dataclasses
+
+    from lab.core.models import get_model
+    from lab.predict.inference import InferConfig, estimate_inference
+
+    flagged = {r.case_id for r in RUNS if r.per_token_includes_prefill}
+    assert flagged == {"PS04", "PS05"}
+    rows = {r.run.case_id: r for r in public.rows}
+    for case in ("PS04", "PS05"):
+        run = rows[case].run
+        m = dataclasses.replace(get_model(run.model), **run.overrides)
+        batch = int(run.layout["batch"])
+        cfg = InferConfig(
+            model=m, chip=get_chip("a100-80gb"), batch=batch, context=8 + 100 // 2, tp=8, prefill_len=8, achievable=True
+        )
+        est = estimate_inference(cfg)
+        assert est.prefill_s is not None and est.prefill_s > 0
+        assert rows[case].predicted == pytest.approx((est.prefill_s + 99 * est.decode_step_s) / 100, rel=1e-12)
+    ps01 = rows["PS01"]
+    cfg = InferConfig(
+        model=get_model("llama2-70b"), chip=get_chip("a100-80gb"), batch=1, context=512 + 25, tp=8, achievable=True
+    )
+    assert ps01.predicted == pytest.approx(estimate_inference(cfg).decode_step_s, rel=1e-12)

@@ -26,7 +26,8 @@ its rows), per chip family where one was measured; a calibrated chip (``shardlab
 * **Fixed per-kernel costs of a decode step** (GPUs): each of a layer's ~14 kernels adds a CUDA-graph gap of
   0.9 us and each of its ~8 small ones takes at least 1.5 us, about 25 us a layer, 2 ms for an 80-layer model.
   TPUs: the step's dispatch and sync, ~100 us (O4). Weights stream through a decode step's skinny GEMMs at 68%
-  of HBM (G16, Hopper; taken for TPUs, where nothing is published).
+  of HBM on H100 (G16), i.e. 0.78 of its copy rate (H2); other GPU families take 0.78 of their own measured copy
+  rate (A100 62%, H200 66%, B200 72%); TPUs take 68% (nothing is published).
 * **Across nodes** a collective reaches 12.5% of the NIC rate at 16 MiB, 44% at 256 MiB, 70% at 1 GiB (C14);
   and on GPUs, computation overlapped with a collective runs 18.9% slower (arXiv:2507.03114), so a hidden
   collective is not free.
@@ -103,6 +104,12 @@ ATTENTION: dict[tuple[str, str], float] = {
 HBM_FRACTION = {"a100": 0.79, "h100": 0.87, "h200": 0.84, "b200": 0.92}  # H1, H2, H3, H4 (GB200)
 HBM_FRACTION_OTHER = {"gpu": 0.85, "tpu": 0.90, "cpu": 1.0}  # no TPU figure is published
 DECODE_WEIGHT_FRACTION = 0.68  # G16: DeepGEMM M=64 rows on H800 reach 50/73/80% of HBM (mean)
+# A skinny decode GEMM streams its weights at a fixed share of what a STREAM copy reaches on the same memory: G16's
+# 68% was measured on H800, whose HBM3 is the H100's (3.35 TB/s), where the copy reaches 87% (H2), so the skinny GEMM
+# runs at 0.68 / 0.87 = 0.78 of the copy rate. A GPU family whose own copy rate is measured takes that share of it
+# (A100: 0.78 x 79% (H1) = 62%; H200: 0.78 x 84% (H3) = 66%; B200: 0.78 x 92% (H4) = 72%; H100: 68%, G16 itself),
+# rather than the Hopper HBM3 figure; a derived figure (grade C): no skinny-GEMM bandwidth is published for A100.
+SKINNY_GEMM_VS_COPY = DECODE_WEIGHT_FRACTION / HBM_FRACTION["h100"]  # G16 / H2
 
 # Fraction of the link a ring collective reaches (microbenchmarks.md §4).
 NVLINK_RING = {"a100": 0.775, "h100": 0.81, "h200": 0.81, "b200": 0.75}  # C1/C2, C6, C6, C8
@@ -181,11 +188,18 @@ def memory_time(chip: Chip, nbytes: float) -> float:
     return nbytes / (hbm_fraction(chip) * chip.hbm_bandwidth)
 
 
+def decode_weight_fraction(chip: Chip) -> float:
+    """The fraction of HBM bandwidth the skinny GEMMs of a decode step stream weights at: on a GPU family with a
+    measured copy rate, G16's share of that rate (SKINNY_GEMM_VS_COPY); G16's 68% on other GPUs and on TPUs (no TPU
+    figure is published; a skinny GEMM does not reach a copy's rate on either); the copy rate on a host CPU."""
+    if chip.kind == "gpu" and family(chip) in HBM_FRACTION:
+        return SKINNY_GEMM_VS_COPY * HBM_FRACTION[family(chip)]
+    return DECODE_WEIGHT_FRACTION if chip.kind in ("gpu", "tpu") else hbm_fraction(chip)
+
+
 def decode_weights_time(chip: Chip, nbytes: float) -> float:
-    """Streaming weights through the skinny GEMMs of a decode step: G16's fraction of HBM, measured on Hopper and
-    taken for TPUs too (no TPU figure is published; a skinny GEMM does not reach a copy's rate on either)."""
-    frac = DECODE_WEIGHT_FRACTION if chip.kind in ("gpu", "tpu") else hbm_fraction(chip)
-    return nbytes / (frac * chip.hbm_bandwidth)
+    """Streaming weights through the skinny GEMMs of a decode step (decode_weight_fraction)."""
+    return nbytes / (decode_weight_fraction(chip) * chip.hbm_bandwidth)
 
 
 # Across nodes a collective's rate depends on its size: C14, 32 B200 over EFA (4 nodes), per-GPU NIC rate as a

@@ -94,6 +94,9 @@ class PublicRun:
     note: str = ""
     node_network_gbps: float | None = None  # the cluster's stated inter-node rate per node, if not the catalog's
     attention_kernel: str = "fa2"  # fa3: FlashAttention-3 / cuDNN (Transformer Engine)
+    # serving: the source's per-token figure is a whole generate call (tokenize, prefill and every decode step) over
+    # the tokens it generated, as its benchmark script states, not the time of one decode step
+    per_token_includes_prefill: bool = False
 
     @property
     def group(self) -> str:
@@ -421,7 +424,10 @@ SERVING += tuple(
         grade="B",
         stack="DeepSpeed-Inference (kernel injection), tensor parallel 8, greedy generation",
         assumed="fp16 taken as bf16 (the same tensor-core peak and bytes); a prompt of 8 tokens ('just a few')",
-        note=f"{step * 1e3:.1f} ms per decode step: the blog's ms per token times the batch",
+        note=f"{step * 1e3:.1f} ms per decode step: the blog's ms per token times the batch; the figure is the "
+        "benchmark script's 'Throughput per token including tokenize' (bloom-inference-scripts/bloom-ds-inference.py: "
+        "five whole generate() calls, tokenizing included, over the new tokens they made), so the prefill is in it",
+        per_token_includes_prefill=True,
     )
     for case, batch, step in (("PS04", 1, 0.04402), ("PS05", 128, 0.0883))
 )

@@ -8,7 +8,9 @@ published configuration, and compared with what was measured, in the unit the so
 * ``tokens/s/chip``: global batch tokens over the predicted step, per chip;
 * ``mfu``: predicted tokens per second at ``6 N`` FLOPs per token over the chips' peak (the convention of the
   sources that quote MFU this way);
-* ``s/token``: the predicted decode step at the mean context (prompt plus half the generated tokens).
+* ``s/token``: the predicted decode step at the mean context (prompt plus half the generated tokens); where the
+  source's figure is a whole generate call over the tokens it made (``per_token_includes_prefill``), the prefill,
+  which yields the first token, plus ``generated - 1`` such steps, over ``generated``.
 
 The error is predicted / measured - 1 on a time (so a positive error is a pessimistic prediction); throughput
 and MFU are inverted first, so that the sign means the same in every row. Runs the estimators cannot express
@@ -120,11 +122,15 @@ def _serve(run: PublicRun) -> tuple[float, float, str]:
         weights=run.dtype,
         kv=run.dtype,
         compute=run.dtype,
+        prefill_len=prompt if run.per_token_includes_prefill else None,
         achievable=True,
     )
     est = estimate_inference(cfg)
     step = est.decode_step_s
     detail = f"weights {est.weights_s * 1e3:.3g} ms, KV {est.kv_s * 1e3:.3g} ms, collectives {est.comm_s * 1e3:.3g} ms"
+    if run.per_token_includes_prefill and generated > 0 and est.prefill_s is not None:
+        detail += f", prefill {est.prefill_s * 1e3:.3g} ms over {generated} tokens"
+        step = (est.prefill_s + (generated - 1) * step) / generated
     return step, step / run.measured - 1, detail
 
 
