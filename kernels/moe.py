@@ -65,12 +65,14 @@ def in_specs(mesh: Mesh, shared: bool = False) -> tuple[P, ...]:
     return (token_spec(mesh), P(None, None), experts, experts, experts, *([P(None, None)] * 3 if shared else []))
 
 
-def _swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, spec: str) -> jax.Array:
+def _swiglu(
+    h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, spec: str, tag: Callable = lambda x, _: x
+) -> jax.Array:
     """``(silu(h W_gate) * h W_up) W_down`` with float32 products; ``spec``: the batch letters of h (``esd`` for
-    experts' slots, ``td`` for tokens)."""
+    experts' slots, ``td`` for tokens); ``tag(x, name)`` names the two products (for a remat policy)."""
     b, e = spec[:-1], "e" if spec.startswith("e") else ""
-    gate = jnp.einsum(f"{spec},{e}df->{b}f", h, w_gate, preferred_element_type=jnp.float32)
-    up = jnp.einsum(f"{spec},{e}df->{b}f", h, w_up, preferred_element_type=jnp.float32)
+    gate = tag(jnp.einsum(f"{spec},{e}df->{b}f", h, w_gate, preferred_element_type=jnp.float32), "moe_gate")
+    up = tag(jnp.einsum(f"{spec},{e}df->{b}f", h, w_up, preferred_element_type=jnp.float32), "moe_up")
     act = (jax.nn.silu(gate) * up).astype(h.dtype)
     return jnp.einsum(f"{b}f,{e}fd->{b}d", act, w_down, preferred_element_type=jnp.float32).astype(h.dtype)
 

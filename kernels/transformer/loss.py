@@ -24,6 +24,7 @@ from kernels.transformer.model import (
     compute_dtype,
 )
 from lab.core.models import ModelConfig
+from lab.core.programs import MOE_CAPACITY_FACTOR
 
 
 def loss_fn(
@@ -35,15 +36,20 @@ def loss_fn(
     remat: str = "none",
     dtype: str = "float32",
     microbatches: int = 1,
+    capacity_factor: float = MOE_CAPACITY_FACTOR,
+    moe_groups: tuple[int, int] = (1, 1),
 ) -> jax.Array:
     """Mean next-token cross entropy (float32): position t predicts token t+1; the last position is masked.
 
     The target logit is picked with a one-hot product rather than a gather, so vocab-sharded logits reduce
     with one AllReduce over the vocab axes (Megatron's vocab-parallel cross entropy) instead of a gather.
     With the rules' ``layers`` on a mesh axis the loss runs through the GPipe pipeline of
-    :func:`pipelined_loss`, the batch cut into ``microbatches``.
+    :func:`pipelined_loss`, the batch cut into ``microbatches``. A mixture of experts routes with
+    ``capacity_factor``; without a mesh, ``moe_groups`` (along B, along T) routes the tokens in the groups a
+    mesh's devices would (the single-device reference of a sharded run).
     """
-    lay = _Layout(rules or PRESETS["single"], mesh, compute_dtype(dtype))
+    lay = _Layout(rules or PRESETS["single"], mesh, compute_dtype(dtype), capacity_factor=capacity_factor)
+    lay = dataclasses.replace(lay, moe_groups=tuple(moe_groups))
     if mesh is not None and pipeline_stages(lay.rules, mesh) > 1:
         return pipelined_loss(params, tokens, cfg, lay, remat, microbatches)
     return _xent(_forward(params, tokens, cfg, lay, remat)[0], tokens, lay)

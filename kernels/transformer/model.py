@@ -55,6 +55,10 @@ on with a ``ppermute`` after each but the last; every stage holds the embeddings
 gradients the stages sum; each weight's gradient is summed over the data-parallel replicas once, after the last
 microbatch. The training estimator prices exactly this with ``spmd_pipeline`` (``lab.predict.train_config``).
 
+Mixture of experts: a model with ``experts > 1`` replaces every layer's MLP by the expert layer of
+``kernels.transformer.moe_layer`` (router, top-k with a capacity, the routed experts over the rules' ``experts``
+axes, which also split the batch, tokens exchanged by two ``all_to_all`` s; shared experts beside them).
+
 Context parallelism: rules with ``context`` on mesh axes split the T of every activation over them (and over the
 sequence-parallel axes too between blocks); the partitioner gathers K and V whole for attention, forward and again
 backward, reduces their gradients, and sums the weight gradients over the context shards (the all-gather form,
@@ -76,9 +80,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels.mesh import make_mesh
+from kernels.transformer.moe_layer import SAVED as MOE_SAVED
+from kernels.transformer.moe_layer import moe_mlp
 from lab.core import arrays
 from lab.core.errors import UserError
 from lab.core.models import ModelConfig
+from lab.core.programs import MOE_CAPACITY_FACTOR
 from lab.core.rules import DATA, MESH_AXES, MODEL, PRESETS, ShardingRules, get_rules
 from lab.core.units import canonical_dtype
 
@@ -173,6 +180,8 @@ def _param_init(name: str, s: arrays.ArraySpec) -> Init:
         fan_in = s.shape[1] * s.shape[2]
     elif name == "unembed":  # [D, V]
         fan_in = s.shape[0]
+    elif len(s.shape) == 4 and s.logical_axes[1] == "experts":  # [L, E, D, F] or [L, E, F, D]: contracts dim 2
+        fan_in = s.shape[2]
     else:  # [L, D, ...] or w_down [L, F, D]: contracts dim 1
         fan_in = s.shape[1]
     return jax.nn.initializers.normal(fan_in**-0.5)
@@ -293,6 +302,8 @@ class _Layout:
     dtype: Any = jnp.float32  # the compute dtype matmuls run in
     decode: bool = False
     manual: bool = False
+    capacity_factor: float = MOE_CAPACITY_FACTOR  # MoE: slots per expert, ceil(k t cf / E) per routing group
+    moe_groups: tuple[int, int] = (1, 1)  # without a mesh: routing groups along B and T, as devices would split them
 
     def constrain(self, x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
         if self.mesh is None:
@@ -380,7 +391,8 @@ def _block(x: jax.Array, p: Params, positions: jax.Array, cfg: ModelConfig, lay:
             x = x + lay.constrain(jnp.einsum("btnh,nhd->btd", o, p["wo"].astype(lay.dtype)), RESIDUAL)
     with jax.named_scope("mlp"):
         h = _rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-        x = x + lay.constrain(_mlp(h, p, cfg, lay), RESIDUAL)
+        mlp = moe_mlp if cfg.is_moe else _mlp
+        x = x + lay.constrain(mlp(h, p, cfg, lay), RESIDUAL)
     return x, (k, v)
 
 
@@ -391,7 +403,11 @@ def _remat_policy(remat: str):
         "none": None,
         # Projections (matmuls against weights, no batch dims) are kept; scores, softmax, AV, norms and the MLP
         # activation are recomputed in the backward pass.
-        "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        # An expert layer's slots and products are kept too (moe_layer.SAVED): only attention is recomputed.
+        "selective": jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            jax.checkpoint_policies.save_only_these_names(*MOE_SAVED),
+        ),
         "full": jax.checkpoint_policies.nothing_saveable,  # only the layer input (the scan carry) is kept
     }[remat]
 

@@ -32,6 +32,7 @@ from kernels.transformer.model import (
 )
 from lab.core.models import ModelConfig
 from lab.core.plan import Plan
+from lab.core.programs import MOE_CAPACITY_FACTOR
 from lab.core.rules import ShardingRules
 
 
@@ -74,15 +75,17 @@ def make_grads_fn(
     remat: str = "none",
     dtype: str = "float32",
     microbatches: int = 1,
+    capacity_factor: float = MOE_CAPACITY_FACTOR,
 ) -> Callable:
     """Jitted ``(params, tokens) -> (loss, grads)``, gradients placed like the parameters (``microbatches``: of
-    the pipeline, when the rules put the layers on a mesh axis)."""
+    the pipeline, when the rules put the layers on a mesh axis; ``capacity_factor``: a mixture of experts')."""
     _remat_policy(remat)
     validate(cfg, rules, mesh)
     p_sh = shardings(param_info(cfg), rules, mesh)
 
     def grads(params, tokens):
-        return jax.value_and_grad(loss_fn)(params, tokens, cfg, rules, mesh, remat, dtype, microbatches)
+        loss = jax.value_and_grad(loss_fn)
+        return loss(params, tokens, cfg, rules, mesh, remat, dtype, microbatches, capacity_factor)
 
     return jax.jit(
         grads, in_shardings=(p_sh, token_sharding(rules, mesh)), out_shardings=(NamedSharding(mesh, P()), p_sh)

@@ -37,7 +37,7 @@ class ArraySpec:
 
 def param_specs(m: ModelConfig) -> dict[str, Any]:
     """Every parameter of the LLaMA-style model (``kernels.transformer``), nested like its pytree."""
-    L, D, N, K, H, F, V = m.layers, m.d_model, m.heads, m.kv_heads, m.head_dim, m.d_ff, m.vocab
+    L, D, N, K, H, V = m.layers, m.d_model, m.heads, m.kv_heads, m.head_dim, m.vocab
     return {
         "embed": ArraySpec((V, D), ("vocab", "embed")),
         "layers": {
@@ -47,13 +47,35 @@ def param_specs(m: ModelConfig) -> dict[str, Any]:
             "wv": ArraySpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
             "wo": ArraySpec((L, N, H, D), ("layers", "heads", "head_dim", "embed")),
             "mlp_norm": ArraySpec((L, D), ("layers", "embed")),
-            "w_gate": ArraySpec((L, D, F), ("layers", "embed", "ffw")),
-            "w_up": ArraySpec((L, D, F), ("layers", "embed", "ffw")),
-            "w_down": ArraySpec((L, F, D), ("layers", "ffw", "embed")),
+            **_mlp_specs(m),
         },
         "final_norm": ArraySpec((D,), ("embed",)),
         "unembed": ArraySpec((D, V), ("embed", "vocab")),
     }
+
+
+def _mlp_specs(m: ModelConfig) -> dict[str, ArraySpec]:
+    """A layer's MLP: the dense SwiGLU, or (MoE) the router ``[D, E]``, the routed experts' SwiGLUs stacked on
+    ``experts`` and the shared experts side by side as one SwiGLU of width ``S F``."""
+    L, D, F, E = m.layers, m.d_model, m.d_ff, m.experts
+    if not m.is_moe:
+        return {
+            "w_gate": ArraySpec((L, D, F), ("layers", "embed", "ffw")),
+            "w_up": ArraySpec((L, D, F), ("layers", "embed", "ffw")),
+            "w_down": ArraySpec((L, F, D), ("layers", "ffw", "embed")),
+        }
+    out = {
+        "router": ArraySpec((L, D, E), ("layers", "embed", None)),
+        "w_gate": ArraySpec((L, E, D, F), ("layers", "experts", "embed", "ffw")),
+        "w_up": ArraySpec((L, E, D, F), ("layers", "experts", "embed", "ffw")),
+        "w_down": ArraySpec((L, E, F, D), ("layers", "experts", "ffw", "embed")),
+    }
+    if m.shared_experts:
+        S = m.shared_experts * F
+        out["shared_gate"] = ArraySpec((L, D, S), ("layers", "embed", "ffw"))
+        out["shared_up"] = ArraySpec((L, D, S), ("layers", "embed", "ffw"))
+        out["shared_down"] = ArraySpec((L, S, D), ("layers", "ffw", "embed"))
+    return out
 
 
 def activation_specs(m: ModelConfig, batch: int, seq: int, *, decode: bool = False) -> dict[str, ArraySpec]:
@@ -145,7 +167,8 @@ def unsupported_features(m: ModelConfig) -> list[str]:
     return [
         what
         for what, bad in (
-            (f"experts={m.experts}", m.is_moe),
+            (f"dense-layers={m.dense_layers} (leading dense layers among expert ones)", m.dense_layers > 0),
+            (f"dense-d-ff={m.dense_d_ff}", m.dense_d_ff > 0),
             ("a two-matrix (non-gated) MLP", not m.gated_mlp),
             ("tied embeddings", m.tied_embeddings),
             ("learned positions", m.learned_positions),

@@ -345,6 +345,32 @@ class Plan:
                 f"use a multiple of {n}, e.g. seq={max(n, seq // n * n)}"
             )
 
+    def _validate_experts(self) -> None:
+        """What the lab's expert-parallel Transformer runs (``kernels.transformer.moe_layer``): a mixture of experts
+        whose experts' axes also split the batch (expert parallelism carved out of data parallelism), unpipelined."""
+        rules, m = self.rules, self.model
+        assert rules is not None and m is not None
+        ep = rules.live("experts", self.shape)
+        if not ep:
+            return
+        if not m.is_moe:
+            raise UserError(
+                f"[rules] experts = {list(ep)}: model {m.name!r} is dense; give [model] experts (and "
+                "experts_per_token) or leave experts out"
+            )
+        batch = rules.axes("batch")
+        if any(a not in batch for a in ep):
+            fix = [*batch, *(a for a in ep if a not in batch)]
+            raise UserError(
+                f"[rules] experts = {list(ep)} must also split the batch (batch = {list(batch)}): the lab carves "
+                f"expert parallelism out of data parallelism; e.g. batch = {fix}"
+            )
+        if rules.live("layers", self.shape):
+            raise UserError(
+                "[rules] experts and pipeline (layers) together are priced by the estimator, not run by the lab yet; "
+                "give one of them"
+            )
+
     def _validate_transformer(self, executable: bool) -> None:
         m, rules = self.model, self.rules
         if m is None:
@@ -361,6 +387,7 @@ class Plan:
             return
         self._validate_pipeline()
         self._validate_context()
+        self._validate_experts()
         for dim in NOT_EXECUTED:
             if rules.axes(dim):
                 raise UserError(

@@ -18,7 +18,7 @@ kv_heads     K of Wk, Wv, k, v and the KV cache
 ffw          F of the MLP weights and the MLP hidden activation
 vocab        V of the embedding tables and the logits (vocab-parallel embedding and loss)
 layers       L of the stacked layer weights: pipeline stages (GPipe over that one mesh axis)
-experts      E of expert weights: expert parallelism (priced; not executed yet)
+experts      E of the routed experts' weights: expert parallelism (the axes must also split the batch)
 context      T of every activation and of attention: context parallelism (K and V gathered for attention)
 ===========  ==========================================================================================
 
@@ -44,9 +44,10 @@ MESH_AXES = (DATA, MODEL)
 
 # Logical names that are never sharded, accepted for documentation.
 UNSHARDED = ("head_dim", "kv_seq")
-# Dims the JAX Transformer does not execute sharded yet (expert parallelism); layers over a mesh axis run as a GPipe
-# pipeline, context over one as T split with K and V gathered for attention (kernels/transformer/model.py).
-NOT_EXECUTED = ("experts",)
+# Dims the JAX Transformer does not execute sharded (none now): layers over a mesh axis run as a GPipe pipeline,
+# context over one as T split with K and V gathered for attention, experts as an all-to-all expert layer
+# (kernels/transformer/).
+NOT_EXECUTED: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,8 @@ class ShardingRules:
 
         ``tp`` splits heads (and with them kv_heads, ffw, vocab); ``fsdp`` shards the weights' D; ``dp`` is the
         rest of the batch axes (gradients all-reduced there); ``batch`` is every batch axis (the loss mean);
-        ``pp``, ``ep`` and ``cp`` are the layers, experts and context axes.
+        ``pp``, ``ep`` and ``cp`` are the layers, experts and context axes; ``edp`` (with experts) the batch axes
+        the experts do not use, over which the routed experts' gradients are summed.
         """
         fsdp = self.live("embed", mesh)
         return {
@@ -149,6 +151,9 @@ class ShardingRules:
             "sp": self.live("sequence", mesh),
             "fsdp": fsdp,
             "dp": tuple(a for a in self.live("batch", mesh) if a not in fsdp),
+            "edp": tuple(a for a in self.live("batch", mesh) if a not in fsdp and a not in self.axes("experts"))
+            if self.live("experts", mesh)
+            else (),
             "batch": self.live("batch", mesh),
             "pp": self.live("layers", mesh),
             "ep": self.live("experts", mesh),
