@@ -564,8 +564,8 @@ def test_cache_keys_hold_everything_their_parts_read(model, chip, job):
         same(("acts", activation_key(lay, mb), remat), per_layer)
         for role in CONTENT_ROLES:
             content = content_key(role, lay, remat, c.remat_regathers_norms)
-            comms = [x for x in role_comms(c, "dp" if role == "batch" else role) if x.role == role]
+            comms = [x for x in role_comms(c, "dp" if role in ("batch", "edp") else role) if x.role == role]
             same(("content", content, mb if role in PER_MICROBATCH else None), comms)
             same(("where", role, layout_group(lay, role)), placement(chip, *layout_group(lay, role)))
-        assert set(TERMS) | {"batch"} == set(CONTENT_ROLES)
+        assert set(TERMS) | {"batch", "edp"} == set(CONTENT_ROLES)
     assert shared > 300  # the keys do share: the check is not vacuous

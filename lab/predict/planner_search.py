@@ -133,9 +133,9 @@ class Search:
         """The layout's terms (``local``: its training_memory.local_params), its DP reduction priced once per
         content and groups."""
         j = self.job
-        grads, loss = (content_key(r, lay, remat, j.remat_regathers_norms) for r in ("dp", "batch"))
-        where = (_where(lay, "dp", grads), _where(lay, "batch", loss))
-        dp_s, loss_s = self.term("dp", (grads, loss), where, lay, mb, remat)
+        grads, experts, loss = (content_key(r, lay, remat, j.remat_regathers_norms) for r in ("dp", "edp", "batch"))
+        where = (_where(lay, "dp", grads), _where(lay, "edp", experts), _where(lay, "batch", loss))
+        dp_s, loss_s = self.term("dp", (grads, experts, loss), where, lay, mb, remat)
         return layout_terms(j.model, j.chip, lay, j.optimizer, dp_s, loss_s, local)
 
     def microbatch_keys(self, lay: Layout, remat: str) -> tuple[tuple, tuple, tuple, tuple]:

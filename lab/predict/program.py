@@ -26,6 +26,7 @@ from lab.core.errors import UserError
 from lab.core.hardware import Chip
 from lab.core.notation import parse_matmul
 from lab.core.plan import Plan
+from lab.core.programs import MOE_CAPACITY_FACTOR
 from lab.core.units import dtype_bytes
 from lab.predict.axis_programs import AXIS_ESTIMATES
 from lab.predict.estimate import COLLECTIVE_KINDS, ExpectedCollective, OpEstimate, ProgramEstimate, collective_op, live
@@ -95,6 +96,7 @@ def train_config(plan: Plan, chip: Chip) -> TrainConfig:
         remat_regathers_norms=opts.regather_norms,
         spmd_pipeline=opts.spmd_pipeline and opts.pp_schedule == "gpipe",  # the lab runs GPipe alone
         spmd_context=opts.spmd_context,
+        capacity_factor=MOE_CAPACITY_FACTOR if plan.model.is_moe else 1.0,  # the lab's routing (kernels.moe)
     )
 
 

@@ -98,6 +98,16 @@ SCOPES = {
     "residuals": "residual",
 }
 
+# A mixture of experts' MLP ops, joined to kernels/transformer/moe_layer.py's scopes instead.
+MOE_SCOPES = {
+    "router": "moe/router",
+    "mlp.up": "moe/experts",
+    "mlp.activation": "moe/experts",
+    "mlp.down": "moe/experts",
+    "mlp.shared": "moe/shared",
+    "moe.dispatch": "moe/dispatch",
+}
+
 
 @dataclass(frozen=True)
 class TrainEstimate:
@@ -319,8 +329,10 @@ def layer_cost(cfg: TrainConfig, compute: tuple | None = None) -> LayerCost:
             link = moved / eff.host_link_bandwidth(cfg.chip)
             again = sum(o[2] for o in ops if o[0] in recomputed)
             offload = max(0.0, link - fwd) + max(0.0, link - bwd - again)
-    elif cfg.remat == "full":  # JAX's recomputation skips the layer's last projection (TrainConfig)
-        recomputed = tuple(o[0] for o in ops if not (cfg.jax_remat and o[0] == "mlp.down"))
+    elif cfg.remat == "full":  # JAX's recomputation skips the layer's last projection (TrainConfig); an expert
+        # layer ends in the combine, so its experts' down projection runs again
+        last = "mlp.down" if not cfg.model.is_moe else ""
+        recomputed = tuple(o[0] for o in ops if not (cfg.jax_remat and o[0] == last))
     elif cfg.remat == "selective" and not cfg.flash_attention:
         recomputed = tuple(o[0] for o in ops if o[1] == "attention")
     elif cfg.remat == "selective":  # fused attention: recompute the norms and the MLP activation instead
@@ -408,7 +420,7 @@ def step_ops(est: TrainEstimate) -> list[dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     for name, kind, f, b, flops, nbytes in lc.ops:
         again = name in lc.recomputed
-        scope = SCOPES.get(name, name)
+        scope = (m.is_moe and MOE_SCOPES.get(name)) or SCOPES.get(name, name)
         r = rows.setdefault(scope, {"name": scope, "kind": kind, "time_s": 0.0, "flops": 0.0, "bytes": 0.0})
         r["time_s"] += runs * (f + b + (f if again else 0.0))
         r["flops"] += runs * flops * (3 + (1 if again else 0))
@@ -464,6 +476,7 @@ ASSUMPTIONS = (
 __all__ = [
     "ASSUMPTIONS",
     "GRAD_BYTES",
+    "MOE_SCOPES",
     "OPTIMIZERS",
     "REMAT",
     "SCHEDULES",

@@ -39,11 +39,11 @@ from lab.predict.axis_costs import moe_exchange_bytes, ring_kv_block_bytes, ring
 from lab.predict.remat import policy as remat_policy
 from lab.predict.remat import recomputed
 from lab.predict.train_config import Layout, TrainConfig
-from lab.predict.training_memory import end_params, layer_params_local, local_params
+from lab.predict.training_memory import end_params, layer_params_local, local_params, routed_params_local
 
 LOSS_BYTES = 4.0  # the float32 loss
 SOFTMAX_BYTES = 4.0  # max and sum of float32 logits per token
-ROLES = ("tp", "ep", "cp", "pp", "fsdp", "dp", "batch")
+ROLES = ("tp", "ep", "cp", "pp", "fsdp", "dp", "edp", "batch")
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,13 @@ class Comm:
     dtype: str = "bf16"
 
 
+def experts_from_dp(lay: Layout) -> bool:
+    """Expert parallelism carved out of the data-parallel replicas (without FSDP, as Megatron-Core and the lab's
+    Transformer place it), so a routed expert's gradient is summed over ``dp / ep`` replicas only; with FSDP the
+    expert ranks come out of the FSDP group (``lab.core.plan``'s layouts) and the DP reduction is whole."""
+    return lay.ep > 1 and lay.fsdp == 1 and lay.dp_eff % lay.ep == 0
+
+
 def layout_group(lay: Layout, role: str) -> tuple[int, int, bool]:
     """``(size, stride, cross_node)`` of the group a ``role`` collective spans in ``lay``: its chips, the chips
     between neighbours (tp innermost, then cp, fsdp, dp, pp: the estimator's mesh order) and whether it is known to
@@ -87,6 +94,11 @@ def layout_group(lay: Layout, role: str) -> tuple[int, int, bool]:
     if role == "batch":
         return lay.dp * lay.fsdp, lay.tp * lay.cp, cross
     if role == "dp":
+        return lay.dp_eff, lay.tp * lay.cp * lay.fsdp, cross
+    if role == "edp":  # the replicas holding the same experts: the DP group less the expert ranks carved out of it
+        cross = "dp" in lay.cross_node
+        if experts_from_dp(lay):
+            return lay.dp_eff // lay.ep, lay.tp * lay.cp * lay.fsdp * lay.ep, cross
         return lay.dp_eff, lay.tp * lay.cp * lay.fsdp, cross
     if role == "pp":
         return lay.pp, lay.tp * lay.cp * lay.fsdp * lay.dp, cross
@@ -126,7 +138,8 @@ def content_key(role: str, lay: Layout, remat: str, regathers_norms: bool = Fals
     :func:`layout_group`'s) depend on, of a layout and a recomputation policy, with the model, the chip and the job's
     other settings held fixed (``regathers_norms``: the job's ``remat_regathers_norms``), and for ``pp`` and ``tp``
     (:data:`PER_MICROBATCH`) on the microbatch size besides: a search's cache key. ``role`` is ``pp``, ``fsdp``,
-    ``dp``, ``batch`` or ``tp`` (the TP collectives once per microbatch; the per-layer ones are the layer cost's).
+    ``dp``, ``edp``, ``batch`` or ``tp`` (the TP collectives once per microbatch; the per-layer ones are the layer
+    cost's).
     Read off the functions below; tests/test_training.py checks it against them."""
     # A group of one has none at all: (role, None).
     if role == "pp":  # a microbatch's activations on a tp rank and cp shard, each way per chunk
@@ -137,14 +150,17 @@ def content_key(role: str, lay: Layout, remat: str, regathers_norms: bool = Fals
     if role == "fsdp":  # a tp/ep rank's layer and stage weights; the norm scales again under recomputation
         again = regathers_norms and remat != "none"
         return (role, lay.tp, lay.ep, lay.pp, again) if lay.fsdp_eff > 1 else (role, None)
+    carved = experts_from_dp(lay)  # the routed experts' gradients go to edp
     if role == "dp":  # a tp/ep rank's stage gradients over fsdp
-        return (role, lay.tp, lay.ep, lay.pp, lay.fsdp_eff) if lay.dp_eff > 1 else (role, None)
+        return (role, lay.tp, lay.ep, lay.pp, lay.fsdp_eff, carved) if lay.dp_eff > 1 else (role, None)
+    if role == "edp":  # the routed experts' share of them
+        return (role, lay.tp, lay.ep, lay.pp, lay.fsdp_eff) if carved and lay.dp_eff > lay.ep else (role, None)
     if role == "batch":  # the loss
         return (role, LOSS_BYTES) if lay.dp * lay.fsdp > 1 else (role, None)
     raise KeyError(role)
 
 
-CONTENT_ROLES = ("pp", "tp", "fsdp", "dp", "batch")  # content_key's
+CONTENT_ROLES = ("pp", "tp", "fsdp", "dp", "edp", "batch")  # content_key's
 PER_MICROBATCH = ("pp", "tp")  # roles whose content_key leaves out the microbatch size they depend on
 
 
@@ -185,18 +201,29 @@ def _tp_layer(cfg: TrainConfig) -> list[Comm]:
     m, lay = cfg.model, cfg.layout
     act = _tokens(cfg) * m.d_model * cfg.act_bytes
     dt = "fp32" if cfg.act_bytes == 4 else "bf16"
-    row, col = 2, (2 if cfg.fused_projections else 5)
+    # The input gradients: Megatron's two fused projections; the lab's q, k, v and gate, up apart, and its expert
+    # layers' one (kernels/transformer/moe_layer.py: the routed tokens' gradient summed once).
+    share = m.moe_layers / m.layers if m.is_moe else 0.0
+    row, col = 2, (2 if cfg.fused_projections else 5 - share)
     rows_again, gathers_again, regather = _recomputed_tp(cfg, row)
+    if not cfg.fused_projections and regather:  # an expert layer keeps its gathered input for the weight gradients
+        regather -= share
 
     def on_act(kind: str, calls: float, what: str, hidden: str = "") -> Comm:
         return Comm("tp", kind, act, calls, "layer", what, hidden, dt)
 
+    router = []
+    if share and not cfg.fused_projections:  # the lab's combine weighs partial sums: the router's gradient is too
+        what = "MoE: the router's gradient, partial on each TP rank"
+        router = [Comm("tp", "all-reduce", m.d_model * m.experts * cfg.act_bytes, share, "layer", what, "", dt)]
     if not lay.sequence_parallel:
-        return [on_act("all-reduce", row + rows_again + col, f"TP AllReduces: {row} forward, {col} backward")]
+        what = f"TP AllReduces: {row} forward, {col:g} backward"
+        return [on_act("all-reduce", row + rows_again + col, what), *router]
     return [
+        *router,
         on_act("all-gather", row + gathers_again + row, "SP AllGathers: forward, and the transposes"),
         on_act("all-gather", regather, "SP inputs gathered again for the weight gradients", "dgrad"),
-        on_act("reduce-scatter", row + rows_again + col, f"SP ReduceScatters: {row} fwd, {col} bwd"),
+        on_act("reduce-scatter", row + rows_again + col, f"SP ReduceScatters: {row} fwd, {col:g} bwd"),
     ]
 
 
@@ -354,14 +381,28 @@ def _reduced_grads(cfg: TrainConfig) -> float:
 
 
 def _dp(cfg: TrainConfig) -> list[Comm]:
+    """The gradients' reduction over the data-parallel replicas; with expert parallelism carved out of them, the
+    routed experts' gradients over the replicas holding the same experts (``edp``) and the rest over all."""
     lay = cfg.layout
     out = []
     if lay.dp_eff > 1:
         grads, dt = _reduced_grads(cfg), _dtype(cfg.grad_reduce_bytes)
+        if experts_from_dp(lay):
+            experts = routed_params_local(cfg.model, lay) / lay.fsdp_eff * cfg.grad_reduce_bytes
+            grads -= experts
+            if lay.dp_eff > lay.ep:
+                what = "EP: the routed experts' gradients over the replicas holding them"
+                out.append(Comm("edp", "all-reduce", experts, 1, "step", what, "backward", dt))
         out.append(Comm("dp", "all-reduce", grads, 1, "step", "DP gradient AllReduce", "backward", dt))
     if lay.dp * lay.fsdp > 1:
         out.append(Comm("batch", "all-reduce", LOSS_BYTES, 1, "step", "the loss mean over the batch", dtype="fp32"))
     return out
+
+
+def _slot_experts(tokens: float, experts: int) -> int | None:
+    """Count the send buffer's slots whole per expert (``E ceil(k t cf / E)``, what a device's buffer holds) when a
+    device's tokens are whole; else (an average over a search's layouts) as ``k t cf``."""
+    return experts if float(tokens).is_integer() else None
 
 
 def _ep_cp_pp(cfg: TrainConfig) -> list[Comm]:
@@ -370,7 +411,8 @@ def _ep_cp_pp(cfg: TrainConfig) -> list[Comm]:
     directions = 3 if cfg.remat == "full" else 2
     out = []
     if lay.ep > 1:  # dispatch and combine per direction, in the expert layers (not the leading dense ones)
-        a2a = moe_exchange_bytes(lay.ep, tokens, m.experts_per_token, m.d_model, 2.0, cfg.capacity_factor)
+        k, cf = m.experts_per_token, cfg.capacity_factor
+        a2a = moe_exchange_bytes(lay.ep, tokens, k, m.d_model, cfg.act_bytes, cf, _slot_experts(tokens, m.experts))
         share = m.moe_layers / m.layers
         out.append(Comm("ep", "all-to-all", a2a, 2 * directions * share, "layer", "EP dispatch and combine"))
     if lay.cp > 1 and cfg.spmd_context:  # K and V gathered whole (forward, backward), their gradients summed
@@ -412,7 +454,7 @@ def collectives(cfg: TrainConfig, roles: tuple[str, ...] = ROLES, per: str | Non
         out += [c for c in _ep_cp_pp(cfg) if c.role in roles]
     if "fsdp" in roles:
         out += _fsdp(cfg)
-    if "dp" in roles or "batch" in roles:
+    if "dp" in roles or "edp" in roles or "batch" in roles:
         out += [c for c in _dp(cfg) if c.role in roles]
     return [c for c in out if c.calls > 0 and (per is None or c.per == per)]
 

@@ -110,10 +110,9 @@ def layer_params_local(m: ModelConfig, lay: Layout) -> float:
     attn = 2 * m.d_model * m.q_dim / t + 2 * m.d_model * kv_per_rank
     if m.is_mla:  # split by tp as the heads are (the latent down-projections too, an approximation)
         attn = (m.attention_matmul_params + m.q_lora_rank + m.kv_lora_rank) / t
-    mlp = m.mlp_matrices * m.d_model * m.d_ff / t
-    if m.biases:  # Q, K, V and the MLP's first matrices' biases split; the two output biases whole
+    mlp = _mlp_local(m, t)
+    if m.biases:  # Q, K, V biases split; the attention output's bias whole
         attn += m.q_dim / t + 2 * kv_per_rank + m.d_model
-        mlp += (m.mlp_matrices - 1) * m.d_ff / t + m.d_model
     experts = m.experts / (lay.ep if m.is_moe else 1)
     moe = experts * mlp + m.shared_experts * mlp + m.router_params_per_layer  # shared experts: split by tp only
     if m.dense_layers:  # leading dense layers: the average layer
@@ -122,6 +121,22 @@ def layer_params_local(m: ModelConfig, lay: Layout) -> float:
         )
         moe = (m.moe_layers * moe + m.dense_layers * dense) / m.layers
     return attn + moe + m.norm_params_per_layer
+
+
+def _mlp_local(m: ModelConfig, t: int) -> float:
+    """One MLP (one expert's) on a tensor-parallel rank: its matrices split by tp; the first matrices' biases
+    split, the output bias whole."""
+    mlp = m.mlp_matrices * m.d_model * m.d_ff / t
+    return mlp + ((m.mlp_matrices - 1) * m.d_ff / t + m.d_model if m.biases else 0.0)
+
+
+def routed_params_local(m: ModelConfig, lay: Layout) -> float:
+    """The routed experts' parameters one chip owns before ZeRO/FSDP (its stage's expert layers, its ``E / ep``
+    experts on its tp rank): what expert parallelism shards, whose gradients only the ranks holding the same
+    experts reduce."""
+    if not m.is_moe:
+        return 0.0
+    return m.moe_layers * m.experts / lay.ep * _mlp_local(m, lay.tp) / lay.pp
 
 
 def local_params(m: ModelConfig, lay: Layout, layer: float | None = None, ends_on_every_stage: bool = False) -> float:

@@ -116,7 +116,7 @@ class MicrobatchTerms(NamedTuple):
 # The roles each term prices; the pipeline's and context's once-a-step reductions (the SPMD pipeline's embedding
 # gradients and loss over the stages, the weight gradients over the context shards) go with the DP gradient
 # reduction, the pipeline's sends with the microbatch.
-TERMS = {"dp": ("dp", "batch", "pp", "cp"), "fsdp": ("fsdp",), "pp": ("pp",), "tp": ("tp",)}
+TERMS = {"dp": ("dp", "edp", "batch", "pp", "cp"), "fsdp": ("fsdp",), "pp": ("pp",), "tp": ("tp",)}
 _PER = {"dp": "step", "pp": "microbatch", "tp": "microbatch"}
 
 
@@ -130,7 +130,8 @@ def dp_times(chip: Chip, lay: Layout, comms: tuple[Comm, ...]) -> tuple[float, f
     """The DP gradient reduction (with the SPMD pipeline's reductions over the stages) and the loss mean over the
     batch axes (``role_comms(cfg, "dp")``): seconds of one call each, once per step."""
     times = list(zip(comms, prices(chip, lay, comms), strict=True))
-    return sum(t for c, t in times if c.role in ("dp", "pp", "cp")), sum(t for c, t in times if c.role == "batch")
+    grads = sum(t for c, t in times if c.role in ("dp", "edp", "pp", "cp"))
+    return grads, sum(t for c, t in times if c.role == "batch")
 
 
 def layout_terms(
