@@ -19,7 +19,8 @@ cotangents, the other way), then plain SGD. The weights are cast to varying over
 their gradients are summed over ``data`` by one psum each (the data-parallel AllReduce), not once per use.
 
 The steps and layers are Python loops (unrolled at trace time); each step's compute runs in ``jax.named_scope``
-``pipeline/stage``, each pass in ``pipeline/pass_{s}``. :func:`reference_loss` is the same layers in sequence on
+``pipeline/stage/step_{s}`` (the step, so a trace tells the bubble's compute from the work:
+``lab.measure.bubble``), each pass in ``pipeline/pass_{s}``. :func:`reference_loss` is the same layers in sequence on
 one device.
 """
 
@@ -99,7 +100,7 @@ def _loss_body(p: int, m: int, data: int | None):
         held = None  # the activation received from the previous stage
         squares = jnp.zeros((), jnp.float32)
         for s in range(m + p - 1):
-            with jax.named_scope(SCOPE):
+            with jax.named_scope(SCOPE), jax.named_scope(f"step_{s}"):
                 first = micro[min(s, m - 1)]  # stage 0's input
                 h = first if held is None else jnp.where(i == 0, first, held)
                 h = jnp.where((s - i >= 0) & (s - i < m), h, jnp.zeros_like(h))  # idle: zeros

@@ -97,7 +97,7 @@ def _loss_body(p: int, m: int, v: int, data: int | None):
         held = None  # what the previous stage passed
         squares = jnp.zeros((), jnp.float32)
         for s in range(n_items + p - 1):
-            with jax.named_scope(SCOPE):
+            with jax.named_scope(SCOPE), jax.named_scope(f"step_{s}"):
                 if s < n_items and item(s, p, v)[1] == 0:  # stage 0 starts a fresh microbatch
                     first = micro[item(s, p, v)[0]]
                     h = first if held is None else jnp.where(i == 0, first, held)

@@ -110,7 +110,7 @@ def pipelined_loss(params, tokens, cfg, lay: _Layout, remat: str, m: int) -> jax
         micro = x.reshape(B // m, m, T, x.shape[-1])  # microbatch s: sequences s, s + m, ...
         held, outs = None, []
         for s in range(m + p - 1):
-            with jax.named_scope("pipeline/stage"):
+            with jax.named_scope("pipeline/stage"), jax.named_scope(f"step_{s}"):
                 first = inner.constrain(micro[:, min(s, m - 1)], RESIDUAL)
                 h = first if held is None else jnp.where(i == 0, first, held)
                 h = jax.lax.scan(layer, h, params["layers"])[0]

@@ -108,6 +108,10 @@ def run_text(result) -> str:
         from lab.report.writer import routing_line
 
         lines.append(f"routing: {routing_line(r['routing'])}")
+    if r.get("pipeline_bubble"):
+        from lab.report.writer import bubble_line
+
+        lines.append(f"pipeline bubble: {bubble_line(r['pipeline_bubble'])}")
     if r.get("processes"):
         steps = ", ".join(
             f"{p['rank']} ({p['host']}, {p['local_devices']} devices) {s(p['step_time_measured_s'])}"

@@ -104,6 +104,15 @@ def routing_line(r: dict[str, Any]) -> str:
     )
 
 
+def bubble_line(b: dict[str, Any]) -> str:
+    """The pipeline bubble in one line (lab.measure.bubble.measure)."""
+    stages = ", ".join("-" if f is None else f"{100 * f:.0f}%" for f in b["per_stage"])
+    return (
+        f"{100 * b['measured']:.1f}% of the stages' compute went to steps with no work (measured, by stage: "
+        f"{stages}); the schedule's (p - 1) / steps = {b['stages'] - 1}/{b['steps']} = {100 * b['predicted']:.1f}%"
+    )
+
+
 def _facts(report: dict[str, Any]) -> list[str]:
     """The run in bullets: where, which spec, the three step times, coverage, ratios, trust, the audit."""
     hw, summary = report["hardware"], report["summary"]
@@ -128,6 +137,8 @@ def _facts(report: dict[str, Any]) -> list[str]:
     ]
     if report.get("routing"):
         lines.append(f"- routing: {routing_line(report['routing'])}")
+    if report.get("pipeline_bubble"):
+        lines.append(f"- pipeline bubble: {bubble_line(report['pipeline_bubble'])}")
     if spread is not None or load is not None:
         said = [f"the repeats of one op differ by {spread:.2f}x (median over those ops)"] if spread else []
         if load is not None:
@@ -304,6 +315,7 @@ def write_all(report: dict[str, Any], out: Path, timings=None) -> list[str]:
 
 __all__ = [
     "breakdown",
+    "bubble_line",
     "ledger_table",
     "markdown",
     "median",

@@ -189,6 +189,7 @@ class _Measured:
     steps: list[float] = dataclasses.field(default_factory=list)
     host_load: float | None = None
     result: dict[str, float | int] | None = None  # kernels.program.digest of the last output
+    events: tuple = ()  # the trace's op events (lab.measure.trace.OpEvent)
 
 
 def _measure(exp: Experiment, built, compiled, out_dir: Path, names: set[str], progress, clock: _Clock) -> _Measured:
@@ -217,7 +218,23 @@ def _measure(exp: Experiment, built, compiled, out_dir: Path, names: set[str], p
         stats.step_times(),
         load.others,
         result,
+        stats.events,
     )
+
+
+def _bubble(plan: Plan, ops_pred, events) -> dict[str, Any]:
+    """``{"pipeline_bubble": ...}`` for a pipelined program that was profiled (lab.measure.bubble), else empty."""
+    axes = plan.rules.live("layers", plan.shape) if plan.rules is not None else ()
+    if not axes and plan.program.startswith("pipeline") and "pipe" in plan.shape:
+        axes = ("pipe",)
+    if len(axes) != 1 or not events:
+        return {}
+    from kernels.mesh import make_mesh
+    from lab.measure import bubble
+
+    stage_of = bubble.stage_of_devices(make_mesh(plan.shape, slow=plan.slow_axes), axes[0])
+    found = bubble.measure(events, bubble.step_of_ops((p.name, p.scope) for p in ops_pred), stage_of)
+    return {"pipeline_bubble": found} if found else {}
 
 
 def run_point(
@@ -306,6 +323,7 @@ def run_point(
         "summary": _summary(row_dicts, exp.warmup, exp.repeats) | {"host_load": m.host_load},
         "result": m.result,
         **(built.facts() if built.facts is not None else {}),
+        **({} if processes else _bubble(plan, ops_pred, m.events)),
         **processes,
         "audit": audit,
         **({"compiled_for": env["compiled_for"], "xla": audit.get("xla")} if target is not None else {}),
