@@ -27,6 +27,7 @@ from lab.core.plan import Plan
 from lab.core.table import dumps
 from lab.predict.program import ProgramEstimate, estimate_program, memory_warning
 from lab.report.plots import BAND
+from lab.report.plots import preload as preload_plots
 from lab.run import distributed as dist
 from lab.run import store
 from lab.run.experiment import Experiment
@@ -258,6 +259,8 @@ def run_point(
 
     final_dir = final_dir or out_dir
     clock = _Clock()
+    if not compile_only:
+        preload_plots()
     if target is not None:  # priced as the TPU compiler builds it (lab.compile.target.for_target)
         from lab.compile.target import for_target
 
