@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import math
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ COLORS = {"compute": "#4c72b0", "communication": "#dd8452", "other": "#8c8c8c", 
 
 
 def _load() -> None:
+    fresh = "matplotlib.figure" not in sys.modules
     try:
         from matplotlib import font_manager
         from matplotlib.backends import backend_agg  # noqa: F401  (savefig's canvas)
@@ -38,8 +40,10 @@ def _load() -> None:
     except Exception:  # the plots import it again and say what is wrong
         return
     # what was imported lives as long as the process: out of the collector's sight, so that the trace's parse
-    # (many short-lived objects) does not rescan matplotlib's hundred thousand at every full collection
-    gc.freeze()
+    # (many short-lived objects) does not rescan matplotlib's hundred thousand at every full collection (once: a
+    # process running many reports, a test session, freezes nothing more)
+    if fresh:
+        gc.freeze()
 
 
 def preload() -> threading.Thread:
