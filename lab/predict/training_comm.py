@@ -72,10 +72,11 @@ class Comm:
 
 
 def experts_from_dp(lay: Layout) -> bool:
-    """Expert parallelism carved out of the data-parallel replicas (without FSDP, as Megatron-Core and the lab's
-    Transformer place it), so a routed expert's gradient is summed over ``dp / ep`` replicas only; with FSDP the
-    expert ranks come out of the FSDP group (``lab.core.plan``'s layouts) and the DP reduction is whole."""
-    return lay.ep > 1 and lay.fsdp == 1 and lay.dp_eff % lay.ep == 0
+    """Expert parallelism carved out of the data-parallel replicas, so a routed expert's gradient is summed over
+    ``dp / ep`` replicas only: where the FSDP group cannot hold the expert ranks (without FSDP, as Megatron-Core
+    and the lab's Transformer place it). Where it can, they come out of it (``lab.core.plan.plan_from_degrees``)
+    and the DP reduction is whole."""
+    return lay.ep > 1 and lay.fsdp % lay.ep != 0 and lay.dp_eff % lay.ep == 0
 
 
 def layout_group(lay: Layout, role: str) -> tuple[int, int, bool]:
