@@ -117,7 +117,13 @@ def test_the_estimate_counts_the_idle_steps_the_spmd_pipeline_computes():
 @pytest.mark.parametrize(
     ("options", "rules", "match"),
     [
-        ({"pp_schedule": "1f1b"}, {}, r'pp_schedule = "1f1b": the lab\'s pipelined train step runs GPipe'),
+        ({"pp_schedule": "1f1b"}, {}, r'pp_schedule = "1f1b": the lab\'s pipelined train step runs GPipe and the'),
+        ({"pp_schedule": "interleaved", "interleave": 3}, {}, r"layers=4 do not cut into 2 stages x interleave 3"),
+        (
+            {"pp_schedule": "interleaved", "interleave": 2, "microbatch": 8},
+            {},
+            r"in groups of the 2 stages; 1 microbatches is not a multiple of 2",
+        ),
         ({}, {"batch": ("data", "pipe")}, r"layers = 'pipe' and batch = \('data', 'pipe'\): .* holds stages only"),
         ({"microbatch": 3}, {}, r"microbatch = 3 does not divide the 16 // 2 = 8 sequences"),
         ({}, {"layers": ("pipe", "data")}, r"the lab pipelines over one mesh axis"),
@@ -134,6 +140,72 @@ def test_bad_pipelined_plans_are_refused_before_compiling(options, rules, match)
     )
     with pytest.raises(UserError, match=match):
         bad.validate()
+
+
+# The circular schedule: (mesh, preset, microbatches, remat) with 8 layers in p stages x 2 chunks.
+CIRCULAR = {
+    "pipe2_data2_model2_tp_M4": ({"pipe": 2, "data": 2, "model": 2}, "tp", 4, "none"),
+    "pipe4_data2_dp_M4_full": ({"pipe": 4, "data": 2, "model": 1}, "dp", 4, "full"),
+}
+
+
+@pytest.mark.parametrize("case", [c if "pipe2" in c else pytest.param(c, marks=pytest.mark.slow) for c in CIRCULAR])
+def test_the_circular_schedule_matches_one_device(jax_devices, case):
+    """The stored layers are stage by stage (interleaved_order): the reference reads them in the model's order,
+    and its gradients are compared in the stored one."""
+    import jax
+
+    from kernels.mesh import make_mesh
+    from kernels.transformer.loss import interleaved_order
+    from kernels.transformer.model import init_params, synthetic_tokens, token_sharding
+    from kernels.transformer.train import make_grads_fn
+    from lab.core.rules import get_rules
+
+    shape, preset, m, remat = CIRCULAR[case]
+    cfg, rules, mesh = _model(layers=8), dataclasses.replace(get_rules(preset), layers="pipe"), make_mesh(shape)
+    params = init_params(cfg, rules, mesh, jax.random.key(1))
+    tokens = synthetic_tokens(cfg, B, T, seed=1)
+    loss, grads = make_grads_fn(cfg, rules, mesh, remat, microbatches=m, interleave=2)(
+        params, jax.device_put(tokens, token_sharding(rules, mesh))
+    )
+    order = interleaved_order(8, shape["pipe"], 2)
+    host = jax.tree.map(np.asarray, params)
+    in_model_order = dict(host, layers=jax.tree.map(lambda w: w[np.argsort(order)], host["layers"]))
+    ref_loss, ref_grads = _reference(cfg, in_model_order, tokens)
+    ref_grads = dict(ref_grads, layers=jax.tree.map(lambda g: np.asarray(g)[order], ref_grads["layers"]))
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=LOSS_RTOL, atol=LOSS_ATOL)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=GRAD_RTOL, atol=GRAD_ATOL)
+
+
+def test_interleaved_order_by_hand():
+    # p = 2 stages, v = 2 chunks of 2 layers: stage 0 holds chunks 0 and 2 (layers 0, 1, 4, 5), stage 1 chunks 1
+    # and 3 (layers 2, 3, 6, 7)
+    from kernels.transformer.loss import interleaved_order
+
+    assert interleaved_order(8, 2, 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert interleaved_order(8, 4, 2).tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+# train_pipe_interleaved: p = 2, v = 2, M = 4: 4 x 2 + 2 - 1 = 9 steps, a wrap-around send after each but the last,
+# each way: 16 permutes of a microbatch's [2, 32, 56] float32 activations.
+RING_SENDS = 16 * 2 * 32 * 56 * 4
+
+
+def test_the_circular_experiment_audits_with_hand_counted_sends(jax_devices):
+    from lab.compile.audit import audit_plan
+    from lab.core.hardware import get_chip
+    from lab.predict.program import train_config
+    from lab.run.experiment import load_experiment
+
+    plan = load_experiment(os.path.join(REPO, "experiments", "train_pipe_interleaved.toml")).plan
+    cfg = train_config(plan, get_chip("cpu"))
+    assert cfg.spmd_pipeline and cfg.layout.v == 2 and cfg.pipeline_steps == 4 + 1 / 2  # 9 steps of half a stage
+    r = audit_plan(plan, get_chip("cpu"))
+    assert r.all_match and not r.unexpected, r.table()
+    sends = {(e.kind, e.axes): e for e in r.entries}[("permute", ("pipe",))]
+    assert sends.predicted_bytes == sends.compiled_bytes == RING_SENDS and len(sends.instructions) == 16
+    assert r.flops_compiled == pytest.approx(r.flops_predicted, rel=1e-9)
 
 
 def test_decode_does_not_run_pipelined():

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -38,19 +39,23 @@ def loss_fn(
     microbatches: int = 1,
     capacity_factor: float = MOE_CAPACITY_FACTOR,
     moe_groups: tuple[int, int] = (1, 1),
+    interleave: int = 1,
 ) -> jax.Array:
     """Mean next-token cross entropy (float32): position t predicts token t+1; the last position is masked.
 
     The target logit is picked with a one-hot product rather than a gather, so vocab-sharded logits reduce
     with one AllReduce over the vocab axes (Megatron's vocab-parallel cross entropy) instead of a gather.
     With the rules' ``layers`` on a mesh axis the loss runs through the GPipe pipeline of
-    :func:`pipelined_loss`, the batch cut into ``microbatches``. A mixture of experts routes with
+    :func:`pipelined_loss`, the batch cut into ``microbatches`` (``interleave`` > 1: the circular schedule, its
+    stacked layers stored as :func:`interleaved_order` says). A mixture of experts routes with
     ``capacity_factor``; without a mesh, ``moe_groups`` (along B, along T) routes the tokens in the groups a
     mesh's devices would (the single-device reference of a sharded run).
     """
     lay = _Layout(rules or PRESETS["single"], mesh, compute_dtype(dtype), capacity_factor=capacity_factor)
     lay = dataclasses.replace(lay, moe_groups=tuple(moe_groups))
     if mesh is not None and pipeline_stages(lay.rules, mesh) > 1:
+        if interleave > 1:
+            return circular_loss(params, tokens, cfg, lay, remat, microbatches, interleave)
         return pipelined_loss(params, tokens, cfg, lay, remat, microbatches)
     return _xent(_forward(params, tokens, cfg, lay, remat)[0], tokens, lay)
 
@@ -89,6 +94,12 @@ def pipelined_loss(params, tokens, cfg, lay: _Layout, remat: str, m: int) -> jax
     and the loss on every stage (the others' on values nothing reads); the loss is the last stage's, summed over
     the replicas.
     """
+    return _staged(params, tokens, cfg, lay, remat, m, _gpipe_steps)
+
+
+def _staged(params, tokens, cfg, lay: _Layout, remat: str, m: int, steps) -> jax.Array:
+    """The pipelined loss's ``shard_map`` (:func:`pipelined_loss`): ``steps(params, micro, layer, i, p, inner)``
+    runs the schedule on one device and returns the last stage's outputs, microbatch by microbatch."""
     shape = dict(lay.mesh.shape)
     (axis,) = lay.rules.live("layers", shape)
     batch_axes = lay.rules.live("batch", shape)
@@ -108,17 +119,7 @@ def pipelined_loss(params, tokens, cfg, lay: _Layout, remat: str, m: int) -> jax
         layer = _layer_body(jnp.arange(T), cfg, inner, remat)
         x = _embed(ends, tokens, cfg, inner)  # [B, T, D]
         micro = x.reshape(B // m, m, T, x.shape[-1])  # microbatch s: sequences s, s + m, ...
-        held, outs = None, []
-        for s in range(m + p - 1):
-            with jax.named_scope("pipeline/stage"), jax.named_scope(f"step_{s}"):
-                first = inner.constrain(micro[:, min(s, m - 1)], RESIDUAL)
-                h = first if held is None else jnp.where(i == 0, first, held)
-                h = jax.lax.scan(layer, h, params["layers"])[0]
-            if s >= p - 1:  # the last stage finishes microbatch s - p + 1
-                outs.append(h)
-            if s < m + p - 2:
-                with jax.named_scope(f"pipeline/pass_{s}"):
-                    held = jax.lax.ppermute(h, axis, [(j, j + 1) for j in range(p - 1)])
+        outs = steps(params["layers"], micro, layer, i, p, inner, axis)
         x = inner.constrain(jnp.stack(outs, axis=1).reshape(B, T, -1), RESIDUAL)  # back in the batch's order
         loss = _xent(_logits(ends, x, cfg, inner), tokens) / replicas
         if batch_axes:  # the mean over the replicas' sequences, then the last stage's
@@ -131,4 +132,67 @@ def pipelined_loss(params, tokens, cfg, lay: _Layout, remat: str, m: int) -> jax
     )
 
 
-__all__ = ["loss_fn", "pipeline_stages", "pipelined_loss"]
+def _gpipe_steps(layers, micro, layer, i, p: int, inner: _Layout, axis: str) -> list:
+    """GPipe on one device: in step ``s`` of ``M + p - 1`` stage ``i`` runs its layers on microbatch ``s - i``
+    (idle on what it holds otherwise) and passes its output on."""
+    m = micro.shape[1]
+    held, outs = None, []
+    for s in range(m + p - 1):
+        with jax.named_scope("pipeline/stage"), jax.named_scope(f"step_{s}"):
+            first = inner.constrain(micro[:, min(s, m - 1)], RESIDUAL)
+            h = first if held is None else jnp.where(i == 0, first, held)
+            h = jax.lax.scan(layer, h, layers)[0]
+        if s >= p - 1:  # the last stage finishes microbatch s - p + 1
+            outs.append(h)
+        if s < m + p - 2:
+            with jax.named_scope(f"pipeline/pass_{s}"):
+                held = jax.lax.ppermute(h, axis, [(j, j + 1) for j in range(p - 1)])
+    return outs
+
+
+def interleaved_order(layers: int, p: int, v: int) -> np.ndarray:
+    """The model layer each stored layer is, under the circular schedule: stage ``i`` holds chunks ``i, p + i, ...,
+    (v - 1) p + i`` of ``Lc = L / (p v)`` layers, stored contiguously (its ``v Lc`` rows of the stacked weights, split
+    over the stage axis as the even split is), so stored index ``i v Lc + r Lc + l`` is model layer
+    ``(r p + i) Lc + l``. ``stacked[np.argsort(order)]`` is the model's order."""
+    lc = layers // (p * v)
+    return np.array([(r * p + i) * lc + k for i in range(p) for r in range(v) for k in range(lc)])
+
+
+def _item(j: int, p: int, v: int) -> tuple[int, int]:
+    """Item ``j`` of the circular schedule: ``(microbatch, repeat)`` (kernels.pipeline_circular.item's order)."""
+    return j % p + p * (j // (p * v)), (j // p) % v
+
+
+def circular_loss(params, tokens, cfg, lay: _Layout, remat: str, m: int, v: int) -> jax.Array:
+    """The loss through the circular (interleaved) schedule of ``kernels.pipeline_circular``, on the Transformer's
+    layers: each stage holds ``v`` chunks (:func:`interleaved_order`), a microbatch goes round the ring of stages
+    ``v`` times, and the bubble is ``(p - 1) / (v M + p - 1)`` of the steps; ``M`` a multiple of ``p``."""
+
+    def steps(layers, micro, layer, i, p: int, inner: _Layout, axis: str) -> list:
+        n = m * v
+        lc = jax.tree.leaves(layers)[0].shape[0] // v
+        ring = [(j, (j + 1) % p) for j in range(p)]
+        held, outs = None, [None] * m
+        for s in range(n + p - 1):
+            with jax.named_scope("pipeline/stage"), jax.named_scope(f"step_{s}"):
+                if s < n and _item(s, p, v)[1] == 0:  # stage 0 starts a fresh microbatch
+                    first = inner.constrain(micro[:, _item(s, p, v)[0]], RESIDUAL)
+                    h = first if held is None else jnp.where(i == 0, first, held)
+                else:  # stage 0 continues what came round the ring
+                    h = held
+                r = ((s - i) // p) % v  # this stage's repeat in this step (any, when it has no work)
+                chunk = jax.tree.map(lambda w, r=r: jax.lax.dynamic_slice_in_dim(w, r * lc, lc), layers)
+                h = jax.lax.scan(layer, h, chunk)[0]
+            last = s - (p - 1)  # the last stage's item: its output is final at the last repeat
+            if 0 <= last < n and _item(last, p, v)[1] == v - 1:
+                outs[_item(last, p, v)[0]] = h
+            if s < n + p - 2:
+                with jax.named_scope(f"pipeline/pass_{s}"):
+                    held = jax.lax.ppermute(h, axis, ring)
+        return outs
+
+    return _staged(params, tokens, cfg, lay, remat, m, steps)
+
+
+__all__ = ["circular_loss", "interleaved_order", "loss_fn", "pipeline_stages", "pipelined_loss"]

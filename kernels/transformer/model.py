@@ -54,6 +54,9 @@ stage computes in all ``M + p - 1`` steps, the ``p - 1`` idle ones on values not
 on with a ``ppermute`` after each but the last; every stage holds the embeddings and the final norm, whose
 gradients the stages sum; each weight's gradient is summed over the data-parallel replicas once, after the last
 microbatch. The training estimator prices exactly this with ``spmd_pipeline`` (``lab.predict.train_config``).
+With the interleaved schedule (``interleave = v``) each stage holds ``v`` chunks, stored together
+(``loss.interleaved_order``), and the loss runs the circular schedule of ``kernels.pipeline_circular``
+(``loss.circular_loss``: ``v M + p - 1`` steps, a wrap-around ``ppermute`` after each but the last).
 
 Mixture of experts: a model with ``experts > 1`` replaces every layer's MLP by the expert layer of
 ``kernels.transformer.moe_layer`` (router, top-k with a capacity, the routed experts over the rules' ``experts``

@@ -76,6 +76,7 @@ def make_grads_fn(
     dtype: str = "float32",
     microbatches: int = 1,
     capacity_factor: float = MOE_CAPACITY_FACTOR,
+    interleave: int = 1,
 ) -> Callable:
     """Jitted ``(params, tokens) -> (loss, grads)``, gradients placed like the parameters (``microbatches``: of
     the pipeline, when the rules put the layers on a mesh axis; ``capacity_factor``: a mixture of experts')."""
@@ -85,7 +86,9 @@ def make_grads_fn(
 
     def grads(params, tokens):
         loss = jax.value_and_grad(loss_fn)
-        return loss(params, tokens, cfg, rules, mesh, remat, dtype, microbatches, capacity_factor)
+        return loss(
+            params, tokens, cfg, rules, mesh, remat, dtype, microbatches, capacity_factor, interleave=interleave
+        )
 
     return jax.jit(
         grads, in_shardings=(p_sh, token_sharding(rules, mesh)), out_shardings=(NamedSharding(mesh, P()), p_sh)
@@ -100,6 +103,7 @@ def make_train_step(
     dtype: str = "float32",
     learning_rate: float = 1e-2,
     microbatches: int = 1,
+    interleave: int = 1,
 ) -> Callable:
     """Jitted ``step(params, opt_state, tokens) -> (params, opt_state, loss)``: one AdamW step.
 
@@ -113,7 +117,9 @@ def make_train_step(
     o_sh = opt_state_shardings(tx, cfg, rules, mesh)
 
     def step(params, opt_state, tokens):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, cfg, rules, mesh, remat, dtype, microbatches)
+        loss, grads = jax.value_and_grad(loss_fn)(
+            params, tokens, cfg, rules, mesh, remat, dtype, microbatches, interleave=interleave
+        )
         grads = jax.lax.with_sharding_constraint(grads, p_sh)
         with jax.named_scope("optimizer"):
             updates, opt_state = tx.update(grads, opt_state, params)
@@ -139,7 +145,8 @@ def build_train(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0, learning
     assert cfg is not None and rules is not None and remat in REMAT
     batch, seq = plan.sizes["batch"], plan.sizes["seq"]
     m = mesh if mesh is not None else make_mesh(plan.shape, slow=plan.slow_axes)
-    step = make_train_step(cfg, rules, m, remat, plan.dtype, learning_rate, plan.microbatches())
+    v = plan.options.interleave if plan.options.pp_schedule == "interleaved" else 1
+    step = make_train_step(cfg, rules, m, remat, plan.dtype, learning_rate, plan.microbatches(), v)
     tx = optimizer(learning_rate)
     tok_sh = token_sharding(rules, m)
     spec = (

@@ -303,10 +303,17 @@ class Plan:
                 f"[rules] layers = {axes[0]!r} and {others[0]} = {rules.axes(others[0])!r}: the pipeline's axis holds "
                 "stages only; give the other dim another axis"
             )
-        if self.options.pp_schedule != "gpipe":
+        sched, v = self.options.pp_schedule, self.options.interleave
+        if sched not in ("gpipe", "interleaved"):
             raise UserError(
-                f'pp_schedule = "{self.options.pp_schedule}": the lab\'s pipelined train step runs GPipe; give '
-                '[options] pp_schedule = "gpipe" (the estimator prices the others)'
+                f'pp_schedule = "{sched}": the lab\'s pipelined train step runs GPipe and the circular schedule; '
+                'give [options] pp_schedule = "gpipe" or "interleaved" (the estimator prices 1f1b too)'
+            )
+        p, layers = self.shape[axes[0]], self.model.layers if self.model is not None else 0
+        if sched == "interleaved" and layers % (p * v):
+            raise UserError(
+                f"layers={layers} do not cut into {p} stages x interleave {v} = {p * v} chunks; "
+                f"give a multiple of {p * v} layers or another interleave"
             )
         deg, batch, mb = self.degrees(), self.sizes["batch"], self.options.microbatch
         replicas = deg["dp"] * deg["fsdp"]
@@ -316,6 +323,11 @@ class Plan:
                 f"sequences of each data-parallel replica; give a divisor, e.g. microbatch = 1"
             )
         m = self.microbatches()
+        if sched == "interleaved" and m % p:
+            raise UserError(
+                f"the circular schedule takes microbatches in groups of the {p} stages; {m} microbatches is not a "
+                f"multiple of {p}: give [options] microbatch so that each replica's batch makes {p * max(1, m // p)}"
+            )
         if (batch // m) % rules.size("batch", self.shape):
             raise UserError(
                 f"batch={batch} in {m} microbatches of {batch // m}: a microbatch must split over the batch axes "

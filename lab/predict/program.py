@@ -94,7 +94,7 @@ def train_config(plan: Plan, chip: Chip) -> TrainConfig:
         cast_first=opts.cast_first,
         jax_remat=opts.jax_remat,
         remat_regathers_norms=opts.regather_norms,
-        spmd_pipeline=opts.spmd_pipeline and opts.pp_schedule == "gpipe",  # the lab runs GPipe alone
+        spmd_pipeline=opts.spmd_pipeline and opts.pp_schedule in ("gpipe", "interleaved"),  # what the lab runs
         spmd_context=opts.spmd_context,
         capacity_factor=MOE_CAPACITY_FACTOR if plan.model.is_moe else 1.0,  # the lab's routing (kernels.moe)
     )

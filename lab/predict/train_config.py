@@ -132,11 +132,12 @@ class TrainConfig:
     spmd_context: bool = False
 
     @property
-    def pipeline_steps(self) -> int:
-        """Steps in which each stage computes: the microbatches, plus the p - 1 idle ones where the SPMD pipeline
-        computes them too (:attr:`spmd_pipeline`)."""
+    def pipeline_steps(self) -> float:
+        """Passes of each stage over all its layers in a step: the microbatches, plus the p - 1 idle steps where the
+        SPMD pipeline computes them too (:attr:`spmd_pipeline`), each 1 / v of the stage's layers under the circular
+        schedule (its V M + p - 1 steps of one chunk each)."""
         lay = self.layout
-        return self.microbatches + (lay.pp - 1 if self.spmd_pipeline and lay.pp > 1 else 0)
+        return self.microbatches + ((lay.pp - 1) / lay.v if self.spmd_pipeline and lay.pp > 1 else 0)
 
     @property
     def weight_bytes(self) -> float:

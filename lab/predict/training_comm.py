@@ -433,7 +433,7 @@ def _ep_cp_pp(cfg: TrainConfig) -> list[Comm]:
         n_mb = cfg.microbatches
         split = lay.tp if lay.sequence_parallel else 1
         nbytes = cfg.microbatch * cfg.seq_len / lay.cp * m.d_model * cfg.act_bytes / split
-        sends = 2.0 * (n_mb + lay.pp - 2) / n_mb  # M + p - 2 each way, per microbatch
+        sends = 2.0 * (lay.v * n_mb + lay.pp - 2) / n_mb  # v M + p - 2 each way (every step but the last), per mb
         out.append(Comm("pp", "permute", nbytes, sends, "microbatch", "pipeline sends: activations and gradients"))
         what = "the embeddings' and final norm's gradients over the stages"
         ends, dt = end_params(m, lay) * cfg.grad_reduce_bytes, _dtype(cfg.grad_reduce_bytes)
