@@ -103,7 +103,9 @@ ROUTER_GRADS = 2 * 56 * 4 * 4
 ACT = 32 * 56 * 4  # one device's [t, D] float32
 
 
-@pytest.mark.parametrize("remat", ["none", "selective", "full"])
+@pytest.mark.parametrize(
+    "remat", ["none", pytest.param("selective", marks=pytest.mark.slow), pytest.param("full", marks=pytest.mark.slow)]
+)
 def test_experiment_audit_matches_the_estimator_with_hand_counted_all_to_alls(jax_devices, remat):
     from lab.compile.audit import audit_plan
     from lab.core.hardware import get_chip
