@@ -192,7 +192,7 @@ def test_two_resumes_at_once_finish_one_sweep_once(tmp_path, sweep):
     assert sorted(rc for rc, _ in results)[0] == 0, results
     refused = [err for rc, err in results if rc != 0]
     assert all(rc in (0, 2) for rc, _ in results)
-    assert all("is being written by another shardlab" in err for err in refused)
+    assert all("is being written by another shardlab" in err for err in refused), refused
     assert _complete(out / "sweep") == LABELS
     ran = _started(log)
     assert ran.count("N1024") == 1 and ran.count("N4096") == 1  # no finished point ran twice

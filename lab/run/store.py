@@ -6,15 +6,16 @@
   marker :data:`MARKER` is written last, after the plots, and the directory is renamed into place
   (:func:`commit`). A point is done only when its directory exists with the marker: one interrupted between
   its report and its plots is not, and ``--resume`` runs it again.
-* A sweep holds :class:`RunLock` while it writes (a file with the owner's pid, taken with ``O_EXCL``); a second
-  ``--resume`` of the same run is refused while the owner lives, and a lock whose owner died (``kill -9``) is
-  taken over, as are staging directories such an owner left behind.
+* A sweep holds :class:`RunLock` while it writes (an exclusive ``flock`` on a file holding the owner's pid); a
+  second ``--resume`` of the same run is refused while the owner lives; the kernel drops the lock of an owner that
+  died (``kill -9``), and its staging directories are taken over.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import fcntl
 import json
 import os
 import re
@@ -146,33 +147,43 @@ def reserve(base: Path, name: str) -> Path:
 
 
 class RunLock:
-    """Exclusive ownership of a run directory while a process writes it (see the module docstring)."""
+    """Exclusive ownership of a run directory while a process writes it (see the module docstring).
+
+    An advisory ``flock`` on the run's lock file: the kernel releases it when its owner exits, however it exits
+    (``kill -9`` included), so there is no stale lock to take over and no window in which two processes that both
+    found one could each take it. The file holds the owner's pid (for the message) and is removed on release; a
+    process that locked a file already removed sees it (another inode at the path) and locks the new one."""
 
     def __init__(self, run_dir: Path):
         self.path = run_dir / LOCK
+        self._fd: int | None = None
 
     def __enter__(self) -> RunLock:
-        # The lock appears with its pid already in it (a hard link of a written file), so a reader never sees an
-        # empty lock and takes it for a dead owner's.
-        mine = self.path.with_name(f"{LOCK}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-        mine.write_text(f"{os.getpid()}\n")
-        try:
-            for _ in range(3):
-                try:
-                    os.link(mine, self.path)
-                    return self
-                except FileExistsError:
-                    owner = self._holder()
-                    if owner is not None and _alive(owner) and owner != os.getpid():
-                        raise UserError(
-                            f"run {str(self.path.parent)!r} is being written by another shardlab (pid {owner}); "
-                            "wait for it to finish, then --resume if anything is left"
-                        ) from None
-                    if self._holder() == owner:  # still the dead owner's (or our own stale) lock: take it over
-                        with contextlib.suppress(FileNotFoundError):
-                            self.path.unlink()
-        finally:
-            mine.unlink()
+        for _ in range(5):
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise UserError(f"cannot open the lock {str(self.path)!r}: {exc.strerror}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = self._holder()
+                os.close(fd)
+                raise UserError(
+                    f"run {str(self.path.parent)!r} is being written by another shardlab (pid {owner or 'unknown'}); "
+                    "wait for it to finish, then --resume if anything is left"
+                ) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # the owner we raced with removed the file we locked: lock the one that is there now
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            self._fd = fd
+            return self
         raise UserError(f"cannot take the lock {str(self.path)!r}; remove it if no shardlab is running")
 
     def _holder(self) -> int | None:
@@ -182,9 +193,11 @@ class RunLock:
             return None
 
     def __exit__(self, *exc) -> None:
-        if self._holder() == os.getpid():
-            with contextlib.suppress(FileNotFoundError):
+        if self._fd is not None:  # removed while still held, then released: a process that opened it meanwhile
+            with contextlib.suppress(FileNotFoundError):  # finds its file gone and locks the new one
                 self.path.unlink()
+            os.close(self._fd)
+            self._fd = None
 
 
 __all__ = [
