@@ -133,6 +133,20 @@ def test_experiment_audit_matches_the_estimator_with_hand_counted_all_to_alls(ja
     assert r.flops_compiled == r.flops_predicted
 
 
+def test_a_run_reports_the_first_expert_layers_load(jax_devices):
+    """train_ep_dp_tp routes 8 x 16 = 128 tokens, top 2, in the 4 groups of 32 its devices route (data x expert):
+    256 assignments, 20 slots per expert per group (hand-counted above); kept and dropped account for all."""
+    from kernels.transformer.train import build_train
+    from lab.run.experiment import load_experiment
+
+    plan = load_experiment(os.path.join(REPO, "experiments", "train_ep_dp_tp.toml")).plan
+    r = build_train(plan).facts()["routing"]
+    assert (r["groups"], r["capacity"], r["layer"]) == (4, 20, 0)
+    assert sum(r["routed"]) == 256 and sum(r["kept"]) + r["dropped"] == 256
+    assert all(k <= 4 * 20 for k in r["kept"])  # no expert keeps more than its slots in the 4 groups
+    assert r["imbalance"] == max(r["routed"]) / (256 / 4) and r["dropped_fraction"] == r["dropped"] / 256
+
+
 def test_a_plan_with_experts_on_an_axis_outside_the_batch_is_refused():
     from lab.core.errors import UserError
     from lab.run.experiment import load_experiment

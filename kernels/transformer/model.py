@@ -383,6 +383,16 @@ def _mlp(h: jax.Array, p: Params, cfg: ModelConfig, lay: _Layout) -> jax.Array:
 
 def _block(x: jax.Array, p: Params, positions: jax.Array, cfg: ModelConfig, lay: _Layout):
     """One pre-norm residual block over the whole sequence (causal). Returns the new x and this layer's k, v."""
+    x, kv = _attention_half(x, p, positions, cfg, lay)
+    with jax.named_scope("mlp"):
+        h = _rms_norm(x, p["mlp_norm"], cfg.norm_eps)
+        mlp = moe_mlp if cfg.is_moe else _mlp
+        x = x + lay.constrain(mlp(h, p, cfg, lay), RESIDUAL)
+    return x, kv
+
+
+def _attention_half(x: jax.Array, p: Params, positions: jax.Array, cfg: ModelConfig, lay: _Layout):
+    """The block's attention and its residual add: the new x and this layer's k, v."""
     x = lay.constrain(x, RESIDUAL)
     T = x.shape[1]
     with jax.named_scope("attention"):
@@ -392,10 +402,6 @@ def _block(x: jax.Array, p: Params, positions: jax.Array, cfg: ModelConfig, lay:
         o = lay.constrain(_attend(q, k, v, causal, cfg), HEADS)
         with jax.named_scope("out"):
             x = x + lay.constrain(jnp.einsum("btnh,nhd->btd", o, p["wo"].astype(lay.dtype)), RESIDUAL)
-    with jax.named_scope("mlp"):
-        h = _rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-        mlp = moe_mlp if cfg.is_moe else _mlp
-        x = x + lay.constrain(mlp(h, p, cfg, lay), RESIDUAL)
     return x, (k, v)
 
 

@@ -163,7 +163,17 @@ def build_train(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0, learning
     def carry(out, args):  # parameters and optimizer state were donated: continue from the step's outputs
         return out[0], out[1], args[2]
 
-    return Built(step, spec, make_args, carry=carry)
+    facts = None
+    if cfg.is_moe:  # the router's load on the run's tokens at its initial weights (the first expert layer)
+
+        def facts():
+            from kernels.transformer.moe_layer import first_layer_routing
+
+            params = jax.device_get(init_params(cfg, rules, m, jax.random.key(seed)))
+            groups = (rules.size("batch", plan.shape), rules.size("context", plan.shape))
+            return {"routing": first_layer_routing(params, synthetic_tokens(cfg, batch, seq, seed), cfg, groups)}
+
+    return Built(step, spec, make_args, carry=carry, facts=facts)
 
 
 __all__ = [
