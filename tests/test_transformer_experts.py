@@ -147,6 +147,17 @@ def test_a_run_reports_the_first_expert_layers_load(jax_devices):
     assert r["imbalance"] == max(r["routed"]) / (256 / 4) and r["dropped_fraction"] == r["dropped"] / 256
 
 
+def test_decode_of_a_mixture_of_experts_is_refused_before_compiling():
+    from lab.core.errors import UserError
+    from lab.core.plan import Plan, make_mesh_axes
+    from lab.core.rules import PRESETS
+
+    mesh = make_mesh_axes({"data": 2, "model": 4})
+    plan = Plan("decode", mesh, {"batch": 8, "prompt_len": 8, "steps": 4}, model=_moe(), rules=PRESETS["tp"])
+    with pytest.raises(UserError, match="runs a mixture of experts in its train step only"):
+        plan.validate()
+
+
 def test_a_plan_with_experts_on_an_axis_outside_the_batch_is_refused():
     from lab.core.errors import UserError
     from lab.run.experiment import load_experiment

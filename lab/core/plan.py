@@ -406,6 +406,11 @@ class Plan:
                     f"[rules] {dim} = {rules.axes(dim)!r}: the lab's Transformer does not run {dim} sharded yet; "
                     f"leave {dim} out to run it (the estimators price it: shardlab train estimate --plan)"
                 )
+        if m.is_moe and self.program != "train_step":
+            raise UserError(
+                f"model {m.name!r} has experts={m.experts}: the lab runs a mixture of experts in its train step only; "
+                "price its decode with `shardlab infer estimate --experts ...`, or give a dense model"
+            )
         missing = unsupported_features(m)
         if missing:
             raise UserError(
