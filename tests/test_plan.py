@@ -127,6 +127,17 @@ def test_flags_and_a_saved_plan_price_the_same_job(tmp_path):
     assert plan.degrees()["pp"] == 2 and plan.shape == {"pipe": 2, "fsdp": 4, "model": 4}
 
 
+def test_an_uneven_pipeline_split_is_saved_and_priced_the_same(tmp_path):
+    flags = ["train", "estimate", "--model", "llama3-8b", "--hardware", "h100", "--chips", "8", "--tp", "4"]
+    flags += ["--pp", "2", "--pp-split", "15,17", "--global-batch", "16", "--microbatch", "2", "--pp-schedule", "gpipe"]
+    saved = tmp_path / "plan.toml"
+    a = _json([*flags, "--save-plan", str(saved)])
+    b = _json(["train", "estimate", "--plan", str(saved)])
+    assert b["step_time_s"] == a["step_time_s"] and b["memory"] == a["memory"]
+    plan = load_experiment(saved).plan
+    assert plan.options.stage_split == (15, 17) and plan.stored_layers() == 34
+
+
 def test_plan_from_degrees_round_trips_every_layout_degree():
     m = get_model("mixtral-8x7b")
     for kw in (dict(dp=8), dict(fsdp=8, tp=8), dict(dp=4, fsdp=2, ep=2), dict(dp=4, ep=2), dict(pp=4, tp=8, dp=2)):

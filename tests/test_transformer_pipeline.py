@@ -119,6 +119,14 @@ def test_the_estimate_counts_the_idle_steps_the_spmd_pipeline_computes():
     [
         ({"pp_schedule": "1f1b"}, {}, r'pp_schedule = "1f1b": the lab\'s pipelined train step runs GPipe and the'),
         ({"pp_schedule": "interleaved", "interleave": 3}, {}, r"layers=4 do not cut into 2 stages x interleave 3"),
+        ({"stage_split": (1, 2)}, {}, r"stage_split = \[1, 2\] must give each of the 2 stages of 'pipe' its layers"),
+        ({"stage_split": (1, 1, 2)}, {}, r"it has 3 entries adding up to 4\); e.g. \[2, 2\]"),
+        ({"stage_split": (3, 1), "pp_schedule": "1f1b"}, {"layers": None}, r"stage_split = \[3, 1\] splits pipeline"),
+        (
+            {"stage_split": (2, 2), "pp_schedule": "interleaved", "interleave": 2, "microbatch": 2},
+            {},
+            r"stage_split with the interleaved schedule is priced, not run",
+        ),
         (
             {"pp_schedule": "interleaved", "interleave": 2, "microbatch": 8},
             {},
@@ -185,6 +193,77 @@ def test_interleaved_order_by_hand():
 
     assert interleaved_order(8, 2, 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
     assert interleaved_order(8, 4, 2).tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+# Uneven stages: (mesh, preset, split, microbatches, remat); every stage stores as many layers as the largest.
+UNEVEN = {
+    "pipe2_data2_model2_tp_split2_3": ({"pipe": 2, "data": 2, "model": 2}, "tp", (2, 3), 4, "none"),
+    "pipe4_data2_dp_split1_2_2_1_full": ({"pipe": 4, "data": 2, "model": 1}, "dp", (1, 2, 2, 1), 2, "full"),
+}
+
+
+@pytest.mark.parametrize("case", [c if "pipe2" in c else pytest.param(c, marks=pytest.mark.slow) for c in UNEVEN])
+def test_uneven_stages_match_one_device_and_leave_the_padding_untouched(jax_devices, case):
+    import jax
+
+    from kernels.mesh import make_mesh
+    from kernels.transformer.loss import split_order
+    from kernels.transformer.model import init_params, synthetic_tokens, token_sharding
+    from kernels.transformer.train import make_grads_fn
+    from lab.core.rules import get_rules
+
+    shape, preset, split, m, remat = UNEVEN[case]
+    cfg = _model(layers=sum(split))
+    stored = dataclasses.replace(cfg, layers=len(split) * max(split))
+    rules, mesh = dataclasses.replace(get_rules(preset), layers="pipe"), make_mesh(shape)
+    params = init_params(stored, rules, mesh, jax.random.key(1))
+    tokens = synthetic_tokens(cfg, B, T, seed=1)
+    loss, grads = make_grads_fn(stored, rules, mesh, remat, microbatches=m, stage_split=split)(
+        params, jax.device_put(tokens, token_sharding(rules, mesh))
+    )
+    order = split_order(split)
+    real, pad = np.nonzero(order >= 0)[0], np.nonzero(order < 0)[0]
+    rows = real[np.argsort(order[real])]  # the stored rows of the model's layers, in its order
+    host = jax.tree.map(np.asarray, params)
+    ref_loss, ref_grads = _reference(cfg, dict(host, layers=jax.tree.map(lambda w: w[rows], host["layers"])), tokens)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=LOSS_RTOL, atol=LOSS_ATOL)
+    got_layers = jax.tree.map(np.asarray, grads["layers"])
+    for g in jax.tree.leaves(got_layers):
+        assert not np.any(g[pad])  # the padding does not take part
+    got = dict(grads, layers=jax.tree.map(lambda g: g[rows], got_layers))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=GRAD_RTOL, atol=GRAD_ATOL)
+
+
+def test_split_order_by_hand():
+    from kernels.transformer.loss import split_order
+
+    assert split_order((1, 2, 2, 1)).tolist() == [0, -1, 1, 2, 3, 4, 5, -1]
+    assert split_order((2, 3)).tolist() == [0, 1, -1, 2, 3, 4]
+
+
+# train_pipe_uneven: 6 layers split 1, 2, 2, 1 over pipe = 4, every stage stacking 2. Each data replica reduces its
+# stage's 2 stored layers (TINY's 33,712 parameters each: norms 2 x 56, Wq and Wo 56 x 96, Wk and Wv 56 x 48, three
+# MLP matrices 56 x 104) and both [88, 56] tables and the [56] final norm, float32, and the float32 loss.
+LAYER = 2 * 56 + 2 * 56 * 96 + 2 * 56 * 48 + 3 * 56 * 104
+UNEVEN_DP = (2 * LAYER + 2 * 88 * 56 + 56) * 4 + 4
+
+
+def test_the_uneven_experiment_audits_the_busiest_stage(jax_devices):
+    from lab.compile.audit import audit_plan
+    from lab.core.hardware import get_chip
+    from lab.predict.program import train_config
+    from lab.run.experiment import load_experiment
+
+    plan = load_experiment(os.path.join(REPO, "experiments", "train_pipe_uneven.toml")).plan
+    assert plan.stored_layers() == 8 and LAYER == 33_712
+    cfg = train_config(plan, get_chip("cpu"))
+    assert cfg.layout.stage_split == (1, 2, 2, 1) and cfg.layout.stage_layers(6) == 2
+    r = audit_plan(plan, get_chip("cpu"))
+    assert r.all_match and not r.unexpected, r.table()
+    dp = {(e.kind, e.axes): e for e in r.entries}[("all-reduce", ("data",))]
+    assert dp.predicted_bytes == dp.compiled_bytes == UNEVEN_DP
+    assert r.flops_compiled == pytest.approx(r.flops_predicted, rel=1e-9)
 
 
 # train_pipe_interleaved: p = 2, v = 2, M = 4: 4 x 2 + 2 - 1 = 9 steps, a wrap-around send after each but the last,

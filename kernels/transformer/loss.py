@@ -40,6 +40,7 @@ def loss_fn(
     capacity_factor: float = MOE_CAPACITY_FACTOR,
     moe_groups: tuple[int, int] = (1, 1),
     interleave: int = 1,
+    stage_split: tuple[int, ...] = (),
 ) -> jax.Array:
     """Mean next-token cross entropy (float32): position t predicts token t+1; the last position is masked.
 
@@ -47,12 +48,13 @@ def loss_fn(
     with one AllReduce over the vocab axes (Megatron's vocab-parallel cross entropy) instead of a gather.
     With the rules' ``layers`` on a mesh axis the loss runs through the GPipe pipeline of
     :func:`pipelined_loss`, the batch cut into ``microbatches`` (``interleave`` > 1: the circular schedule, its
-    stacked layers stored as :func:`interleaved_order` says). A mixture of experts routes with
+    stacked layers stored as :func:`interleaved_order` says; ``stage_split``: each stage's real layers, its stacked
+    rows past them padding the pipeline skips, :func:`split_order`). A mixture of experts routes with
     ``capacity_factor``; without a mesh, ``moe_groups`` (along B, along T) routes the tokens in the groups a
     mesh's devices would (the single-device reference of a sharded run).
     """
     lay = _Layout(rules or PRESETS["single"], mesh, compute_dtype(dtype), capacity_factor=capacity_factor)
-    lay = dataclasses.replace(lay, moe_groups=tuple(moe_groups))
+    lay = dataclasses.replace(lay, moe_groups=tuple(moe_groups), stage_split=tuple(stage_split))
     if mesh is not None and pipeline_stages(lay.rules, mesh) > 1:
         if interleave > 1:
             return circular_loss(params, tokens, cfg, lay, remat, microbatches, interleave)
@@ -136,6 +138,16 @@ def _gpipe_steps(layers, micro, layer, i, p: int, inner: _Layout, axis: str) -> 
     """GPipe on one device: in step ``s`` of ``M + p - 1`` stage ``i`` runs its layers on microbatch ``s - i``
     (idle on what it holds otherwise) and passes its output on."""
     m = micro.shape[1]
+    if inner.stage_split:  # an uneven split: each stage's rows past its own layers are padding, passed through
+        real = jnp.asarray(inner.stage_split)[i]
+        plain = layer
+
+        def layer(x, pj):
+            w, j = pj
+            y, kv = plain(x, w)
+            return jnp.where(j < real, y, x), kv
+
+        layers = (layers, jnp.arange(jax.tree.leaves(layers)[0].shape[0]))
     held, outs = None, []
     for s in range(m + p - 1):
         with jax.named_scope("pipeline/stage"), jax.named_scope(f"step_{s}"):
@@ -148,6 +160,16 @@ def _gpipe_steps(layers, micro, layer, i, p: int, inner: _Layout, axis: str) -> 
             with jax.named_scope(f"pipeline/pass_{s}"):
                 held = jax.lax.ppermute(h, axis, [(j, j + 1) for j in range(p - 1)])
     return outs
+
+
+def split_order(split: tuple[int, ...]) -> np.ndarray:
+    """The model layer each stored layer is under an uneven ``stage_split`` (-1: padding): stage ``i`` stores its
+    ``split[i]`` layers, then padding up to the largest stage's count."""
+    lmax, start, out = max(split), 0, []
+    for n in split:
+        out += list(range(start, start + n)) + [-1] * (lmax - n)
+        start += n
+    return np.array(out)
 
 
 def interleaved_order(layers: int, p: int, v: int) -> np.ndarray:
@@ -195,4 +217,4 @@ def circular_loss(params, tokens, cfg, lay: _Layout, remat: str, m: int, v: int)
     return _staged(params, tokens, cfg, lay, remat, m, steps)
 
 
-__all__ = ["circular_loss", "interleaved_order", "loss_fn", "pipeline_stages", "pipelined_loss"]
+__all__ = ["circular_loss", "interleaved_order", "loss_fn", "pipeline_stages", "pipelined_loss", "split_order"]

@@ -54,8 +54,9 @@ stage computes in all ``M + p - 1`` steps, the ``p - 1`` idle ones on values not
 on with a ``ppermute`` after each but the last; every stage holds the embeddings and the final norm, whose
 gradients the stages sum; each weight's gradient is summed over the data-parallel replicas once, after the last
 microbatch. The training estimator prices exactly this with ``spmd_pipeline`` (``lab.predict.train_config``).
-With the interleaved schedule (``interleave = v``) each stage holds ``v`` chunks, stored together
-(``loss.interleaved_order``), and the loss runs the circular schedule of ``kernels.pipeline_circular``
+Under an uneven ``stage_split`` every stage stacks as many layers as the largest and passes its padding through
+(``loss.split_order``). With the interleaved schedule (``interleave = v``) each stage holds ``v`` chunks, stored
+together (``loss.interleaved_order``), and the loss runs the circular schedule of ``kernels.pipeline_circular``
 (``loss.circular_loss``: ``v M + p - 1`` steps, a wrap-around ``ppermute`` after each but the last).
 
 Mixture of experts: a model with ``experts > 1`` replaces every layer's MLP by the expert layer of
@@ -307,6 +308,7 @@ class _Layout:
     manual: bool = False
     capacity_factor: float = MOE_CAPACITY_FACTOR  # MoE: slots per expert, ceil(k t cf / E) per routing group
     moe_groups: tuple[int, int] = (1, 1)  # without a mesh: routing groups along B and T, as devices would split them
+    stage_split: tuple[int, ...] = ()  # pipelined: each stage's real layers; its stacked rows past them are padding
 
     def constrain(self, x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
         if self.mesh is None:

@@ -8,6 +8,7 @@ runnable step: abstract arguments for lowering, real ones only when the step is 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -77,6 +78,7 @@ def make_grads_fn(
     microbatches: int = 1,
     capacity_factor: float = MOE_CAPACITY_FACTOR,
     interleave: int = 1,
+    stage_split: tuple[int, ...] = (),
 ) -> Callable:
     """Jitted ``(params, tokens) -> (loss, grads)``, gradients placed like the parameters (``microbatches``: of
     the pipeline, when the rules put the layers on a mesh axis; ``capacity_factor``: a mixture of experts')."""
@@ -86,9 +88,8 @@ def make_grads_fn(
 
     def grads(params, tokens):
         loss = jax.value_and_grad(loss_fn)
-        return loss(
-            params, tokens, cfg, rules, mesh, remat, dtype, microbatches, capacity_factor, interleave=interleave
-        )
+        options = {"interleave": interleave, "stage_split": stage_split}
+        return loss(params, tokens, cfg, rules, mesh, remat, dtype, microbatches, capacity_factor, **options)
 
     return jax.jit(
         grads, in_shardings=(p_sh, token_sharding(rules, mesh)), out_shardings=(NamedSharding(mesh, P()), p_sh)
@@ -104,6 +105,7 @@ def make_train_step(
     learning_rate: float = 1e-2,
     microbatches: int = 1,
     interleave: int = 1,
+    stage_split: tuple[int, ...] = (),
 ) -> Callable:
     """Jitted ``step(params, opt_state, tokens) -> (params, opt_state, loss)``: one AdamW step.
 
@@ -117,9 +119,9 @@ def make_train_step(
     o_sh = opt_state_shardings(tx, cfg, rules, mesh)
 
     def step(params, opt_state, tokens):
-        loss, grads = jax.value_and_grad(loss_fn)(
-            params, tokens, cfg, rules, mesh, remat, dtype, microbatches, interleave=interleave
-        )
+        options = {"interleave": interleave, "stage_split": stage_split}
+        value_and_grad = jax.value_and_grad(loss_fn)
+        loss, grads = value_and_grad(params, tokens, cfg, rules, mesh, remat, dtype, microbatches, **options)
         grads = jax.lax.with_sharding_constraint(grads, p_sh)
         with jax.named_scope("optimizer"):
             updates, opt_state = tx.update(grads, opt_state, params)
@@ -143,10 +145,12 @@ def build_train(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0, learning
     plan.validate()
     cfg, rules, remat = plan.model, plan.rules, plan.remat
     assert cfg is not None and rules is not None and remat in REMAT
+    split = plan.options.stage_split
+    cfg = dataclasses.replace(cfg, layers=plan.stored_layers())  # under an uneven split, stages padded
     batch, seq = plan.sizes["batch"], plan.sizes["seq"]
     m = mesh if mesh is not None else make_mesh(plan.shape, slow=plan.slow_axes)
     v = plan.options.interleave if plan.options.pp_schedule == "interleaved" else 1
-    step = make_train_step(cfg, rules, m, remat, plan.dtype, learning_rate, plan.microbatches(), v)
+    step = make_train_step(cfg, rules, m, remat, plan.dtype, learning_rate, plan.microbatches(), v, split)
     tx = optimizer(learning_rate)
     tok_sh = token_sharding(rules, m)
     spec = (

@@ -260,8 +260,6 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
     from lab.core.plan import Options, plan_from_degrees
 
     lay = cfg.layout
-    if lay.stage_split:
-        raise UserError("--save-plan cannot record --pp-split yet (a Plan's stages hold equal layers); drop one")
     if cfg.remat not in ("none", "selective", "full"):
         raise UserError(f"--save-plan cannot record --remat {cfg.remat} (a Plan runs none, selective or full)")
     if cfg.capacity_factor != 1.0:
@@ -271,6 +269,7 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
         zero=lay.zero,
         pp_schedule=lay.pp_schedule,
         interleave=lay.interleave,
+        stage_split=lay.stage_split,
         checkpoints_per_layer=cfg.checkpoints_per_layer,
         flash_attention=cfg.flash_attention,
         fused_projections=cfg.fused_projections,

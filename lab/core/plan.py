@@ -69,6 +69,8 @@ class Options:
         microbatch: sequences per microbatch on each data-parallel replica (None: the whole replica batch).
         zero: ZeRO stage over the data-parallel axes (1: optimizer state, 2: and gradients; 3 is FSDP).
         pp_schedule, interleave: the pipeline schedule (``gpipe``, ``1f1b``, ``interleaved`` with v chunks).
+        stage_split: the layers each pipeline stage holds, first to last (empty: an even split), e.g. fewer on the
+            first and last stages, which also hold the embedding and the loss.
         checkpoints_per_layer: the book's ``k`` saved ``[B, D]`` per layer, instead of the remat policy's count.
         flash_attention: attention fused (no score matrix stored, causal blocks skipped).
         fused_projections: Q/K/V and gate/up are one weight each (Megatron), so their input gradients are
@@ -92,6 +94,7 @@ class Options:
     zero: int = 0
     pp_schedule: str = "1f1b"
     interleave: int = 1
+    stage_split: tuple[int, ...] = ()
     checkpoints_per_layer: float | None = None
     flash_attention: bool = False
     fused_projections: bool = False
@@ -111,6 +114,10 @@ class Options:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise UserError(f"{name} = {v!r} must be a positive integer")
+        object.__setattr__(self, "stage_split", tuple(self.stage_split))
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.stage_split):
+            said = list(self.stage_split)
+            raise UserError(f"stage_split = {said} must list positive layer counts, e.g. [3, 4, 4, 3]")
         if self.interleave > 1 and self.pp_schedule != "interleaved":
             raise UserError(f'interleave = {self.interleave} needs pp_schedule = "interleaved"')
 
@@ -172,6 +179,13 @@ class Plan:
         if self.rules is None:
             raise UserError(f"{self.program} has no sharding rules: the training and inference estimators need them")
         return self.rules.degrees(self.shape)
+
+    def stored_layers(self) -> int:
+        """Layers the Transformer stacks: the model's, or under an uneven ``stage_split`` every stage padded to the
+        largest (the padding masked out of the computation)."""
+        assert self.model is not None
+        split = self.options.stage_split
+        return len(split) * max(split) if split else self.model.layers
 
     def microbatches(self) -> int:
         """Microbatches per step: each data-parallel replica's sequences over ``options.microbatch`` (1 without
@@ -291,7 +305,13 @@ class Plan:
         rules = self.rules
         assert rules is not None
         axes = rules.live("layers", self.shape)
+        split = self.options.stage_split
         if not axes:
+            if split:
+                raise UserError(
+                    f"stage_split = {list(split)} splits pipeline stages, and the rules put no mesh axis on layers; "
+                    'add layers = "<axis>" to [rules], or leave stage_split out'
+                )
             return
         if self.program != "train_step":
             raise UserError(f"[rules] layers = {list(axes)}: {self.program} runs unpipelined; leave layers out")
@@ -310,6 +330,14 @@ class Plan:
                 'give [options] pp_schedule = "gpipe" or "interleaved" (the estimator prices 1f1b too)'
             )
         p, layers = self.shape[axes[0]], self.model.layers if self.model is not None else 0
+        if split and (len(split) != p or sum(split) != layers):
+            even = [layers // p + (1 if i < layers % p else 0) for i in range(p)]
+            raise UserError(
+                f"stage_split = {list(split)} must give each of the {p} stages of '{axes[0]}' its layers, "
+                f"{layers} in all (it has {len(split)} entries adding up to {sum(split)}); e.g. {even}"
+            )
+        if split and sched == "interleaved":
+            raise UserError("stage_split with the interleaved schedule is priced, not run; give one of them")
         if sched == "interleaved" and layers % (p * v):
             raise UserError(
                 f"layers={layers} do not cut into {p} stages x interleave {v} = {p * v} chunks; "
@@ -423,7 +451,8 @@ class Plan:
             seq = self.sizes["seq"]
             if seq < 2 or seq > m.max_seq_len:
                 raise UserError(f"seq={seq} must be between 2 and max-seq-len={m.max_seq_len}")
-            check_transformer(m, rules, self.shape, batch=self.sizes["batch"], seq=seq)
+            stored = dataclasses.replace(m, layers=self.stored_layers())  # the stacked layers, padded
+            check_transformer(stored, rules, self.shape, batch=self.sizes["batch"], seq=seq)
         else:
             p, s = self.sizes["prompt_len"], self.sizes["steps"]
             if p + s > m.max_seq_len + 1:
@@ -494,7 +523,7 @@ class Plan:
         if self.rules is not None:
             lines += ["", "[rules]"]
             lines += [f"{k} = {val(v if len(v) > 1 else v[0])}" for k, v in self.rules.to_dict().items()]
-        opts = {k: v for k, v in dataclasses.asdict(self.options).items() if v is not None}
+        opts = {k: v for k, v in dataclasses.asdict(self.options).items() if v is not None and v != ()}
         opts |= {"remat": self.remat, "optimizer": self.optimizer, "param_dtype": self.param_dtype}
         lines += ["", "[options]"] + [f"{k} = {val(v)}" for k, v in opts.items()]
         return "\n".join(lines) + "\n"

@@ -72,6 +72,7 @@ def train_config(plan: Plan, chip: Chip) -> TrainConfig:
         sequence_parallel=deg["sequence_parallel"],
         pp_schedule=opts.pp_schedule,
         interleave=opts.interleave,
+        stage_split=opts.stage_split,
         cross_node=slow,
     )
     batch, replicas = plan.sizes["batch"], deg["dp"] * deg["fsdp"]

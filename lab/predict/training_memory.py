@@ -145,8 +145,8 @@ def local_params(m: ModelConfig, lay: Layout, layer: float | None = None, ends_o
     (``ends_on_every_stage``: the SPMD pipeline, ``TrainConfig.spmd_pipeline``) (``layer``: the layout's
     :func:`layer_params_local`, when at hand)."""
     layer = layer_params_local(m, lay) if layer is None else layer
-    if ends_on_every_stage:
-        return m.layers * layer / lay.pp + end_params(m, lay)
+    if ends_on_every_stage:  # every stage stacks as many layers as the largest (an uneven split's padded)
+        return lay.stage_layers(m.layers) * layer + end_params(m, lay)
     return (m.layers * layer + end_params(m, lay)) / lay.pp
 
 

@@ -73,6 +73,7 @@ OPTIONS = {
     "zero": Field("int0", "ZeRO stage over the data-parallel axes (0-3)"),
     "pp_schedule": Field("str", "pipeline schedule", ("gpipe", "1f1b", "interleaved")),
     "interleave": Field("int+", "model chunks per pipeline stage (interleaved schedule)"),
+    "stage_split": Field("ints+", "layers on each pipeline stage, first to last (default: even)"),
     "checkpoints_per_layer": Field("number+", "the book's k saved [B, D] per layer"),
     "flash_attention": Field("bool", "fused attention: no score matrix stored"),
     "fused_projections": Field("bool", "Q/K/V and gate/up fused into one weight each (Megatron)"),
