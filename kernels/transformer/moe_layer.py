@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from kernels.moe import _route, _slots, _swiglu
 from lab.core.models import ModelConfig
-from lab.core.programs import MOE_CAPACITY_FACTOR, moe_capacity
+from lab.core.programs import moe_capacity
 
 # What selective recomputation keeps of an expert layer (besides the projections): the received slots, the experts'
 # two products and the returned slots, so neither the experts' matmuls nor the all-to-alls run again.
@@ -138,24 +138,4 @@ def moe_mlp(h: jax.Array, p: dict[str, Any], cfg: ModelConfig, lay) -> jax.Array
     return mapped(h, *ws, *shared)
 
 
-def first_layer_routing(params, tokens, cfg: ModelConfig, groups: tuple[int, int]) -> dict[str, Any]:
-    """How the first expert layer's router loads the experts with these weights and tokens (``kernels.moe``'s
-    :func:`~kernels.moe.load_report`), the tokens routed in the groups the devices route (``groups`` along B and
-    T): what a run of the Transformer reports, at its initial weights."""
-    from kernels.moe import load_report
-    from kernels.transformer.model import PRESETS, _attention_half, _embed, _Layout, _rms_norm
-
-    lay = _Layout(PRESETS["single"], None)
-    host = jax.tree.map(jnp.asarray, params)
-    first = jax.tree.map(lambda w: w[0], host["layers"])
-    x = _embed(host, jnp.asarray(tokens), cfg, lay)
-    x, _ = _attention_half(x, first, jnp.arange(x.shape[1]), cfg, lay)
-    h = _rms_norm(x, first["mlp_norm"], cfg.norm_eps)
-    gb, gt = groups
-    B, T, D = h.shape
-    h = h.reshape(gb, B // gb, gt, T // gt, D).transpose(0, 2, 1, 3, 4).reshape(B * T, D)  # device by device
-    k, cf = cfg.experts_per_token, MOE_CAPACITY_FACTOR
-    return load_report(h, first["router"], groups=gb * gt, topk=k, capacity_factor=cf) | {"layer": 0}
-
-
-__all__ = ["EXPERT_WEIGHTS", "SAVED", "SCOPES", "SHARED_WEIGHTS", "first_layer_routing", "moe_mlp"]
+__all__ = ["EXPERT_WEIGHTS", "SAVED", "SCOPES", "SHARED_WEIGHTS", "moe_mlp"]

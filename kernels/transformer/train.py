@@ -10,19 +10,27 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels.mesh import make_mesh
+from kernels.moe import load_report
 from kernels.program import Built
 from kernels.transformer.loss import loss_fn
 from kernels.transformer.model import (
+    PRESETS,
     REMAT,
+    _attention_half,
+    _embed,
     _is_info,
+    _Layout,
     _remat_policy,
+    _rms_norm,
     abstract,
     init_params,
     param_info,
@@ -136,6 +144,23 @@ def make_train_step(
     )
 
 
+def first_layer_routing(params, tokens, cfg: ModelConfig, groups: tuple[int, int]) -> dict[str, Any]:
+    """How the first expert layer's router loads the experts with these weights and tokens (``kernels.moe``'s
+    :func:`~kernels.moe.load_report`), the tokens routed in the groups the devices route (``groups`` along B and
+    T): what a run of the Transformer reports, at its initial weights."""
+    lay = _Layout(PRESETS["single"], None)
+    host = jax.tree.map(jnp.asarray, params)
+    first = jax.tree.map(lambda w: w[0], host["layers"])
+    x = _embed(host, jnp.asarray(tokens), cfg, lay)
+    x, _ = _attention_half(x, first, jnp.arange(x.shape[1]), cfg, lay)
+    h = _rms_norm(x, first["mlp_norm"], cfg.norm_eps)
+    gb, gt = groups
+    B, T, D = h.shape
+    h = h.reshape(gb, B // gb, gt, T // gt, D).transpose(0, 2, 1, 3, 4).reshape(B * T, D)  # device by device
+    k, cf = cfg.experts_per_token, MOE_CAPACITY_FACTOR
+    return load_report(h, first["router"], groups=gb * gt, topk=k, capacity_factor=cf) | {"layer": 0}
+
+
 def build_train(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0, learning_rate: float = 1e-2) -> Built:
     """The train step of a validated Plan: ``built.fn``, its abstract arguments, and real ones on demand.
 
@@ -171,8 +196,6 @@ def build_train(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0, learning
     if cfg.is_moe:  # the router's load on the run's tokens at its initial weights (the first expert layer)
 
         def facts():
-            from kernels.transformer.moe_layer import first_layer_routing
-
             params = jax.device_get(init_params(cfg, rules, m, jax.random.key(seed)))
             groups = (rules.size("batch", plan.shape), rules.size("context", plan.shape))
             return {"routing": first_layer_routing(params, synthetic_tokens(cfg, batch, seq, seed), cfg, groups)}

@@ -299,118 +299,6 @@ class Plan:
                     if arr is not None:
                         arr.check(self.shape, self.sizes)
 
-    def _validate_pipeline(self) -> None:
-        """What the lab's pipelined train step (``layers`` on a mesh axis) runs: GPipe on one mesh axis that splits
-        nothing else, whole microbatches (``kernels.transformer.loss.pipelined_loss``)."""
-        rules = self.rules
-        assert rules is not None
-        axes = rules.live("layers", self.shape)
-        split = self.options.stage_split
-        if not axes:
-            if split:
-                raise UserError(
-                    f"stage_split = {list(split)} splits pipeline stages, and the rules put no mesh axis on layers; "
-                    'add layers = "<axis>" to [rules], or leave stage_split out'
-                )
-            return
-        if self.program != "train_step":
-            raise UserError(f"[rules] layers = {list(axes)}: {self.program} runs unpipelined; leave layers out")
-        if len(axes) > 1:
-            raise UserError(f"[rules] layers = {list(axes)}: the lab pipelines over one mesh axis; name one")
-        others = [f for f in FIELDS if f != "layers" and axes[0] in rules.axes(f)]
-        if others:
-            raise UserError(
-                f"[rules] layers = {axes[0]!r} and {others[0]} = {rules.axes(others[0])!r}: the pipeline's axis holds "
-                "stages only; give the other dim another axis"
-            )
-        sched, v = self.options.pp_schedule, self.options.interleave
-        if sched not in ("gpipe", "interleaved"):
-            raise UserError(
-                f'pp_schedule = "{sched}": the lab\'s pipelined train step runs GPipe and the circular schedule; '
-                'give [options] pp_schedule = "gpipe" or "interleaved" (the estimator prices 1f1b too)'
-            )
-        p, layers = self.shape[axes[0]], self.model.layers if self.model is not None else 0
-        if split and (len(split) != p or sum(split) != layers):
-            even = [layers // p + (1 if i < layers % p else 0) for i in range(p)]
-            raise UserError(
-                f"stage_split = {list(split)} must give each of the {p} stages of '{axes[0]}' its layers, "
-                f"{layers} in all (it has {len(split)} entries adding up to {sum(split)}); e.g. {even}"
-            )
-        if split and sched == "interleaved":
-            raise UserError("stage_split with the interleaved schedule is priced, not run; give one of them")
-        if sched == "interleaved" and layers % (p * v):
-            raise UserError(
-                f"layers={layers} do not cut into {p} stages x interleave {v} = {p * v} chunks; "
-                f"give a multiple of {p * v} layers or another interleave"
-            )
-        deg, batch, mb = self.degrees(), self.sizes["batch"], self.options.microbatch
-        replicas = deg["dp"] * deg["fsdp"]
-        if mb is not None and (batch % replicas or (batch // replicas) % mb):
-            raise UserError(
-                f"[options] microbatch = {mb} does not divide the {batch} // {replicas} = {batch // replicas} "
-                f"sequences of each data-parallel replica; give a divisor, e.g. microbatch = 1"
-            )
-        m = self.microbatches()
-        if sched == "interleaved" and m % p:
-            raise UserError(
-                f"the circular schedule takes microbatches in groups of the {p} stages; {m} microbatches is not a "
-                f"multiple of {p}: give [options] microbatch so that each replica's batch makes {p * max(1, m // p)}"
-            )
-        if (batch // m) % rules.size("batch", self.shape):
-            raise UserError(
-                f"batch={batch} in {m} microbatches of {batch // m}: a microbatch must split over the batch axes "
-                f"({', '.join(rules.live('batch', self.shape))}); give a larger microbatch"
-            )
-
-    def _validate_context(self) -> None:
-        """What the lab's context-parallel train step (``context`` on mesh axes) runs: the sequence split evenly
-        over the context axes (and the sequence-parallel ones between blocks), without a pipeline."""
-        rules = self.rules
-        assert rules is not None
-        ctx = rules.live("context", self.shape)
-        if not ctx:
-            return
-        if self.program != "train_step":
-            raise UserError(f"[rules] context = {list(ctx)}: {self.program} runs unsplit along T; leave context out")
-        if rules.live("layers", self.shape):
-            raise UserError(
-                "[rules] context and pipeline (layers) together are priced by the estimator, not run by the lab yet; "
-                "give one of them"
-            )
-        axes = (*ctx, *rules.live("sequence", self.shape))
-        n, seq = rules.size("context", self.shape) * rules.size("sequence", self.shape), self.sizes["seq"]
-        if seq % n:
-            raise UserError(
-                f"seq={seq} does not split over the context axes {' x '.join(axes)} ({n}); "
-                f"use a multiple of {n}, e.g. seq={max(n, seq // n * n)}"
-            )
-
-    def _validate_experts(self) -> None:
-        """What the lab's expert-parallel Transformer runs (``kernels.transformer.moe_layer``): a mixture of experts
-        whose experts' axes also split the batch (expert parallelism carved out of data parallelism), unpipelined."""
-        rules, m = self.rules, self.model
-        assert rules is not None and m is not None
-        ep = rules.live("experts", self.shape)
-        if not ep:
-            return
-        if not m.is_moe:
-            raise UserError(
-                f"[rules] experts = {list(ep)}: model {m.name!r} is dense; give [model] experts (and "
-                "experts_per_token) or leave experts out"
-            )
-        batch = rules.axes("batch")
-        if any(a not in batch for a in ep):
-            fix = [*batch, *(a for a in ep if a not in batch)]
-            raise UserError(
-                f"[rules] experts = {list(ep)} must also split the batch (batch = {list(batch)}): the lab carves "
-                f"expert parallelism out of data parallelism; e.g. batch = {fix}"
-            )
-        if rules.live("layers", self.shape):
-            raise UserError(
-                "[rules] experts and pipeline (layers) together are priced by the estimator, not run by the lab yet; "
-                "give one of them"
-            )
-
     def _validate_transformer(self, executable: bool) -> None:
         m, rules = self.model, self.rules
         if m is None:
@@ -425,9 +313,11 @@ class Plan:
             )
         if not executable:
             return
-        self._validate_pipeline()
-        self._validate_context()
-        self._validate_experts()
+        from lab.core import plan_checks  # the parallelisms the Transformer runs from its rules
+
+        plan_checks.pipeline(self)
+        plan_checks.context(self)
+        plan_checks.experts(self)
         for dim in NOT_EXECUTED:
             if rules.axes(dim):
                 raise UserError(
