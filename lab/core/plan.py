@@ -365,7 +365,7 @@ class Plan:
             "param_dtype": self.param_dtype,
             "remat": self.remat,
             "optimizer": self.optimizer,
-            "options": dataclasses.asdict(self.options),
+            "options": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self.options).items()},
         }
         if self.axes is not None:
             d["axes"] = list(self.axes)
