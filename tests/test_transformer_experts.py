@@ -21,21 +21,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, T = 8, 16
 
 
-def _moe(shared: int = 0):
+def _moe(shared: int = 0, dense: int = 0):
+    """TINY with 4 experts of width 48, top 2; ``dense`` leading dense layers (80 wide) before its 2 expert ones."""
     from kernels.transformer import TINY
 
-    return dataclasses.replace(TINY, name="tiny-moe", experts=4, experts_per_token=2, d_ff=48, shared_experts=shared)
+    m = dataclasses.replace(TINY, name="tiny-moe", experts=4, experts_per_token=2, d_ff=48, shared_experts=shared)
+    return dataclasses.replace(m, layers=2 + dense, dense_layers=dense, dense_d_ff=80 if dense else 0)
 
 
 # (mesh, rules preset, extra rules, remat, shared experts): data x expert x model with TP; data x expert with DP and
 # full recomputation; expert x model with TP and sequence parallelism, selective; shared experts; with context
-# parallelism
+# parallelism; one leading dense layer under full recomputation
 CASES = {
     "data2_expert2_model2_tp": ({"data": 2, "expert": 2, "model": 2}, "tp", {}, "none", 0),
     "data2_expert4_dp_full": ({"data": 2, "expert": 4, "model": 1}, "dp", {}, "full", 0),
     "expert2_model4_tp_sp_selective": ({"data": 1, "expert": 2, "model": 4}, "tp_sp", {}, "selective", 0),
     "data2_expert2_model2_shared": ({"data": 2, "expert": 2, "model": 2}, "tp", {}, "none", 1),
     "expert2_ctx2_model2_cp": ({"expert": 2, "ctx": 2, "model": 2}, "tp", {"context": "ctx"}, "none", 0),
+    "data2_expert2_model2_dense_full": ({"data": 2, "expert": 2, "model": 2}, "tp", {}, "full", 0),
 }
 
 
@@ -47,7 +50,7 @@ def _rules(preset: str, extra: dict, shape: dict):
 
 
 # Two meshes in the default suite; the other three (about 9 s each) under -m slow.
-DEFAULT = ("data2_expert2_model2_tp", "data2_expert4_dp_full")
+DEFAULT = ("data2_expert2_model2_tp", "data2_expert4_dp_full", "data2_expert2_model2_dense_full")
 
 
 @pytest.mark.parametrize("case", [c if c in DEFAULT else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
@@ -60,7 +63,7 @@ def test_loss_and_grads_match_one_device(jax_devices, case):
     from kernels.transformer.train import make_grads_fn
 
     shape, preset, extra, remat, shared = CASES[case]
-    cfg, rules, mesh = _moe(shared), _rules(preset, extra, shape), make_mesh(shape)
+    cfg, rules, mesh = _moe(shared, dense=1 if "dense" in case else 0), _rules(preset, extra, shape), make_mesh(shape)
     params = init_params(cfg, rules, mesh, jax.random.key(2))
     tokens = synthetic_tokens(cfg, B, T, seed=2)
     loss, grads = make_grads_fn(cfg, rules, mesh, remat)(params, jax.device_put(tokens, token_sharding(rules, mesh)))
@@ -131,6 +134,23 @@ def test_experiment_audit_matches_the_estimator_with_hand_counted_all_to_alls(ja
         tp = 2 * 6 * ACT + ROUTER_GRADS + 2 * ACT + 3 * 32 * 4
         assert by[("all-reduce", ("model",))].compiled_bytes == by[("all-reduce", ("model",))].predicted_bytes == tp
     assert r.flops_compiled == r.flops_predicted
+
+
+@pytest.mark.parametrize("remat", ["none", pytest.param("selective", marks=pytest.mark.slow), "full"])
+def test_leading_dense_layers_audit_whole(jax_devices, remat):
+    """The experiment with one leading dense layer (80 wide) before its 2 expert layers: the estimator weighs the
+    layers' ops by kind, and the audit matches every collective and the FLOPs (under full recomputation the dense
+    layer's down projection is left out of the recomputed forward, the expert layers' is not)."""
+    from lab.compile.audit import audit_plan
+    from lab.core.hardware import get_chip
+    from lab.run.experiment import load_experiment
+
+    plan = load_experiment(os.path.join(REPO, "experiments", "train_ep_dp_tp.toml")).plan
+    m = dataclasses.replace(plan.model, layers=3, dense_layers=1, dense_d_ff=80)
+    r = audit_plan(dataclasses.replace(plan, model=m, remat=remat), get_chip("cpu"))
+    assert r.all_match and not r.unexpected and r.flops_match, r.table()
+    a2a = {(e.kind, e.axes): e for e in r.entries}[("all-to-all", ("expert",))]
+    assert a2a.compiled_bytes == (12 if remat == "full" else 8) * SEND  # the 2 expert layers' only
 
 
 def test_a_run_reports_the_first_expert_layers_load(jax_devices):

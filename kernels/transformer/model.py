@@ -388,7 +388,7 @@ def _block(x: jax.Array, p: Params, positions: jax.Array, cfg: ModelConfig, lay:
     x, kv = _attention_half(x, p, positions, cfg, lay)
     with jax.named_scope("mlp"):
         h = _rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-        mlp = moe_mlp if cfg.is_moe else _mlp
+        mlp = moe_mlp if "router" in p else _mlp  # an expert layer, or a dense one (leading, or a dense model)
         x = x + lay.constrain(mlp(h, p, cfg, lay), RESIDUAL)
     return x, kv
 
@@ -440,8 +440,9 @@ def _logits(params: Params, x: jax.Array, cfg: ModelConfig, lay: _Layout) -> jax
         return lay.constrain(logits, ("batch", None, "vocab"))
 
 
-def _layer_body(positions, cfg, lay, remat, keep_kv=False):
-    """The scan body over stacked layers: one block, under the remat policy."""
+def _layer_body(positions, cfg, lay, remat, keep_kv=False, single=False):
+    """The scan body over stacked layers: one block, under the remat policy (``single``: a stack of one layer, whose
+    scan XLA removes, so the recomputation must be kept from merging with the forward pass here)."""
 
     def body(x, p):
         x, kv = _block(x, p, positions, cfg, lay)
@@ -449,7 +450,7 @@ def _layer_body(positions, cfg, lay, remat, keep_kv=False):
 
     if remat != "none":
         # prevent_cse=False: scan already keeps the recomputation from being merged with the forward pass.
-        body = jax.checkpoint(body, policy=_remat_policy(remat), prevent_cse=False)
+        body = jax.checkpoint(body, policy=_remat_policy(remat), prevent_cse=single)
     return body
 
 
@@ -457,7 +458,11 @@ def _forward(params, tokens, cfg, lay, remat="none", *, keep_kv=False, last_only
     T = tokens.shape[1]
     positions = jnp.arange(T)
     x = _embed(params, tokens, cfg, lay)
-    x, kv = jax.lax.scan(_layer_body(positions, cfg, lay, remat, keep_kv), x, params["layers"])
+    if "dense_layers" in params:  # a mixture of experts' leading dense layers, then its expert layers
+        n = jax.tree.leaves(params["dense_layers"])[0].shape[0]
+        x, _ = jax.lax.scan(_layer_body(positions, cfg, lay, remat, single=n == 1), x, params["dense_layers"])
+    n = jax.tree.leaves(params["layers"])[0].shape[0]
+    x, kv = jax.lax.scan(_layer_body(positions, cfg, lay, remat, keep_kv, single=n == 1), x, params["layers"])
     x = lay.constrain(x, RESIDUAL)
     if last_only:  # a prompt's prefill samples from its last position only: the other logits are never made
         x = x[:, -1:]

@@ -26,6 +26,7 @@ from kernels.transformer.model import (
     PRESETS,
     REMAT,
     _attention_half,
+    _block,
     _embed,
     _is_info,
     _Layout,
@@ -152,13 +153,16 @@ def first_layer_routing(params, tokens, cfg: ModelConfig, groups: tuple[int, int
     host = jax.tree.map(jnp.asarray, params)
     first = jax.tree.map(lambda w: w[0], host["layers"])
     x = _embed(host, jnp.asarray(tokens), cfg, lay)
-    x, _ = _attention_half(x, first, jnp.arange(x.shape[1]), cfg, lay)
+    positions = jnp.arange(x.shape[1])
+    if "dense_layers" in host:  # the leading dense layers come first
+        x = jax.lax.scan(lambda x, p: (_block(x, p, positions, cfg, lay)[0], None), x, host["dense_layers"])[0]
+    x, _ = _attention_half(x, first, positions, cfg, lay)
     h = _rms_norm(x, first["mlp_norm"], cfg.norm_eps)
     gb, gt = groups
     B, T, D = h.shape
     h = h.reshape(gb, B // gb, gt, T // gt, D).transpose(0, 2, 1, 3, 4).reshape(B * T, D)  # device by device
     k, cf = cfg.experts_per_token, MOE_CAPACITY_FACTOR
-    return load_report(h, first["router"], groups=gb * gt, topk=k, capacity_factor=cf) | {"layer": 0}
+    return load_report(h, first["router"], groups=gb * gt, topk=k, capacity_factor=cf) | {"layer": cfg.dense_layers}
 
 
 def build_train(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0, learning_rate: float = 1e-2) -> Built:

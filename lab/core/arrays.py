@@ -36,29 +36,36 @@ class ArraySpec:
 
 
 def param_specs(m: ModelConfig) -> dict[str, Any]:
-    """Every parameter of the LLaMA-style model (``kernels.transformer``), nested like its pytree."""
-    L, D, N, K, H, V = m.layers, m.d_model, m.heads, m.kv_heads, m.head_dim, m.vocab
+    """Every parameter of the LLaMA-style model (``kernels.transformer``), nested like its pytree; a mixture of
+    experts with leading dense layers stacks those apart (``dense_layers``, run first, their MLP ``dense_ff`` wide)."""
+    D, V = m.d_model, m.vocab
+    out = {"embed": ArraySpec((V, D), ("vocab", "embed"))}
+    if m.is_moe and m.dense_layers:
+        out["dense_layers"] = _layer_specs(m, m.dense_layers, _mlp_specs(m, m.dense_layers, m.dense_ff, dense=True))
+    n = m.moe_layers if m.is_moe else m.layers
+    out["layers"] = _layer_specs(m, n, _mlp_specs(m, n, m.d_ff, dense=not m.is_moe))
+    return out | {"final_norm": ArraySpec((D,), ("embed",)), "unembed": ArraySpec((D, V), ("embed", "vocab"))}
+
+
+def _layer_specs(m: ModelConfig, L: int, mlp: dict[str, ArraySpec]) -> dict[str, ArraySpec]:
+    """``L`` stacked layers: attention, the norms and ``mlp``."""
+    D, N, K, H = m.d_model, m.heads, m.kv_heads, m.head_dim
     return {
-        "embed": ArraySpec((V, D), ("vocab", "embed")),
-        "layers": {
-            "attn_norm": ArraySpec((L, D), ("layers", "embed")),
-            "wq": ArraySpec((L, D, N, H), ("layers", "embed", "heads", "head_dim")),
-            "wk": ArraySpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
-            "wv": ArraySpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
-            "wo": ArraySpec((L, N, H, D), ("layers", "heads", "head_dim", "embed")),
-            "mlp_norm": ArraySpec((L, D), ("layers", "embed")),
-            **_mlp_specs(m),
-        },
-        "final_norm": ArraySpec((D,), ("embed",)),
-        "unembed": ArraySpec((D, V), ("embed", "vocab")),
+        "attn_norm": ArraySpec((L, D), ("layers", "embed")),
+        "wq": ArraySpec((L, D, N, H), ("layers", "embed", "heads", "head_dim")),
+        "wk": ArraySpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
+        "wv": ArraySpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
+        "wo": ArraySpec((L, N, H, D), ("layers", "heads", "head_dim", "embed")),
+        "mlp_norm": ArraySpec((L, D), ("layers", "embed")),
+        **mlp,
     }
 
 
-def _mlp_specs(m: ModelConfig) -> dict[str, ArraySpec]:
-    """A layer's MLP: the dense SwiGLU, or (MoE) the router ``[D, E]``, the routed experts' SwiGLUs stacked on
-    ``experts`` and the shared experts side by side as one SwiGLU of width ``S F``."""
-    L, D, F, E = m.layers, m.d_model, m.d_ff, m.experts
-    if not m.is_moe:
+def _mlp_specs(m: ModelConfig, L: int, F: int, dense: bool) -> dict[str, ArraySpec]:
+    """``L`` layers' MLP: a dense SwiGLU ``F`` wide, or (MoE) the router ``[D, E]``, the routed experts' SwiGLUs
+    stacked on ``experts`` and the shared experts side by side as one SwiGLU of width ``S F``."""
+    D, E = m.d_model, m.experts
+    if dense:
         return {
             "w_gate": ArraySpec((L, D, F), ("layers", "embed", "ffw")),
             "w_up": ArraySpec((L, D, F), ("layers", "embed", "ffw")),
@@ -167,8 +174,6 @@ def unsupported_features(m: ModelConfig) -> list[str]:
     return [
         what
         for what, bad in (
-            (f"dense-layers={m.dense_layers} (leading dense layers among expert ones)", m.dense_layers > 0),
-            (f"dense-d-ff={m.dense_d_ff}", m.dense_d_ff > 0),
             ("a two-matrix (non-gated) MLP", not m.gated_mlp),
             ("tied embeddings", m.tied_embeddings),
             ("learned positions", m.learned_positions),

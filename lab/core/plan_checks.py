@@ -27,6 +27,11 @@ def pipeline(plan: Plan) -> None:
                 'add layers = "<axis>" to [rules], or leave stage_split out'
             )
         return
+    if plan.model is not None and plan.model.is_moe and plan.model.dense_layers:
+        raise UserError(
+            f"[rules] layers = {list(axes)} with dense-layers={plan.model.dense_layers}: the lab pipelines one stack "
+            "of like layers; leave layers out, or the leading dense layers (the estimator prices both)"
+        )
     if plan.program != "train_step":
         raise UserError(f"[rules] layers = {list(axes)}: {plan.program} runs unpipelined; leave layers out")
     if len(axes) > 1:

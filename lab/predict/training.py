@@ -93,6 +93,7 @@ SCOPES = {
     "mlp.down": "mlp/down",
     "mlp.shared": "mlp/shared",
     "mlp.dense": "mlp/dense",
+    "mlp.dense_down": "mlp/dense",
     "moe.dispatch": "mlp/dispatch",
     "norms": "norm",
     "residuals": "residual",
@@ -106,6 +107,8 @@ MOE_SCOPES = {
     "mlp.down": "moe/experts",
     "mlp.shared": "moe/shared",
     "moe.dispatch": "moe/dispatch",
+    "mlp.dense": "mlp/up",  # the leading dense layers, as a dense model's MLP
+    "mlp.dense_down": "mlp/down",
 }
 
 
@@ -276,7 +279,8 @@ def _mlp_ops(cfg: TrainConfig, tokens: float, ops: list, mm, mem) -> None:
     if moe_share < 1.0:  # the expert layers' MLP ops for their share of the layers, the dense MLP for the rest
         _weigh(ops, start, moe_share)
         dense = len(ops)
-        mm("mlp.dense", tokens, d, m.dense_ff * (gate + 1) / t)
+        mm("mlp.dense", tokens, d, m.dense_ff * gate / t)  # up (and gate)
+        mm("mlp.dense_down", tokens, m.dense_ff / t, d)
         _weigh(ops, dense, 1.0 - moe_share)
 
 
@@ -331,7 +335,7 @@ def layer_cost(cfg: TrainConfig, compute: tuple | None = None) -> LayerCost:
             offload = max(0.0, link - fwd) + max(0.0, link - bwd - again)
     elif cfg.remat == "full":  # JAX's recomputation skips the layer's last projection (TrainConfig); an expert
         # layer ends in the combine, so its experts' down projection runs again
-        last = "mlp.down" if not cfg.model.is_moe else ""
+        last = "mlp.down" if not cfg.model.is_moe else "mlp.dense_down"  # a leading dense layer's
         recomputed = tuple(o[0] for o in ops if not (cfg.jax_remat and o[0] == last))
     elif cfg.remat == "selective" and not cfg.flash_attention:
         recomputed = tuple(o[0] for o in ops if o[1] == "attention")

@@ -97,8 +97,9 @@ LEDGER_ROWS = 25
 
 def routing_line(r: dict[str, Any]) -> str:
     """The MoE router's load in one line (kernels.moe.load_report)."""
+    where = f"layer {r['layer']}: " if "layer" in r else ""  # the Transformer's first expert layer
     return (
-        f"{len(r['routed'])} experts, {r['capacity']} slots each in every one of {r['groups']} token groups; "
+        f"{where}{len(r['routed'])} experts, {r['capacity']} slots each in every one of {r['groups']} token groups; "
         f"load imbalance {r['imbalance']:.2f} (the busiest expert's assignments over the mean); "
         f"{r['dropped']} assignments dropped ({100 * r['dropped_fraction']:.1f}%)"
     )
