@@ -178,6 +178,18 @@ def test_decode_of_a_mixture_of_experts_is_refused_before_compiling():
         plan.validate()
 
 
+def test_experts_that_do_not_divide_over_their_axis_name_the_file_line_and_a_count(tmp_path):
+    from pathlib import Path
+
+    from lab.core.errors import UserError
+    from lab.run.experiment import load_experiment
+
+    text = Path(REPO, "experiments", "train_ep_dp_tp.toml").read_text().replace("experts = 4", "experts = 3")
+    (tmp_path / "bad.toml").write_text(text)
+    with pytest.raises(UserError, match=r"bad.toml:\d+: experts=3 do not divide over .* \(2\); give a multiple of 2"):
+        load_experiment(tmp_path / "bad.toml")
+
+
 def test_a_plan_with_experts_on_an_axis_outside_the_batch_is_refused():
     from lab.core.errors import UserError
     from lab.run.experiment import load_experiment

@@ -311,10 +311,11 @@ class Plan:
                 f'pp_schedule = "{self.options.pp_schedule}" schedules pipeline stages, and the rules put no mesh axis '
                 'on layers; add layers = "<axis>" to [rules], or leave pp_schedule out'
             )
-        if not executable:
-            return
         from lab.core import plan_checks  # the parallelisms the Transformer runs from its rules
 
+        plan_checks.expert_count(self)
+        if not executable:
+            return
         plan_checks.pipeline(self)
         plan_checks.context(self)
         plan_checks.experts(self)

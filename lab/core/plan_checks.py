@@ -133,4 +133,16 @@ def experts(plan: Plan) -> None:
         )
 
 
-__all__ = ["context", "experts", "pipeline"]
+def expert_count(plan: Plan) -> None:
+    """A mixture of experts whose experts the rules split: their count divides over the axes (priced or run)."""
+    rules, m = plan.rules, plan.model
+    ep = rules.live("experts", plan.shape) if rules is not None else ()
+    n = rules.size("experts", plan.shape) if ep else 1
+    if m is not None and m.is_moe and m.experts % n:
+        raise UserError(
+            f"experts={m.experts} do not divide over the experts' mesh axes {' x '.join(ep)} ({n}); give a multiple "
+            f"of {n}, e.g. experts = {max(n, m.experts // n * n)}"
+        )
+
+
+__all__ = ["context", "expert_count", "experts", "pipeline"]
