@@ -222,8 +222,16 @@ def test_batch_not_divisible(tr, no_compile):
 # ----- numerics: sharded equals single-device -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mesh", list(MESHES))
-@pytest.mark.parametrize("rules", SHARDED)
+# Every preset on both meshes under -m slow; by default the ones without tensor parallelism on one mesh (their
+# layout does not depend on the model axis's size), for the default suite's 10 minutes on two cores.
+@pytest.mark.parametrize(
+    ("rules", "mesh"),
+    [
+        (r, m) if m == "d4m2" or r not in ("dp", "fsdp") else pytest.param(r, m, marks=pytest.mark.slow)
+        for r in SHARDED
+        for m in MESHES
+    ],
+)
 def test_loss_and_grads_match_single_device(tr, rules, mesh):
     loss, grads, _, shardings = _grads(rules, mesh)
     ref_loss, ref_grads, _, _ = _grads("single", "single")

@@ -49,8 +49,8 @@ def _rules(preset: str, extra: dict, shape: dict):
     return dataclasses.replace(get_rules(preset), batch=batch, experts="expert", **extra)
 
 
-# Two meshes in the default suite; the other three (about 9 s each) under -m slow.
-DEFAULT = ("data2_expert2_model2_tp", "data2_expert4_dp_full", "data2_expert2_model2_dense_full")
+# Two meshes in the default suite; the others (about 9 s each) under -m slow.
+DEFAULT = ("data2_expert2_model2_tp", "data2_expert4_dp_full")
 
 
 @pytest.mark.parametrize("case", [c if c in DEFAULT else pytest.param(c, marks=pytest.mark.slow) for c in CASES])

