@@ -35,6 +35,7 @@ same rule to the same groups on one device, so outputs agree exactly whether or 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -109,41 +110,55 @@ def _slots(experts: jax.Array, n_experts: int, capacity: int) -> tuple[jax.Array
     return jnp.where(keep, flat * capacity + position, n_experts * capacity), keep
 
 
+def moe_tokens(x, w_router, w_gate, w_up, w_down, shared, *, k: int, cf: float, ep, tp=(), tag=lambda x, _: x):
+    """One device's MoE MLP on its tokens ``x [t, D]`` (module docstring), the standalone program's and the
+    Transformer's (``kernels.transformer.moe_layer``): ``ep`` the expert axes of the all-to-alls (empty: all experts
+    here), ``tp`` tensor-parallel axes splitting the experts' F (the output summed over them), ``tag(x, name)`` naming
+    the slots and products a remat policy may keep."""
+    t, d = x.shape
+    n = math.prod(jax.lax.axis_size(a) for a in ep) if ep else 1
+    local = w_gate.shape[0]
+    e = local * n
+    c = moe_capacity(t, e, k, cf)
+    with jax.named_scope(SCOPES[0]):
+        weights, experts = _route(x, w_router, k)
+        slot, keep = _slots(experts, e, c)
+    with jax.named_scope(SCOPES[1]):
+        token = jnp.tile(jnp.arange(t), k)  # the token of each assignment, choice-major
+        send = jnp.zeros((e * c, d), x.dtype).at[slot].set(x[token], mode="drop", unique_indices=True)
+        recv = send.reshape(e, c, d)
+        if ep:  # [E, C, D] split over the expert group by expert; received: [n (source), E/n, C, D]
+            recv = jax.lax.all_to_all(recv, ep, 0, 0, tiled=True)
+        recv = tag(recv, "moe_recv")
+    with jax.named_scope(SCOPES[2]):
+        h = recv.reshape(n, local, c, d).transpose(1, 0, 2, 3).reshape(local, n * c, d)
+        y = _swiglu(h, w_gate, w_up, w_down, "esd", tag)  # partial sums over the tp axes
+        y = y.reshape(local, n, c, d).transpose(1, 0, 2, 3).reshape(e, c, d)
+    with jax.named_scope(SCOPES[3]):
+        back = tag(jax.lax.all_to_all(y, ep, 0, 0, tiled=True) if ep else y, "moe_back")  # the send buffer's layout
+        got = back.reshape(e * c, d)[jnp.where(keep, slot, 0)].astype(jnp.float32)  # [k*t, D]
+        w = jnp.where(keep, weights.T.reshape(-1), 0.0)
+        out = jnp.sum((w[:, None] * got).reshape(k, t, d), axis=0)
+    if shared:
+        with jax.named_scope(SCOPES[4]):
+            out = out + _swiglu(x, *shared, "td").astype(jnp.float32)
+    out = out.astype(x.dtype)
+    if tp:
+        with jax.named_scope(SCOPES[3]):
+            out = jax.lax.psum(out, tp)
+    return out
+
+
 def moe_mlp(
     mesh: Mesh, *, topk: int = MOE_TOPK, capacity_factor: float = MOE_CAPACITY_FACTOR, shared: bool = False
 ) -> MoeFn:
     """The jitted ``shard_map`` program ``(x, w_router, w_gate, w_up, w_down[, w_sgate, w_sup, w_sdown]) -> out``
     (module docstring); the last three with ``shared``."""
     _require_expert(mesh)
-    n = mesh.shape[EXPERT]
 
     def body(x, w_router, w_gate, w_up, w_down, *shared_weights):
         # x [t, D]; w_router [D, E]; w_gate, w_up [E/n, D, F]; w_down [E/n, F, D]
-        t, d = x.shape
-        local = w_gate.shape[0]
-        e = local * n
-        c = moe_capacity(t, e, topk, capacity_factor)
-        with jax.named_scope(SCOPES[0]):
-            weights, experts = _route(x, w_router, topk)
-            slot, keep = _slots(experts, e, c)
-        with jax.named_scope(SCOPES[1]):
-            token = jnp.tile(jnp.arange(t), topk)  # the token of each assignment, choice-major
-            send = jnp.zeros((e * c, d), x.dtype).at[slot].set(x[token], mode="drop", unique_indices=True)
-            # [E, C, D] split over the expert group by expert; received: [n (source), E/n, C, D]
-            recv = jax.lax.all_to_all(send.reshape(e, c, d), EXPERT, 0, 0, tiled=True)
-        with jax.named_scope(SCOPES[2]):
-            h = recv.reshape(n, local, c, d).transpose(1, 0, 2, 3).reshape(local, n * c, d)
-            y = _swiglu(h, w_gate, w_up, w_down, "esd")
-            y = y.reshape(local, n, c, d).transpose(1, 0, 2, 3).reshape(e, c, d)
-        with jax.named_scope(SCOPES[3]):
-            back = jax.lax.all_to_all(y, EXPERT, 0, 0, tiled=True).reshape(e * c, d)  # the send buffer's layout
-            got = back[jnp.where(keep, slot, 0)].astype(jnp.float32)  # [k*t, D]
-            w = jnp.where(keep, weights.T.reshape(-1), 0.0)
-            out = jnp.sum((w[:, None] * got).reshape(topk, t, d), axis=0)
-        if shared_weights:
-            with jax.named_scope(SCOPES[4]):
-                out = out + _swiglu(x, *shared_weights, "td").astype(jnp.float32)
-        return out.astype(x.dtype)
+        return moe_tokens(x, w_router, w_gate, w_up, w_down, shared_weights, k=topk, cf=capacity_factor, ep=(EXPERT,))
 
     specs = in_specs(mesh, shared)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=token_spec(mesh)))
@@ -252,6 +267,7 @@ __all__ = [
     "in_specs",
     "load_report",
     "moe_mlp",
+    "moe_tokens",
     "reference_moe",
     "reference_moe_jax",
     "reference_shared",

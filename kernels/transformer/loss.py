@@ -53,8 +53,14 @@ def loss_fn(
     ``capacity_factor``; without a mesh, ``moe_groups`` (along B, along T) routes the tokens in the groups a
     mesh's devices would (the single-device reference of a sharded run).
     """
-    lay = _Layout(rules or PRESETS["single"], mesh, compute_dtype(dtype), capacity_factor=capacity_factor)
-    lay = dataclasses.replace(lay, moe_groups=tuple(moe_groups), stage_split=tuple(stage_split))
+    lay = _Layout(
+        rules or PRESETS["single"],
+        mesh,
+        compute_dtype(dtype),
+        capacity_factor=capacity_factor,
+        moe_groups=tuple(moe_groups),
+        stage_split=tuple(stage_split),
+    )
     if mesh is not None and pipeline_stages(lay.rules, mesh) > 1:
         if interleave > 1:
             return circular_loss(params, tokens, cfg, lay, remat, microbatches, interleave)

@@ -29,22 +29,18 @@ probabilities' gradient ``[t, k]`` summed over the tensor-parallel axes (the com
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from kernels.moe import _route, _slots, _swiglu
+from kernels.moe import SCOPES, moe_tokens
 from lab.core.models import ModelConfig
-from lab.core.programs import moe_capacity
 
 # What selective recomputation keeps of an expert layer (besides the projections): the received slots, the experts'
 # two products and the returned slots, so neither the experts' matmuls nor the all-to-alls run again.
 SAVED = ("moe_recv", "moe_gate", "moe_up", "moe_back")
-SCOPES = ("moe/router", "moe/dispatch", "moe/experts", "moe/combine", "moe/shared")
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 SHARED_WEIGHTS = ("shared_gate", "shared_up", "shared_down")
 
@@ -54,41 +50,13 @@ def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
 
 
 def _local_moe(x, w_router, w_gate, w_up, w_down, shared, *, k: int, cf: float, ep, tp):
-    """One device's MoE MLP (module docstring): x ``[b, t, D]`` -> ``[b, t, D]``; ``ep``/``tp``: the manual
-    expert and tensor-parallel axes (empty outside a mesh), the output summed over ``tp``."""
+    """One device's MoE MLP (module docstring): x ``[b, t, D]`` -> ``[b, t, D]``, its ``b t`` tokens routed together
+    (``kernels.moe.moe_tokens``, the slots and products named for selective recomputation)."""
     b, t, d = x.shape
-    tokens = x.reshape(b * t, d)
-    n = math.prod(jax.lax.axis_size(a) for a in ep) if ep else 1
-    local = w_gate.shape[0]
-    e = local * n
-    c = moe_capacity(b * t, e, k, cf)
-    with jax.named_scope(SCOPES[0]):
-        weights, experts = _route(tokens, w_router, k)
-        slot, keep = _slots(experts, e, c)
-    with jax.named_scope(SCOPES[1]):
-        token = jnp.tile(jnp.arange(b * t), k)  # the token of each assignment, choice-major
-        send = jnp.zeros((e * c, d), x.dtype).at[slot].set(tokens[token], mode="drop", unique_indices=True)
-        recv = send.reshape(e, c, d)
-        if ep:  # [E, C, D] split over the expert group by expert; received: [n (source), E/n, C, D]
-            recv = jax.lax.all_to_all(recv, ep, 0, 0, tiled=True)
-        recv = checkpoint_name(recv, "moe_recv")
-    with jax.named_scope(SCOPES[2]):
-        h = recv.reshape(n, local, c, d).transpose(1, 0, 2, 3).reshape(local, n * c, d)
-        y = _swiglu(h, w_gate, w_up, w_down, "esd", checkpoint_name)  # partial sums over the tp axes
-        y = y.reshape(local, n, c, d).transpose(1, 0, 2, 3).reshape(e, c, d)
-    with jax.named_scope(SCOPES[3]):
-        back = checkpoint_name(jax.lax.all_to_all(y, ep, 0, 0, tiled=True) if ep else y, "moe_back")
-        got = back.reshape(e * c, d)[jnp.where(keep, slot, 0)].astype(jnp.float32)  # [k*t, D]
-        w = jnp.where(keep, weights.T.reshape(-1), 0.0)
-        out = jnp.sum((w[:, None] * got).reshape(k, b * t, d), axis=0)
-    if shared:
-        with jax.named_scope(SCOPES[4]):
-            out = out + _swiglu(tokens, *shared, "td").astype(jnp.float32)
-    out = out.astype(x.dtype)
-    with jax.named_scope(SCOPES[3]):
-        if tp:
-            out = jax.lax.psum(out, tp)
-    return out.reshape(b, t, d)
+    y = moe_tokens(
+        x.reshape(b * t, d), w_router, w_gate, w_up, w_down, shared, k=k, cf=cf, ep=ep, tp=tp, tag=checkpoint_name
+    )
+    return y.reshape(b, t, d)
 
 
 def _grouped(h, ws, shared, groups: tuple[int, int], options) -> jax.Array:
