@@ -14,7 +14,9 @@ def test_demo_report_on_the_emulated_mesh(jax_devices):
 
 
 @pytest.mark.parametrize("hw", ["h100", "cpu", "tpu-v5p"])
-def test_demo_for_other_targets(jax_devices, hw):
+def test_demo_for_other_targets(jax_devices, hw, tmp_path, monkeypatch):
+    # An empty specs folder: another test's run may have calibrated this host in the session's folder already.
+    monkeypatch.setenv("SHARDLAB_SPECS_DIR", str(tmp_path))
     r = run_demo(hardware=hw)
     assert r.data["hardware"]["name"] == hw
     if hw == "cpu":
