@@ -45,6 +45,28 @@ def test_the_best_layouts_cross_compiled_for_a_tpu(capsys):
     assert d["memory_agrees"] is True
 
 
+# At 2,048 tokens a sequence the planner ranks context-parallel layouts first (their activations split over cp).
+LONG = [*SMALL[:-4], "--batch-tokens", "8192", "--seq-len", "2048"]
+
+
+def test_context_parallel_layouts_are_validated_not_skipped(capsys):
+    """The planner's best layouts here split the sequence (cp=2); they used to be passed over for worse ones."""
+    assert main([*LONG, "--hardware", "tpu-v5e", "--validate", "2", "--target", "v5e:2x4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    top = out["top"][0]["layout"]
+    assert (top["cp"], top["pp"], top["zero"]) == (2, 1, 0)
+    d = out["validation"]
+    assert [r["layout"] for r in d["layouts"]] == ["fsdp=4 cp=2, remat none", "fsdp=4 cp=2, remat selective"]
+    assert all(r["compiled_memory_bytes"] > 0 for r in d["layouts"]) and d["memory_agrees"] is True
+
+
+@pytest.mark.slow  # about 15 s: a context-parallel layout compiled, run and profiled on the emulated devices
+def test_a_context_parallel_layout_runs_on_this_host(tmp_path, capsys):
+    assert main([*LONG, "--hardware", "cpu", "--validate", "1", "--out", str(tmp_path), "--json"]) == 0
+    (r,) = json.loads(capsys.readouterr().out)["validation"]["layouts"]
+    assert r["layout"] == "fsdp=4 cp=2, remat none" and r["measured_step_s"] > 0 and r["compiled_fits"]
+
+
 @pytest.mark.parametrize(
     ("extra", "match"),
     [

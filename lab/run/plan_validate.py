@@ -1,8 +1,8 @@
 """``shardlab plan ... --validate K``: the planner checked by execution.
 
 The planner ranks layouts by their estimated step time; this takes its K best that the lab's Transformer can
-execute (data, FSDP and tensor parallelism, with or without sequence parallelism; one microbatch a step, as the
-train step runs), builds each as a Plan (:func:`lab.core.plan.plan_from_degrees`), compiles it (XLA's memory per
+execute (data, FSDP, tensor and context parallelism, with or without sequence parallelism; one microbatch a step,
+as the train step runs), builds each as a Plan (:func:`lab.core.plan.plan_from_degrees`), compiles it (XLA's memory per
 device against the planner's fits verdict), runs and profiles it where it can (this host's devices), and ranks
 the layouts twice: by the estimate and by the measured step. Spearman's and Kendall's rank correlations say how
 well the planner orders what runs; a layout ranked wrongly is named with the op whose measured time departs
@@ -68,14 +68,18 @@ def _ranks(xs: list[float]) -> list[float]:
 
 
 def executable(est) -> bool:
-    """What the lab's train step runs: no pipeline, context or expert parallelism, one microbatch a step."""
+    """What the lab's train step runs from a planner layout: data, FSDP, tensor and context parallelism, no ZeRO-1
+    or -2, one microbatch a step. Pipelines are left out: the planner prices Megatron's schedules, and the lab runs
+    GPipe and a circular schedule, whose memory differs; so is expert parallelism, which the planner carves out of
+    the FSDP axis where the lab's experts need an axis of their own."""
     lay = est.config.layout
-    return lay.pp == 1 and lay.cp == 1 and lay.ep == 1 and lay.zero in (0, 3) and est.config.microbatches == 1
+    return lay.pp == 1 and lay.ep == 1 and lay.zero in (0, 3) and est.config.microbatches == 1
 
 
 def layout_label(est) -> str:
     lay, c = est.config.layout, est.config
-    parts = [f"{k}={v}" for k, v in (("dp", lay.dp), ("fsdp", lay.fsdp), ("tp", lay.tp)) if v > 1] or ["1 chip"]
+    degrees = (("dp", lay.dp), ("fsdp", lay.fsdp), ("cp", lay.cp), ("tp", lay.tp))
+    parts = [f"{k}={v}" for k, v in degrees if v > 1] or ["1 chip"]
     return " ".join(parts) + (" sp" if lay.sequence_parallel else "") + f", remat {c.remat}"
 
 
@@ -84,8 +88,8 @@ def candidates(result, k: int) -> list:
     chosen = [e for e in result.top if executable(e)][:k]
     if not chosen:
         raise UserError(
-            "none of the planner's layouts is one the lab's train step executes (no pipeline, context or expert "
-            "parallelism, one microbatch a step); give more --batch-tokens per chip or fewer chips"
+            "none of the planner's layouts is one the lab's train step executes (no pipeline or expert parallelism, "
+            "no ZeRO-1 or -2, one microbatch a step); give more --batch-tokens per chip or fewer chips"
         )
     return chosen
 
@@ -100,6 +104,7 @@ def to_plan(est, model, dtype: str, hardware: str) -> Plan:
         dp=lay.dp,
         fsdp=lay.fsdp,
         tp=lay.tp,
+        cp=lay.cp,
         sequence_parallel=lay.sequence_parallel,
         dtype=dtype,
         param_dtype="fp32",  # the lab's Transformer keeps fp32 weights
