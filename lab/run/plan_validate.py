@@ -1,17 +1,19 @@
 """``shardlab plan ... --validate K``: the planner checked by execution.
 
 The planner ranks layouts by their estimated step time; this takes its K best that the lab's Transformer can
-execute (data, FSDP, tensor and context parallelism, with or without sequence parallelism; one microbatch a step,
-as the train step runs), builds each as a Plan (:func:`lab.core.plan.plan_from_degrees`), compiles it (XLA's memory per
-device against the planner's fits verdict), runs and profiles it where it can (this host's devices), and ranks
-the layouts twice: by the estimate and by the measured step. Spearman's and Kendall's rank correlations say how
-well the planner orders what runs; a layout ranked wrongly is named with the op whose measured time departs
-most from its estimate. With ``--target`` (a TPU topology, cross-compiled) nothing runs: the memory verdicts
-are checked, and the ranking is the estimate's only.
+execute (data, FSDP, tensor, context, pipeline and expert parallelism as :meth:`Plan.validate` admits them; one
+microbatch a step without a pipeline), builds each as a Plan (:func:`lab.core.plan.plan_from_degrees`), compiles
+it (XLA's memory per device against the estimator's fits verdict), runs and profiles it where it can (this host's
+devices), and ranks the layouts twice: by the estimate and by the measured step. A pipeline is priced with the
+schedule the lab runs (GPipe for the planner's 1F1B, the circular schedule for its interleaved one), the planner's
+figure beside it. Spearman's and Kendall's rank correlations say how well the estimates order what runs; a layout
+ranked wrongly is named with the op whose measured time departs most from its estimate. With ``--target`` (a TPU
+topology, cross-compiled) nothing runs: the memory verdicts are checked, and the ranking is the estimate's only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import statistics
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.core.errors import UserError
-from lab.core.plan import Plan, plan_from_degrees
+from lab.core.plan import Options, Plan, plan_from_degrees
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_seconds
 
@@ -67,35 +69,80 @@ def _ranks(xs: list[float]) -> list[float]:
     return ranks
 
 
+# The pipeline schedule the lab's Transformer runs for each one the planner prices: GPipe for Megatron's 1F1B (the
+# same bubble, every microbatch's activations held), its circular schedule for the interleaved one.
+RUN_SCHEDULE = {"1f1b": "gpipe", "gpipe": "gpipe", "interleaved": "interleaved"}
+
+
 def executable(est) -> bool:
-    """What the lab's train step runs from a planner layout: data, FSDP, tensor and context parallelism, no ZeRO-1
-    or -2, one microbatch a step. Pipelines are left out: the planner prices Megatron's schedules, and the lab runs
-    GPipe and a circular schedule, whose memory differs; so is expert parallelism, which the planner carves out of
-    the FSDP axis where the lab's experts need an axis of their own."""
-    lay = est.config.layout
-    return lay.pp == 1 and lay.ep == 1 and lay.zero in (0, 3) and est.config.microbatches == 1
+    """Whether a planner layout is one the lab's train step can be asked to run: no ZeRO-1 or -2, no uneven stages,
+    and without a pipeline one microbatch a step. Whether the lab's Transformer takes its parallelism (pipeline,
+    context, experts, and their combinations) is :meth:`Plan.validate`'s to say (:func:`candidates`)."""
+    lay, c = est.config.layout, est.config
+    plain = not lay.stage_split and not lay.pp_embedding_slots
+    return lay.zero in (0, 3) and plain and (lay.pp > 1 or c.microbatches == 1)
+
+
+def as_run(est):
+    """The estimate of the program the lab runs for a planner layout: the planner's own, but for a pipeline the same
+    layout priced with the schedule the lab runs (:data:`RUN_SCHEDULE`) as its SPMD pipeline runs it."""
+    c = est.config
+    if c.layout.pp == 1:
+        return est
+    from lab.predict.training import estimate
+
+    lay = dataclasses.replace(c.layout, pp_schedule=RUN_SCHEDULE[c.layout.pp_schedule])
+    return estimate(dataclasses.replace(c, layout=lay, spmd_pipeline=True))
 
 
 def layout_label(est) -> str:
     lay, c = est.config.layout, est.config
-    degrees = (("dp", lay.dp), ("fsdp", lay.fsdp), ("cp", lay.cp), ("tp", lay.tp))
+    degrees = (("dp", lay.dp), ("fsdp", lay.fsdp), ("ep", lay.ep), ("cp", lay.cp), ("tp", lay.tp), ("pp", lay.pp))
     parts = [f"{k}={v}" for k, v in degrees if v > 1] or ["1 chip"]
+    if lay.pp > 1:
+        run = {"gpipe": "gpipe", "interleaved": "circular"}[RUN_SCHEDULE[lay.pp_schedule]]
+        parts.append(f"{run}x{lay.v}" if lay.v > 1 else run)
+        parts.append(f"M={c.microbatches}")
     return " ".join(parts) + (" sp" if lay.sequence_parallel else "") + f", remat {c.remat}"
 
 
-def candidates(result, k: int) -> list:
-    """The planner's K best executable layouts, best first; a UserError when it found none."""
-    chosen = [e for e in result.top if executable(e)][:k]
+def candidates(result, k: int, model, dtype: str, hardware: str) -> list[tuple[Any, Plan]]:
+    """The planner's K best layouts that the lab runs, best first, each with its Plan; a UserError when it found
+    none. A layout whose Plan the lab's Transformer refuses (:meth:`Plan.validate`) is passed over."""
+    chosen = []
+    for est in result.top:
+        if len(chosen) == k:
+            break
+        if not executable(est):
+            continue
+        plan = to_plan(est, model, dtype, hardware)
+        try:
+            plan.validate()
+        except UserError:
+            continue
+        chosen.append((est, plan))
     if not chosen:
         raise UserError(
-            "none of the planner's layouts is one the lab's train step executes (no pipeline or expert parallelism, "
-            "no ZeRO-1 or -2, one microbatch a step); give more --batch-tokens per chip or fewer chips"
+            "none of the planner's layouts is one the lab's train step executes (no ZeRO-1 or -2, no uneven "
+            "stages, one microbatch a step without a pipeline); give more --batch-tokens per chip or fewer chips"
         )
     return chosen
 
 
 def to_plan(est, model, dtype: str, hardware: str) -> Plan:
     lay, c = est.config.layout, est.config
+    options = None
+    if lay.pp > 1:  # the planner's microbatches, and the schedule the lab runs; otherwise plan_from_degrees's
+        options = Options(
+            microbatch=c.microbatch,
+            pp_schedule=RUN_SCHEDULE[lay.pp_schedule],
+            interleave=lay.v,
+            flash_attention=True,
+            fused_projections=True,
+            regather_norms=False,
+            jax_remat=False,
+            spmd_context=False,
+        )
     return plan_from_degrees(
         model,
         hardware=hardware,
@@ -104,11 +151,14 @@ def to_plan(est, model, dtype: str, hardware: str) -> Plan:
         dp=lay.dp,
         fsdp=lay.fsdp,
         tp=lay.tp,
+        pp=lay.pp,
         cp=lay.cp,
+        ep=lay.ep,
         sequence_parallel=lay.sequence_parallel,
         dtype=dtype,
         param_dtype="fp32",  # the lab's Transformer keeps fp32 weights
         remat=c.remat,
+        options=options,
         name=layout_label(est).replace(" ", "_").replace(",", "").replace("=", ""),
     )
 
@@ -131,15 +181,13 @@ def validate_plan(result, model, chip, k: int, out: str, *, target: str | None =
     from lab.run.point import run_point
 
     topology = parse_target(target) if target else None
-    chosen = candidates(result, k)
-    plans = [to_plan(e, model, dtype, chip.name) for e in chosen]
-    for p in plans:
-        p.validate()
+    chosen = candidates(result, k, model, dtype, chip.name)
     say = Progress()
     env = environment()
     rows = []
-    for i, (est, plan) in enumerate(zip(chosen, plans, strict=True)):
-        say(f"layout {i + 1} of {len(plans)}: {layout_label(est)}")
+    for i, (est, plan) in enumerate(chosen):
+        say(f"layout {i + 1} of {len(chosen)}: {layout_label(est)}")
+        priced = as_run(est)
         if topology is not None:
             _, compiled = compile_plan(plan, topology)
             mem, measured, report = _analyses(compiled)[1], None, {}
@@ -154,8 +202,10 @@ def validate_plan(result, model, chip, k: int, out: str, *, target: str | None =
             {
                 "layout": layout_label(est),
                 "planner_step_s": est.step_time_s,
-                "planner_fits": est.memory.fits,
-                "planner_memory_bytes": est.memory.total,
+                "planner_schedule": est.config.layout.pp_schedule if est.config.layout.pp > 1 else None,
+                "estimated_step_s": priced.step_time_s,
+                "planner_fits": priced.memory.fits,
+                "planner_memory_bytes": priced.memory.total,
                 "compiled_memory_bytes": held,
                 "compiled_fits": held <= chip.hbm_bytes,
                 "measured_step_s": measured,
@@ -166,14 +216,15 @@ def validate_plan(result, model, chip, k: int, out: str, *, target: str | None =
 
 
 def _summary(rows: list[dict[str, Any]], chip, topology) -> dict[str, Any]:
-    pred = [r["planner_step_s"] for r in rows]
+    pred = [r["estimated_step_s"] for r in rows]
     meas = [r["measured_step_s"] for r in rows]
     ran = all(m is not None for m in meas)
+    pr = _ranks(pred)  # a pipeline priced as the lab runs it may move from the planner's place
+    for r, a in zip(rows, pr, strict=True):
+        r["predicted_rank"] = int(a)
     if ran:
-        pr, mr = _ranks(pred), _ranks(meas)
-        for r, a, b in zip(rows, pr, mr, strict=True):
-            r["predicted_rank"], r["measured_rank"] = int(a), int(b)
-            r["misranked"] = a != b
+        for r, a, b in zip(rows, pr, _ranks(meas), strict=True):
+            r["measured_rank"], r["misranked"] = int(b), a != b
     return {
         "hardware": chip.name,
         "compiled_for": topology.name if topology else None,
@@ -190,7 +241,7 @@ def table(data: dict[str, Any]) -> str:
             r.get("predicted_rank", i + 1),
             r.get("measured_rank", "-"),
             r["layout"],
-            fmt_seconds(r["planner_step_s"]),
+            fmt_seconds(r["estimated_step_s"]),
             fmt_seconds(r["measured_step_s"]) if r["measured_step_s"] is not None else "-",
             f"{fmt_bytes(r['planner_memory_bytes'])} / {fmt_bytes(r['compiled_memory_bytes'])}",
             ("fits" if r["planner_fits"] else "NO") + " / " + ("fits" if r["compiled_fits"] else "NO"),
@@ -204,6 +255,12 @@ def table(data: dict[str, Any]) -> str:
         rows,
         title=f"the planner's best executable layouts, {where}, priced on {data['hardware']}",
     )
+    for r in data["layouts"]:
+        if r["planner_schedule"] is not None:
+            text += (
+                f"\n{r['layout'].split(',')[0]}: priced as the lab runs it; the planner's {r['planner_schedule']} "
+                f"estimate is {fmt_seconds(r['planner_step_s'])}"
+            )
     verdict = "agree" if data["memory_agrees"] else "DISAGREE"
     text += f"\nmemory verdicts (planner against XLA's memory analysis): {verdict}"
     if data["spearman"] is not None or data["kendall"] is not None:
@@ -216,4 +273,14 @@ def table(data: dict[str, Any]) -> str:
     return text
 
 
-__all__ = ["candidates", "executable", "kendall", "spearman", "table", "to_plan", "validate_plan"]
+__all__ = [
+    "RUN_SCHEDULE",
+    "as_run",
+    "candidates",
+    "executable",
+    "kendall",
+    "spearman",
+    "table",
+    "to_plan",
+    "validate_plan",
+]
