@@ -27,7 +27,7 @@ from lab.core.hardware import default_catalog
 from lab.core.plan import MeshAxis
 from lab.run import distributed as dist
 from lab.run.experiment import load_experiment
-from lab.run.launch import child_env, free_port
+from lab.run.launch import FORCED, child_env, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENTS = ROOT / "experiments"
@@ -39,7 +39,8 @@ LAUNCH_ENV_KEYS = (dist.COORDINATOR, dist.NUM_PROCESSES, dist.PROCESS_ID, dist.L
 
 def _env(**extra: str) -> dict[str, str]:
     """The test's environment without its device count or shared XLA cache (processes started together would
-    write the same cache entries at once) and without launch variables, plus ``extra``."""
+    write the same cache entries at once) and without launch variables, plus ``extra``. The suite's other XLA
+    flags (conftest: compile without LLVM's loop optimisation) stay, with an ``XLA_FLAGS`` in ``extra`` after them."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -47,6 +48,11 @@ def _env(**extra: str) -> dict[str, str]:
     }
     for k in LAUNCH_ENV_KEYS:
         env.pop(k, None)
+    flags = FORCED.sub("", os.environ.get("XLA_FLAGS", "")).strip()
+    if flags:
+        env["XLA_FLAGS"] = flags
+    if "XLA_FLAGS" in extra:
+        extra = extra | {"XLA_FLAGS": f"{flags} {extra['XLA_FLAGS']}".strip()}
     return env | extra
 
 
