@@ -132,9 +132,9 @@ def test_a_per_token_figure_over_a_whole_generate_call_includes_its_prefill(publ
     from lab.predict.inference import InferConfig, estimate_inference
 
     flagged = {r.case_id for r in RUNS if r.per_token_includes_prefill}
-    assert flagged == {"PS04", "PS05"}
+    assert flagged == {"PS04", "PS05", "PS06", "PS07", "PS08", "PS09"}
     rows = {r.run.case_id: r for r in public.rows}
-    for case in ("PS04", "PS05"):
+    for case in sorted(flagged):
         run = rows[case].run
         m = dataclasses.replace(get_model(run.model), **run.overrides)
         batch = int(run.layout["batch"])
