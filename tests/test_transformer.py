@@ -399,3 +399,24 @@ def test_fsdp_tp_collectives_follow_the_layout(tr):
     gathers = [c for c, a in found if c.kind == "all-gather" and a == ("data",) and c.times == cfg.layers]
     for scope in ("attention/qkv", "attention/out", "mlp/up", "mlp/down"):
         assert any(scope in c.op_name for c in gathers), scope
+
+
+def test_the_softmax_backward_reads_only_its_16_bit_output():
+    """The attention softmax keeps one bf16 copy of the probabilities for the backward pass (not float32 scores and
+    probabilities beside the cast); its gradient is the plain softmax's to bf16's rounding of the probabilities."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels.transformer.model import _softmax_to
+
+    s = jax.random.normal(jax.random.key(0), (2, 3, 64, 64), jnp.float32) * 3
+    g = jax.random.normal(jax.random.key(1), (2, 3, 64, 64), jnp.float32)
+    ours = jax.grad(lambda s: jnp.sum(_softmax_to(s, jnp.bfloat16).astype(jnp.float32) * g))(s)
+    plain = jax.grad(lambda s: jnp.sum(jax.nn.softmax(s, -1).astype(jnp.bfloat16).astype(jnp.float32) * g))(s)
+    assert float(jnp.max(jnp.abs(ours - plain))) <= 2**-7 * float(jnp.max(jnp.abs(plain)))
+    # the forward pass is the plain one, bit for bit
+    assert jnp.array_equal(_softmax_to(s, jnp.bfloat16), jax.nn.softmax(s, -1).astype(jnp.bfloat16))
+    # what the backward pass keeps: one bf16 array of the scores' shape, nothing in float32 of that shape
+    _, saved = jax.vjp(lambda s: _softmax_to(s, jnp.bfloat16), s)
+    leaves = [x for x in jax.tree.leaves(saved) if getattr(x, "shape", ()) == s.shape]
+    assert [x.dtype for x in leaves] == [jnp.bfloat16]

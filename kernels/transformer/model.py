@@ -358,6 +358,34 @@ def _qkv(h: jax.Array, p: Params, positions: jax.Array, cfg: ModelConfig, lay: _
     return q, k, v
 
 
+@jax.custom_vjp
+def _softmax_rows(s: jax.Array, like: jax.Array) -> jax.Array:
+    return jax.nn.softmax(s, axis=-1).astype(like.dtype)
+
+
+def _softmax_rows_fwd(s, like):
+    w = _softmax_rows(s, like)
+    return w, (w, like)
+
+
+def _softmax_rows_bwd(res, g):
+    w, like = res
+    wf, gf = w.astype(jnp.float32), g.astype(jnp.float32)
+    return wf * (gf - jnp.sum(gf * wf, axis=-1, keepdims=True)), jnp.zeros_like(like)
+
+
+_softmax_rows.defvjp(_softmax_rows_fwd, _softmax_rows_bwd)
+
+
+def _softmax_to(s: jax.Array, dtype) -> jax.Array:
+    """Softmax over the last axis in float32, returned in ``dtype``; its backward pass reads only that output, so
+    the scores keep one ``dtype`` copy for the backward pass (as Megatron's fused softmax saves its 16-bit output),
+    not float32 scores and probabilities beside the cast."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return jax.nn.softmax(s, axis=-1)
+    return _softmax_rows(s, jnp.zeros((), dtype))
+
+
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Grouped-query softmax attention: q ``[B, T, N, H]``, k, v ``[B, S, K, H]``, mask ``[T, S]`` -> ``[B, T, N, H]``.
 
@@ -368,7 +396,7 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cfg: Mode
         qg = q.reshape(B, T, cfg.kv_heads, cfg.heads // cfg.kv_heads, H)  # [B, T, K, G, H]: head n = k * G + g
         s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * H**-0.5
         s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
-        w = jax.nn.softmax(s, axis=-1).astype(q.dtype)  # [B, K, G, T, S]
+        w = _softmax_to(s, q.dtype)  # [B, K, G, T, S]
         o = jnp.einsum("bkgts,bskh->btkgh", w, v)
     return o.reshape(B, T, N, H)
 
