@@ -569,3 +569,21 @@ def test_cache_keys_hold_everything_their_parts_read(model, chip, job):
             same(("where", role, layout_group(lay, role)), placement(chip, *layout_group(lay, role)))
         assert set(TERMS) | {"batch", "edp"} == set(CONTENT_ROLES)
     assert shared > 300  # the keys do share: the check is not vacuous
+
+
+def test_the_lab_pipelines_hold_every_steps_activations_and_the_whole_batchs_logits():
+    """The lab's SPMD pipeline saves what each of its steps computed: M + p - 1 steps of a stage's layers under
+    GPipe, v M + p - 1 chunks of L / (p v) layers under the circular schedule; and every stage computes the float32
+    logits of the replica's whole batch at once (kernels.transformer.loss)."""
+    from lab.predict.train_config import Layout
+    from lab.predict.training_memory import activation_terms
+
+    m = dataclasses.replace(get_model("llama3-8b"), layers=8, d_model=256, vocab=1024)
+    gpipe = Layout(pp=2, fsdp=4, pp_schedule="gpipe")
+    circular = Layout(pp=2, fsdp=4, pp_schedule="interleaved", interleave=2)
+    # 128 tokens a sequence, microbatches of 2 sequences, 4 of them: the logits are 4 x 128 x 2 x (256 + 1024)
+    logits = 4.0 * 128 * 2 * 4 * (256 + 1024)
+    assert activation_terms(m, gpipe, 128, 2, 4, spmd_pipeline=True) == (4, 4 + 2 - 1, logits)
+    assert activation_terms(m, circular, 128, 2, 4, spmd_pipeline=True) == (4, (2 * 4 + 2 - 1) / 2, logits)
+    # Megatron's GPipe (not the lab's) holds the M microbatches, the logits on the last stage only
+    assert activation_terms(m, gpipe, 128, 2, 4)[1] == 4

@@ -176,11 +176,18 @@ def state_bytes(
 
 
 def activation_terms(
-    m: ModelConfig, lay: Layout, seq_len: int, microbatch: int, microbatches: int
+    m: ModelConfig, lay: Layout, seq_len: int, microbatch: int, microbatches: int, spmd_pipeline: bool = False
 ) -> tuple[float, float, float]:
     """``(a, b, rest)``: a chip holds ``per_layer * a * b + rest`` bytes of activations (:func:`activations`), with
-    ``per_layer`` one layer's for one microbatch (:func:`activation_bytes_per_layer`)."""
+    ``per_layer`` one layer's for one microbatch (:func:`activation_bytes_per_layer`). ``spmd_pipeline``: the lab's
+    pipeline, whose backward pass reads what every one of its steps saved (``M + p - 1`` of them for GPipe,
+    ``v M + p - 1`` chunks for the circular schedule), and whose stages all compute the float32 logits of the
+    replica's whole batch at once."""
     layers_per_stage = lay.stage_layers(m.layers)
+    s, mb, h = seq_len / lay.cp, microbatch, m.d_model
+    if lay.pp > 1 and spmd_pipeline and not lay.stage_split:
+        steps = (lay.v * microbatches + lay.pp - 1) / lay.v  # in whole stages' layers of one microbatch
+        return layers_per_stage, steps, 4.0 * s * mb * microbatches * (h + m.vocab) / lay.tp
     if lay.pp == 1:
         in_flight = 1.0
     elif lay.pp_schedule == "gpipe":
@@ -193,7 +200,6 @@ def activation_terms(
     if lay.stage_split and lay.pp_schedule == "1f1b":  # stage i holds min(pp - i, m) microbatches: the peak stage
         a, b = max(n * min(lay.pp - i, microbatches) for i, n in enumerate(lay.stage_split)), 1.0
     # Korthikanti Sec. 4.3: embeddings and logits, 4 s b (h + V) / t on a single stage; s b h p / t otherwise.
-    s, mb, h = seq_len / lay.cp, microbatch, m.d_model
     rest = 4.0 * s * mb * (h + m.vocab) / lay.tp if lay.pp == 1 else s * mb * h * lay.pp / lay.tp
     return a, b, rest
 
@@ -211,7 +217,7 @@ def memory_per_chip(cfg: TrainConfig) -> Memory:
     per_layer = activation_bytes_per_layer(
         m, lay, cfg.seq_len, cfg.microbatch, cfg.remat, cfg.flash_attention, cfg.checkpoints_per_layer
     )
-    terms = activation_terms(m, lay, cfg.seq_len, cfg.microbatch, cfg.microbatches)
+    terms = activation_terms(m, lay, cfg.seq_len, cfg.microbatch, cfg.microbatches, cfg.spmd_pipeline)
     return Memory(
         params=params,
         grads=grads,
