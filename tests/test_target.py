@@ -278,3 +278,30 @@ def test_a_second_cross_compilation_does_not_read_the_persistent_cache(capsys):
         warnings.simplefilter("error")
         assert main(argv) == 0 and main(argv) == 0
     capsys.readouterr()
+
+
+def test_a_program_the_tpu_compiler_finds_too_large_is_a_verdict_not_a_crash():
+    """libtpu refuses a program larger than HBM at compile time; that is the compiler's "does not fit", with what
+    it said the temporaries need, and a user's error (exit 2), not an internal one."""
+    from types import SimpleNamespace
+
+    from lab.compile.target import DoesNotFit, compile_for
+
+    said = (
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (7.50T) "
+        "exceeds available HBM (95.74G)."
+    )
+
+    def lower(*_):
+        raise RuntimeError(said)
+
+    built = SimpleNamespace(fn=SimpleNamespace(lower=lower), abstract=())
+    with pytest.raises(DoesNotFit, match=r"need 7,680 GiB of the 95\.74 GiB of HBM") as exc:
+        compile_for(built, parse_target("v5p:2x2x2"))
+    assert exc.value.need_bytes == 7.5 * 2**40 and isinstance(exc.value, UserError)
+
+    def other(*_):
+        raise RuntimeError("RESOURCE_EXHAUSTED: something else")
+
+    with pytest.raises(RuntimeError, match="something else"):  # anything else is not dressed up as a verdict
+        compile_for(SimpleNamespace(fn=SimpleNamespace(lower=other), abstract=()), parse_target("v5p:2x2x2"))

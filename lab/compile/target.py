@@ -132,12 +132,41 @@ def uncached():
         cc.reset_cache()  # and again, as it was, for what compiles next
 
 
+class DoesNotFit(UserError):
+    """The TPU compiler refused a program that does not fit the chip's HBM; ``need_bytes`` is what it said the
+    program's temporaries alone need (a lower bound on what one device would hold)."""
+
+    def __init__(self, message: str, need_bytes: float):
+        super().__init__(message)
+        self.need_bytes = need_bytes
+
+
+# libtpu's refusal: "... the total memory required for HLO temporaries (7.50T) exceeds available HBM (95.74G)."
+_SIZE = r"\((\d+(?:\.\d+)?)([KMGT]?)\)"
+_OUT_OF_HBM = re.compile(rf"HLO temporaries {_SIZE} exceeds available HBM {_SIZE}")
+_BINARY = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
 def compile_for(built, target):
-    """``built``'s program compiled from its abstract arguments; for a TPU ``target`` without the persistent cache."""
+    """``built``'s program compiled from its abstract arguments; for a TPU ``target`` without the persistent cache.
+    A program the TPU compiler finds too large for the chip's HBM is :class:`DoesNotFit` (a user's error: the
+    sizes or the layout), not a crash."""
     if target is None:
         return built.fn.lower(*built.abstract).compile()
     with uncached():
-        return built.fn.lower(*built.abstract).compile()
+        try:
+            return built.fn.lower(*built.abstract).compile()
+        except Exception as exc:  # jax's runtime error type moved between versions; its message is stable
+            found = _OUT_OF_HBM.search(str(exc))
+            if "RESOURCE_EXHAUSTED" not in str(exc) or found is None:
+                raise
+            need = float(found[1]) * _BINARY[found[2]]
+            have = float(found[3]) * _BINARY[found[4]]
+            raise DoesNotFit(
+                f"the TPU compiler ({target.name}) refused the program: its temporaries alone need "
+                f"{need / 2**30:,.4g} GiB of the {have / 2**30:,.4g} GiB of HBM; shrink the sizes or shard more",
+                need,
+            ) from None
 
 
 def for_target(plan):
@@ -178,6 +207,7 @@ def target_mesh(plan_shape: dict[str, int], target: Target, devices: list | None
 __all__ = [
     "EXAMPLES",
     "GENERATIONS",
+    "DoesNotFit",
     "Target",
     "compile_for",
     "for_target",
