@@ -87,25 +87,22 @@ def _estimates(chip_name: str):
 
 
 def test_a_pipeline_is_built_and_priced_with_the_schedule_the_lab_runs():
-    import dataclasses
-
-    from lab.predict.training import estimate
     from lab.run.plan_validate import as_run, candidates
 
     model, chip, top = _estimates("tpu-v5e")
-    chosen = candidates(SimpleNamespace(top=top), 3, model, "float32", chip.name)
+    chosen = candidates(SimpleNamespace(top=top), 3, model, "bfloat16", chip.name)
     # cp with pp is refused by the lab's Plan checks and ZeRO-1 is not run: the pipeline and FSDP remain
     assert [est for est, _ in chosen] == [top[0], top[3]]
     (pipe, plan), (_, flat) = chosen
     assert plan.options.pp_schedule == "gpipe" and plan.microbatches() == 4 and plan.degrees()["pp"] == 2
     assert flat.degrees()["pp"] == 1 and flat.degrees()["fsdp"] == 8
-    gpipe = dataclasses.replace(pipe.config.layout, pp_schedule="gpipe")
-    want = estimate(dataclasses.replace(pipe.config, layout=gpipe, spmd_pipeline=True))
-    got = as_run(pipe)
-    assert got.step_time_s == want.step_time_s and got.memory.total == want.memory.total
-    # GPipe holds every microbatch's activations where 1F1B holds the stages' count: it needs more memory
-    assert got.memory.total > pipe.memory.total
-    assert as_run(top[3]) is top[3]
+    got = as_run(plan, chip).config
+    # priced as the lab runs it: GPipe as its SPMD pipeline runs it, the scores stored, fp32 weights
+    assert (got.layout.pp_schedule, got.spmd_pipeline, got.flash_attention) == ("gpipe", True, False)
+    assert (got.param_dtype, got.microbatch, got.layout.pp, got.layout.fsdp) == ("fp32", 2, 2, 4)
+    # GPipe holds every step's activations where 1F1B holds the stages' count: it needs more memory
+    assert as_run(plan, chip).memory.total > pipe.memory.total
+    assert as_run(flat, chip).config.flash_attention is False and as_run(flat, chip).config.layout.fsdp == 8
 
 
 @pytest.mark.slow  # about 30 s: a GPipe pipeline, a circular one and FSDP compiled, run and profiled

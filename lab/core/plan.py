@@ -515,8 +515,7 @@ def plan_from_degrees(
         remat=remat,
         optimizer=optimizer,
         options=options
-        or Options(
-            flash_attention=True,
+        or Options(  # the lab's Transformer: plain softmax attention (its scores stored), projections fused
             fused_projections=True,
             regather_norms=False,
             jax_remat=False,

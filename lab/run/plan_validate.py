@@ -13,7 +13,6 @@ topology, cross-compiled) nothing runs: the memory verdicts are checked, and the
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import statistics
@@ -83,16 +82,15 @@ def executable(est) -> bool:
     return lay.zero in (0, 3) and plain and (lay.pp > 1 or c.microbatches == 1)
 
 
-def as_run(est):
-    """The estimate of the program the lab runs for a planner layout: the planner's own, but for a pipeline the same
-    layout priced with the schedule the lab runs (:data:`RUN_SCHEDULE`) as its SPMD pipeline runs it."""
-    c = est.config
-    if c.layout.pp == 1:
-        return est
-    from lab.predict.training import estimate
+def as_run(plan: Plan, chip, target=None):
+    """The training estimate of the program the lab runs for a planner layout: its Plan priced as built (the lab's
+    plain softmax attention, whose scores are stored where the planner assumes a flash-style kernel; fp32 weights;
+    a pipeline with the schedule the lab runs, :data:`RUN_SCHEDULE`, as its SPMD pipeline runs it), and for a TPU
+    ``target`` as the TPU compiler builds it."""
+    from lab.compile.target import for_target
+    from lab.predict.program import estimate_program
 
-    lay = dataclasses.replace(c.layout, pp_schedule=RUN_SCHEDULE[c.layout.pp_schedule])
-    return estimate(dataclasses.replace(c, layout=lay, spmd_pipeline=True))
+    return estimate_program(for_target(plan) if target is not None else plan, chip).detail["train"]
 
 
 def layout_label(est) -> str:
@@ -137,7 +135,6 @@ def to_plan(est, model, dtype: str, hardware: str) -> Plan:
             microbatch=c.microbatch,
             pp_schedule=RUN_SCHEDULE[lay.pp_schedule],
             interleave=lay.v,
-            flash_attention=True,
             fused_projections=True,
             regather_norms=False,
             jax_remat=False,
@@ -175,22 +172,33 @@ def _worst_op(report: dict[str, Any]) -> str:
 def validate_plan(result, model, chip, k: int, out: str, *, target: str | None = None, dtype: str = "float32"):
     """Compile (and where possible run) the planner's K best executable layouts; the comparison's data."""
     from lab.compile.audit import _analyses, compile_plan
-    from lab.compile.target import parse_target
+    from lab.compile.target import DoesNotFit, parse_target
+    from lab.predict.program import estimate_program
     from lab.run.environment import Progress, environment
     from lab.run.experiment import Experiment
-    from lab.run.point import run_point
+    from lab.run.point import fit_problem, host_bytes_per_device, run_point
 
     topology = parse_target(target) if target else None
     chosen = candidates(result, k, model, dtype, chip.name)
+    if topology is None:  # every layout that is to run must fit this host's devices, checked before any compiles
+        host = host_bytes_per_device()
+        for _, plan in chosen:
+            problem = fit_problem(plan, estimate_program(plan, chip), chip, host)
+            if problem:
+                raise UserError(f"{problem}; or a smaller --model, or --target to compile for a TPU without running")
     say = Progress()
     env = environment()
     rows = []
     for i, (est, plan) in enumerate(chosen):
         say(f"layout {i + 1} of {len(chosen)}: {layout_label(est)}")
-        priced = as_run(est)
+        priced = as_run(plan, chip, topology)
         if topology is not None:
-            _, compiled = compile_plan(plan, topology)
-            mem, measured, report = _analyses(compiled)[1], None, {}
+            try:
+                _, compiled = compile_plan(plan, topology)
+                mem = _analyses(compiled)[1]
+            except DoesNotFit as exc:  # the compiler's verdict, with what it said the temporaries need
+                mem = {"temp_size_in_bytes": exc.need_bytes}
+            measured, report = None, {}
         else:
             out_dir = Path(out) / f"validate-{i + 1}"
             out_dir.mkdir(parents=True, exist_ok=True)

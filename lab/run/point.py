@@ -52,18 +52,25 @@ def estimate_or_refuse(
                 f"{plan.name}: the estimator cannot price this Plan: {exc} (--compile-only compiles it anyway)"
             ) from None
         return None, f"no estimate: {exc}"
-    warning = memory_warning(plan, est, chip)
-    if not warning and est.memory and host_bytes is not None and est.memory["total"] > host_bytes:
-        warning = (
-            f"{plan.name}: the estimator puts {est.memory['total'] / 2**30:.3g} GiB per device and this host has "
-            f"{host_bytes / 2**30:.3g} GiB for each emulated device; shrink the sizes or shard more"
-        )
+    warning = fit_problem(plan, est, chip, host_bytes)
     if warning and not compile_only:
         hint = "; --scale-to-host runs it scaled down" if host_bytes is not None else ""
         raise UserError(warning + f" (--compile-only compiles it anyway{hint})")
     if warning and say:
         print(f"shardlab: warning: {warning}", file=sys.stderr)
     return est, None
+
+
+def fit_problem(plan: Plan, est: ProgramEstimate, chip: Chip, host_bytes: float | None) -> str | None:
+    """Why the estimate says ``plan`` does not fit the chip, or ``host_bytes`` per device (the host memory that
+    emulated devices share); None when it fits."""
+    warning = memory_warning(plan, est, chip)
+    if not warning and est.memory and host_bytes is not None and est.memory["total"] > host_bytes:
+        warning = (
+            f"{plan.name}: the estimator puts {est.memory['total'] / 2**30:.3g} GiB per device and this host has "
+            f"{host_bytes / 2**30:.3g} GiB for each emulated device; shrink the sizes or shard more"
+        )
+    return warning
 
 
 def _compile_and_audit(
@@ -436,4 +443,4 @@ def _run_id(point_dir: Path) -> str:
     return point_dir.name if point_dir.parent.name != "points" else f"{point_dir.parent.parent.name}/{point_dir.name}"
 
 
-__all__ = ["LARGE_BYTES", "estimate_or_refuse", "host_bytes_per_device", "run_point"]
+__all__ = ["LARGE_BYTES", "estimate_or_refuse", "fit_problem", "host_bytes_per_device", "run_point"]
