@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -318,10 +319,31 @@ def model_parent(positional: bool) -> argparse.ArgumentParser:
 
 
 def model_of(args: argparse.Namespace) -> ModelConfig:
+    """The model a command's ``--model`` and custom-model flags describe (each flag checked by its type)."""
     from lab.core.models import resolve_model
 
-    """The model a command's ``--model`` and custom-model flags describe (each flag checked by its type)."""
+    check_model_path(args.model)
     return resolve_model(args.model, {k: getattr(args, k) for k in MODEL_FLAGS})
+
+
+def check_model_path(spec: str | None) -> None:
+    """A ``--model`` that names a path (``.toml`` or with a ``/``) which is there but is no regular file: said so
+    (a folder, ``/dev/null``), not reported as missing by the loader."""
+    if spec is None or not (spec.endswith(".toml") or os.path.sep in spec):
+        return
+    p = Path(spec)
+    if p.is_dir():
+        raise UserError(f"model file {spec!r} is a folder, not a file; give a .toml model file or a catalog name")
+    if p.exists() and not p.is_file():
+        raise UserError(
+            f"model file {spec!r} is not a regular file (a device, pipe or socket); give a .toml model file or a "
+            "catalog name (see `shardlab model list`)"
+        )
+
+
+# The longest sequence a flag may ask for: 2**24 = 16,777,216 tokens, past the longest context any released model
+# claims (10M tokens, Llama 4 Scout); a longer one is a typo, and the estimators' arithmetic would price it anyway.
+MAX_SEQ_LEN = 2**24
 
 
 PLAN_CONFLICTS = (
@@ -362,7 +384,15 @@ def plan_of(args: argparse.Namespace, program: str, command: str):
         plan = dataclasses.replace(plan, hardware=args.hardware)
     name = plan.hardware
     catalog = default_catalog(args.hardware_file)
-    chip = catalog.get("cpu" if name == "calibrated" else name)
+    try:
+        chip = catalog.get("cpu" if name == "calibrated" else name)
+    except UserError as exc:
+        if args.hardware or name == "calibrated":  # the flag's, or the host calibration's (which names its file)
+            raise
+        from lab.run.experiment import line_of
+
+        line = line_of(Path(args.plan).read_text(encoding="utf-8"), "experiment", "hardware")
+        raise UserError(f"{args.plan}{f':{line}' if line else ''}: [experiment].hardware: {exc}") from None
     if name == "calibrated" and not chip.calibrated:
         warn(
             args,
@@ -424,9 +454,11 @@ def hardware_parent(required: bool = True) -> argparse.ArgumentParser:
 
 
 __all__ = [
+    "MAX_SEQ_LEN",
     "MODEL_FLAGS",
     "Parser",
     "chart_path",
+    "check_model_path",
     "chip_of",
     "command",
     "common_parent",

@@ -16,6 +16,7 @@ from lab.core.plan import Plan, kernel_plan
 from lab.core.programs import PROGRAMS, get_program
 
 DEFAULT_MESH = {"X": 2, "Y": 4}
+MAX_SIZE = 2**36  # a vector of 2**36 float32s alone is 256 GiB, more than the largest HBM (B200: 192 GB)
 DEFAULT_MATMUL_SIZES = {"I": 512, "J": 1024, "K": 2048}
 DEFAULT_BLOCK_SIZES = {"B": 512, "D": 1024, "F": 4096}
 DEFAULT_COLLECTIVE_SIZES = {"N": 262144}
@@ -55,7 +56,14 @@ def _with_flags(plan: Plan, args: argparse.Namespace) -> Plan:
     """The Plan with the command line's --mesh, --sizes, --dtype, --model, --axes and --hardware, checked again."""
     from lab.run.overrides import override
 
-    plan, _ = override(plan, mesh=args.mesh, sizes=args.sizes, dtype=args.dtype, model=args.model)
+    before = dict(plan.sizes)
+    plan, record = override(plan, mesh=args.mesh, sizes=args.sizes, dtype=args.dtype, model=args.model)
+    for k, v in record.get("sizes", {}).items():
+        if v > MAX_SIZE:
+            raise UserError(
+                f"--sizes {k}={v}: a vector of {v} float32s alone is {v * 4:.3g} bytes, more than the largest HBM "
+                f"(192 GB); give at most {MAX_SIZE} (2**36), e.g. {k}={before.get(k, 1024)}"
+            )
     changes: dict[str, Any] = {}
     if args.axes is not None:
         axes = tuple(a.strip() for a in args.axes.split(","))

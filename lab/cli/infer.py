@@ -6,8 +6,10 @@ import argparse
 from typing import Any
 
 from lab.cli.args import (
+    MAX_SEQ_LEN,
     Parser,
     chart_path,
+    check_model_path,
     chip_of,
     command,
     dtype_arg,
@@ -31,6 +33,7 @@ from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
 from lab.predict.inference import WEIGHT_DTYPES, InferConfig, estimate_inference
 
 GiB = 2**30
+MAX_STACKS = 32  # HBM stacks on one package: 8 today (B200, MI300X), 16 announced (Rubin Ultra); 32 leaves room
 
 
 def _storage_dtype(text: str) -> str:
@@ -68,9 +71,17 @@ def infer_config(args: argparse.Namespace, chip) -> InferConfig:
     if dp is None:
         dp = n // (tp * ep) if tp and n % (tp * ep) == 0 else 0
     if not tp or not dp or tp * dp * ep != n:
+        given = ", ".join(f"{k}={v}" for k, v in (("tp", args.tp), ("dp", args.dp), ("ep", ep)) if v is not None)
+        raise UserError(f"tp x dp x ep must equal --chips {n}; got {given} (leave one out to fill the rest)")
+    if args.prefill_len is not None and args.prefill_len > args.context:
         raise UserError(
-            f"tp x dp x ep must equal --chips {n}; got tp={args.tp}, dp={args.dp}, ep={ep} "
-            f"(leave one out to fill the rest)"
+            f"--prefill-len {args.prefill_len} is longer than --context {args.context}: the KV cache holds the "
+            f"prompt; give --prefill-len at most {args.context}, or --context {args.prefill_len}"
+        )
+    if args.generate is not None and args.generate > MAX_SEQ_LEN:
+        raise UserError(
+            f"--generate {args.generate} tokens is longer than any model's context; give at most {MAX_SEQ_LEN:,} "
+            "(e.g. 512)"
         )
     _warn_context(args, model)
     return InferConfig(
@@ -178,8 +189,38 @@ def cmd_infer_sweep(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         hardware_file=args.hardware_file,
         scale=args.scale,
     )
+    _check_sweep(args, model, result)
     png = write_chart(args.png, f"runs/infer/sweep_{model.name}_{result.hardware}.png", result.plot)
     return result.to_dict() | {"png": png}, result.table() + f"\n\nchart: {png}"
+
+
+def _check_sweep(args: argparse.Namespace, model, result) -> None:
+    """A sweep that priced nothing, or a batch it could price on no topology, is a mistake said aloud (as `shardlab
+    plan` refuses a chip count no layout suits), not an empty table with exit 0."""
+    from lab.predict.inference import max_replica_batch
+
+    if not result.points:
+        chip = chip_of(args)
+        fitting = [
+            d
+            for d in range(1, model.heads + 1)
+            if model.heads % d == 0 and max_replica_batch(model, chip, d, 1, args.context, args.weights, args.kv) >= 1
+        ]
+        hint = (
+            f"try --chips {','.join(map(str, fitting[:4]))} (tensor-parallel degrees that divide the {model.heads} "
+            "heads and hold the model)"
+            if fitting
+            else "no degree that divides its heads holds it: try a smaller --weights, --kv or --context"
+        )
+        reasons = "; ".join(result.skipped[:3]) + ("; ..." if len(result.skipped) > 3 else "")
+        raise UserError(f"no topology of {result.hardware} serves {model.name} ({reasons}); {hint}")
+    largest = max(p.batch for p in result.points)
+    too_big = sorted(b for b in args.batches or () if b > largest)
+    if too_big:
+        raise UserError(
+            f"--batches {too_big[-1]}: at most {largest} sequences of {result.context} tokens fit on any topology "
+            f"swept; give batches from 1 to {largest}"
+        )
 
 
 def cmd_infer_topology(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -223,6 +264,12 @@ def cmd_infer_disaggregate(args: argparse.Namespace, chip) -> tuple[dict[str, An
 def cmd_study_memtech(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from lab.studies.memtech import memory_tech
 
+    check_model_path(args.model)
+    if args.stacks is not None and args.stacks > MAX_STACKS:
+        raise UserError(
+            f"--stacks {args.stacks}: no package carries that many HBM stacks (8 on B200 and MI300X, 16 announced "
+            f"for Rubin Ultra); give 1 to {MAX_STACKS}, or leave it out for the chip's own"
+        )
     study = memory_tech(
         args.model,
         args.hardware,

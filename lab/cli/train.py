@@ -8,9 +8,11 @@ import math
 from typing import Any
 
 from lab.cli.args import (
+    MAX_SEQ_LEN,
     Parser,
     add_target,
     chart_path,
+    check_model_path,
     chip_of,
     command,
     dtype_arg,
@@ -39,6 +41,9 @@ from lab.predict.remat import ALL as REMAT_ALL
 from lab.predict.training import OPTIMIZERS, SCHEDULES, Layout, TrainConfig, estimate, limits
 
 GiB = 2**30
+MIN_MFU = 1e-3  # an MFU below 0.1% is a typo: large training runs reach 0.3-0.6 (the calibration set's Megatron runs)
+# A whole number of sequences: 4Mi = 4,194,304 = 512 x 8192 divides by every power-of-two --seq-len (4M does not)
+BATCH_TOKENS_HELP = "tokens per optimizer step, all sequences together: a multiple of --seq-len (e.g. 4Mi or 4194304)"
 
 
 def cmd_model_list(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -207,7 +212,30 @@ def _step_rows(est) -> list[list[str]]:
     ]
 
 
+def _check_train_flags(args: argparse.Namespace) -> None:
+    """What the flags' types cannot see: --mfu belongs to --tokens, and an MFU or a checkpoint count no run has."""
+    if args.mfu is not None and args.tokens is None:
+        raise UserError(f"--mfu {args.mfu:g} sets the days that --tokens takes; give --tokens too (e.g. --tokens 1e12)")
+    if args.mfu is not None and args.mfu < MIN_MFU:
+        raise UserError(
+            f"--mfu {args.mfu:g} is below {MIN_MFU:g}: no training run is that idle (large runs reach 0.3-0.6); give "
+            f"a fraction from {MIN_MFU:g} to 1, e.g. 0.4"
+        )
+    _check_checkpoints(args.checkpoints_per_layer)
+
+
+def _check_checkpoints(k: float | None) -> None:
+    from lab.run.experiment import MAX_CHECKPOINTS_PER_LAYER
+
+    if k is not None and k > MAX_CHECKPOINTS_PER_LAYER:
+        raise UserError(
+            f"--checkpoints-per-layer {k:g}: a layer saves a few to a few hundred [tokens, d_model] tensors, never "
+            f"that many; give at most {MAX_CHECKPOINTS_PER_LAYER}, e.g. 2 or 4.5"
+        )
+
+
 def cmd_train_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    _check_train_flags(args)
     est, plan, program = _job(args)
     cfg = est.config
     m, chip = cfg.model, cfg.chip
@@ -227,6 +255,11 @@ def cmd_train_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if program is not None:
         d |= {"ops": [o.to_dict() for o in program.ops], "plan": plan.to_dict()}
     total_flops = days = cost = None
+    if args.tokens is not None and args.tokens < cfg.batch_tokens:  # less than one step: no training run
+        raise UserError(
+            f"--tokens {args.tokens:g} is less than one step of {cfg.global_batch} sequences x {cfg.seq_len} tokens "
+            f"= {cfg.batch_tokens}; train on at least that many tokens, e.g. 1e12"
+        )
     if args.tokens is not None:
         if args.seq_len is None:
             total_flops = 6.0 * m.active_params * args.tokens  # the book's convention
@@ -305,10 +338,29 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
 def cmd_train_limits(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
     d_ff, model = args.d_ff, None
     if args.model is not None:  # read even when --d-ff overrides its d_ff: a bad name is an error, never ignored
+        check_model_path(args.model)
         model = resolve_model(args.model)
         d_ff = d_ff or model.d_ff
     if args.checkpoints_per_layer is not None and (model is None or args.batch_tokens is None):
         raise UserError("--checkpoints-per-layer needs --model and --batch-tokens (the job whose memory it counts)")
+    _check_checkpoints(args.checkpoints_per_layer)
+    # M_X and M_Y count physical torus axes (training.md); a switched fabric (NVLink, a host's threads) is one
+    most = (chip.torus_dims or 1) if chip.topology == "torus" else 1
+    for flag, v in (("--axes", args.axes), ("--tp-axes", args.tp_axes)):
+        if v > most and chip.topology == "torus":
+            raise UserError(f"{flag} {v}: {chip.name}'s torus has {most} axes; give 1 to {most}")
+        if v > most:
+            raise UserError(f"{flag} {v}: {chip.name}'s switched fabric ({chip.kind} node) is one axis; give 1")
+    if args.chips is not None:
+        from lab.predict.planner import MAX_CHIPS
+
+        if d_ff is None or args.batch_tokens is None:
+            raise UserError(
+                f"--chips {args.chips} sets the best FSDP degree, which also needs --batch-tokens and --d-ff (or "
+                "--model); give them, or drop --chips"
+            )
+        if args.chips > MAX_CHIPS:
+            raise UserError(f"--chips {args.chips} is more chips than any machine has; give at most {MAX_CHIPS}")
     lim = limits(
         chip,
         d_ff,
@@ -384,6 +436,11 @@ def cmd_study_generations(args: argparse.Namespace) -> tuple[dict[str, Any], str
 
     from lab.studies.generations import generations
 
+    check_model_path(args.model)
+    if args.seq_len > MAX_SEQ_LEN:
+        raise UserError(
+            f"--seq-len {args.seq_len} is longer than any model's context; give at most {MAX_SEQ_LEN:,} (e.g. 2048)"
+        )
     study = generations(
         args.model, chips=args.chips, tokens=args.tokens, seq_len=args.seq_len, global_batch=args.global_batch
     )
@@ -404,6 +461,11 @@ def _unfit_row(key: str, row) -> bool:
 
 
 def cmd_validate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    if args.hardware_file:  # read (and checked) by command(); the published runs are priced on the catalog's chips
+        raise UserError(
+            f"validate prices the published runs on the catalog's chips (a100-80gb, h100, ...) and reads no "
+            f"--hardware-file; drop --hardware-file {args.hardware_file}"
+        )
     from lab.studies.validate import run_validation
     from lab.studies.validate_public import run_public_validation
 
@@ -462,7 +524,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     te.add_argument("--mfu", type=fraction("--mfu"), help="take days at this MFU instead of the predicted step time")
     bg = te.add_mutually_exclusive_group()
     bg.add_argument("--global-batch", type=positive_int("--global-batch"), metavar="SEQS")
-    bg.add_argument("--batch-tokens", type=positive_int("--batch-tokens"), metavar="B")
+    bg.add_argument("--batch-tokens", type=positive_int("--batch-tokens"), metavar="B", help=BATCH_TOKENS_HELP)
     te.add_argument("--seq-len", type=positive_int("--seq-len"), help="default: the model's context")
     te.add_argument("--microbatch", type=positive_int("--microbatch"), default=1)
     for k in ("dp", "fsdp", "tp", "pp", "cp"):
@@ -542,7 +604,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
         help=help_of("plan"),
     )
     pl.add_argument("--chips", type=positive_int("--chips"), required=True)
-    pl.add_argument("--batch-tokens", type=positive_int("--batch-tokens"), required=True)
+    pl.add_argument("--batch-tokens", type=positive_int("--batch-tokens"), required=True, help=BATCH_TOKENS_HELP)
     pl.add_argument("--seq-len", type=positive_int("--seq-len"), help="default: the model's context")
     pl.add_argument("--top", type=positive_int("--top"), default=10)
     pl.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")

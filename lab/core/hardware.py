@@ -34,8 +34,12 @@ from lab.core.schema import parse_positive_float
 from lab.core.units import canonical_dtype
 
 KINDS = ("tpu", "gpu", "cpu")
+# The collective kinds a calibration's collective_factor may correct: those lab.predict.collectives.KINDS prices
+# (lab.core cannot import lab.predict; tests/test_bad_input_sweep.py holds the two lists equal).
+COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "permute")
 TOPOLOGIES = ("torus", "switch")
 WRAPAROUND_RULES = ("full-axis", "cube", "always", "never")
+MAX_TORUS_DIMS = 3  # every torus built for accelerators is 2D (TPU v5e, v6e) or 3D (v4, v5p); a 1D ring is one too
 
 
 def _real(v: Any) -> bool:
@@ -49,8 +53,12 @@ def _check_types(c: Chip) -> None:
     def bad(fname: str, what: str) -> UserError:
         return UserError(f"{where}: {fname} = {getattr(c, fname)!r} must be {what}")
 
-    if not isinstance(c.name, str) or not c.name:
-        raise UserError(f"hardware {c.name!r}: name must be a non-empty string")
+    if not isinstance(c.name, str) or not c.name.strip():
+        raise UserError(f'hardware {c.name!r}: name must be a non-empty string, e.g. "h100-pcie"')
+    if not c.name.isprintable():  # a newline or a bidi override would forge lines and names in every table
+        raise UserError(
+            f"hardware {c.name!r}: name has a control character; use letters, digits and '-', e.g. \"h100-pcie\""
+        )
     for fname in ("kind", "topology", "wraparound_rule", "notes"):
         if not isinstance(getattr(c, fname), str):
             raise bad(fname, "a string")
@@ -81,10 +89,18 @@ def _check_types(c: Chip) -> None:
         and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in c.pod_shape)
     ):
         raise bad("pod_shape", "a list of positive integers, e.g. [16, 16]")
-    if not isinstance(c.aliases, list | tuple) or not all(isinstance(a, str) for a in c.aliases):
-        raise bad("aliases", "a list of names")
+    if not isinstance(c.aliases, list | tuple) or not all(
+        isinstance(a, str) and a.strip() and a.isprintable() for a in c.aliases
+    ):
+        raise bad("aliases", 'a list of names (no blank one, no control character), e.g. ["h100-sxm"]')
     if not isinstance(c.sources, Mapping):
         raise bad("sources", "a table of field = source")
+    for key, v in c.sources.items():
+        if not isinstance(v, str):
+            raise UserError(
+                f"{where}: sources.{key} = {v!r:.60} must be a string saying where the number comes from, "
+                'e.g. "NVIDIA H100 datasheet"'
+            )
     if not isinstance(c.calibrated, bool):
         raise bad("calibrated", "true or false")
     if not isinstance(c.calibration, Mapping):
@@ -96,6 +112,13 @@ def _check_types(c: Chip) -> None:
         if not isinstance(t, Mapping) or not all(_real(v) and v > 0 for v in t.values()):
             raise UserError(
                 f"{where}: calibration.collective_factor(_by_group) must map collective kinds to positive numbers"
+            )
+    for t in (factors, by_group):
+        unknown = sorted(str(k) for k in t if k not in COLLECTIVE_KINDS)
+        if unknown:  # a misspelt kind would be ignored: the collective priced uncorrected, silently
+            raise UserError(
+                f"{where}: calibration.collective_factor has an unknown collective kind {unknown[0]!r}; "
+                f"valid: {', '.join(COLLECTIVE_KINDS)}"
             )
 
 
@@ -183,6 +206,27 @@ class Chip:
             raise UserError(f"{where}: wraparound_rule {self.wraparound_rule!r} needs a wraparound_size")
         if self.topology == "switch" and not self.node_size:
             raise UserError(f"{where}: a switch topology needs node_size (chips per switch domain)")
+        if self.pod_shape is not None and not self.pod_shape:
+            raise UserError(
+                f"{where}: pod_shape = [] names no axis; give the pod's axis sizes, e.g. [16, 16], or leave it out "
+                "(a switch topology has none)"
+            )
+        if self.torus_dims is not None and self.torus_dims > MAX_TORUS_DIMS:
+            raise UserError(
+                f"{where}: torus_dims = {self.torus_dims}; a TPU torus has 2 (v5e, v6e) or 3 (v4, v5p) axes: give "
+                f"1 to {MAX_TORUS_DIMS}"
+            )
+        if self.topology == "torus":
+            if self.torus_dims is None or self.pod_shape is None:
+                raise UserError(
+                    f"{where}: a torus topology needs torus_dims and pod_shape, e.g. torus_dims = 2 and "
+                    'pod_shape = [16, 16] (or topology = "switch" with node_size)'
+                )
+            if len(self.pod_shape) != self.torus_dims:
+                raise UserError(
+                    f"{where}: pod_shape {list(self.pod_shape)} has {len(self.pod_shape)} axes but torus_dims = "
+                    f"{self.torus_dims}; give one size per torus axis, e.g. {[16] * self.torus_dims}"
+                )
         if not self.peak_flops:
             raise UserError(f"{where}: peak_flops is empty; give at least one dtype, e.g. bf16 = 9.89e14")
         for fname in ("hbm_bytes", "hbm_bandwidth", "link_bandwidth", "scaleout_bandwidth"):
@@ -674,23 +718,66 @@ class Catalog:
         return list(self._chips.values())
 
     def resolve(self, name: str) -> str:
+        """The canonical name of ``name``: a chip's name or one of its aliases, matched whole (case, ``_`` and
+        spaces aside); anything else is refused, ``h-1-0-0`` or ``ｈ１００`` with the name it resembles."""
         key = _normalise(name)
         if key in self._chips:
             return key
         for chip in self._chips.values():
             if key in chip.aliases:
                 return chip.name
-        squashed = key.replace("-", "")
-        for chip in self._chips.values():
-            if squashed == chip.name.replace("-", "") or squashed in (a.replace("-", "") for a in chip.aliases):
-                return chip.name
-        raise UserError(f"unknown hardware {name!r}; valid: {', '.join(self._chips)}")
+        import unicodedata
+
+        # A name that differs from one only in its hyphens or by full-width letters is refused, but named
+        squashed = _normalise(unicodedata.normalize("NFKC", str(name))).replace("-", "")
+        close = [c.name for c in self._chips.values() for n in (c.name, *c.aliases) if n.replace("-", "") == squashed]
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise UserError(f"unknown hardware {name!r}; valid: {', '.join(self._chips)}{hint}")
 
     def get(self, name: str) -> Chip:
         key = self.resolve(name)
         if key in self._broken:
             raise UserError(self._broken[key])
         return self._chips[key]
+
+
+# What a hardware file may say: bounds far outside every chip built, so that a unit slip (GB for bytes, ms for s)
+# or a typo is refused by name instead of priced (a bandwidth of 1e-300 gave NaN step times blamed on --chips). The
+# catalog's extremes, for scale: 9e15 FLOP/s (B200 fp4), 192 GB and 8 TB/s of HBM (B200), 900 GB/s of NVLink,
+# 2.5 us per hop, about $12 per chip-hour, 8 GPUs per node (the largest NVLink domain announced: 576). Each entry:
+# (least, most, unit, example). Only files are held to them: a --scale what-if may go past them on purpose.
+PLAUSIBLE = {
+    "peak_flops": (1e3, 1e18, "FLOP/s", "9.89e14"),  # at most 100x the fastest peak of any chip
+    "hbm_bytes": (1e3, 1e15, "bytes", "8e10 for 80 GB"),  # 1 PB: 5,000x the largest HBM
+    "hbm_bandwidth": (1e3, 1e15, "bytes/s", "3.35e12"),  # 1 PB/s: over 100x B200's 8 TB/s
+    "link_bandwidth": (1e3, 1e15, "bytes/s", "4.5e11"),
+    "scaleout_bandwidth": (1e3, 1e15, "bytes/s", "5e10"),
+    "hop_latency_s": (0.0, 1.0, "seconds", "2.5e-6"),  # no fabric takes a second a step: a unit slip (us, ms)
+    "scaleout_latency_s": (0.0, 1.0, "seconds", "1e-5"),
+    "launch_latency_s": (0.0, 1.0, "seconds", "3.6e-6"),
+    "price_per_hour": (0.0, 1e6, "US dollars per chip-hour", "2.5"),  # chips rent for about $1-12 an hour
+    "node_size": (1, 10**6, "chips", "8"),  # a million chips in one switch domain is past any machine built
+    "wraparound_size": (1, 2**20, "chips", "16"),
+}
+MAX_POD_CHIPS = 2**20  # the largest torus pod: a million chips is past any machine built (v5p pods: 8,960)
+
+
+def _check_plausible(chip: Chip, where: str) -> None:
+    """Every number of a chip read from a file inside :data:`PLAUSIBLE` (and its pod under a million chips)."""
+    values = [(f"peak_flops.{dt}", "peak_flops", v) for dt, v in chip.peak_flops.items()]
+    values += [(f, f, getattr(chip, f)) for f in PLAUSIBLE if f != "peak_flops"]
+    for label, fname, v in values:
+        lo, hi, unit, example = PLAUSIBLE[fname]
+        if v is not None and not lo <= v <= hi:
+            raise UserError(
+                f"{where}: hardware {chip.name!r}: {label} = {v:g} is outside the plausible {lo:g}..{hi:g} {unit}; "
+                f"give it in {unit}, e.g. {example}"
+            )
+    if chip.pod_shape and math.prod(chip.pod_shape) > MAX_POD_CHIPS:
+        raise UserError(
+            f"{where}: hardware {chip.name!r}: pod_shape {list(chip.pod_shape)} is {math.prod(chip.pod_shape):,} "
+            f"chips, more than any machine built; at most {MAX_POD_CHIPS:,} (e.g. [16, 16])"
+        )
 
 
 def _coerce_chip(entry: Mapping[str, Any], base: Chip | None, where: str) -> Chip:
@@ -725,16 +812,20 @@ def _coerce_chip(entry: Mapping[str, Any], base: Chip | None, where: str) -> Chi
             f"{where}: chip {data['name']!r} is missing {', '.join(missing)}; "
             f"give them or set base = '<catalog chip>' to inherit"
         )
+    if isinstance(data["name"], str) and not data["name"].strip():
+        raise UserError(f'{where}: name = {data["name"]!r} is blank; give the chip a name, e.g. "h100-pcie"')
     data["name"] = _normalise(data["name"])
     for key in ("pod_shape", "aliases"):
         if isinstance(data.get(key), list):
             data[key] = tuple(data[key])
     try:
-        return Chip(**data)
+        chip = Chip(**data)
     except UserError as exc:
         raise UserError(f"{where}: {exc}") from None
     except (TypeError, ValueError) as exc:  # wrong value types in the file
         raise UserError(f"{where}: {exc}") from None
+    _check_plausible(chip, where)
+    return chip
 
 
 def load_hardware_file(path: str | os.PathLike, catalog: Catalog | None = None) -> list[Chip]:
@@ -851,8 +942,8 @@ def parse_scale(text: str) -> dict[str, float]:
     """``"hbm_bandwidth=2,flops=1.5"`` -> ``{"hbm_bandwidth": 2.0, "peak_flops": 1.5}``.
 
     Each factor is a positive, finite number in :data:`SCALE_RANGE`: ``inf``, ``nan``, 0, negatives and
-    ``1e999`` are refused (an infinite bandwidth would price memory time at zero). A field given twice
-    multiplies.
+    ``1e999`` are refused (an infinite bandwidth would price memory time at zero). A field given twice (or under
+    two of its names) multiplies, and the product is held to the same range.
     """
     out: dict[str, float] = {}
     scalable = {f.name for f in dataclasses.fields(Chip) if f.type in ("float", "float | None")} | {"peak_flops"}
@@ -870,6 +961,10 @@ def parse_scale(text: str) -> dict[str, float]:
                 f"--scale: unknown field {key!r}; valid: flops, {', '.join(sorted(scalable - {'peak_flops'}))}"
                 f", ici_bandwidth"
             )
+        if not val.isascii() or "_" in val:  # float() reads '２' and '1_000'; a factor is written plainly
+            raise UserError(
+                f"--scale {key}: {val!r} is not a plain number; write ASCII digits without '_', e.g. 2 or 0.5"
+            )
         factor = parse_positive_float(val, f"--scale {key}", example="2 or 0.5")
         if not SCALE_RANGE[0] <= factor <= SCALE_RANGE[1]:
             raise UserError(
@@ -877,6 +972,11 @@ def parse_scale(text: str) -> dict[str, float]:
                 "multiplies a field by a realistic factor, e.g. 2 or 0.5"
             )
         out[field_name] = out.get(field_name, 1.0) * factor
+        if not SCALE_RANGE[0] <= out[field_name] <= SCALE_RANGE[1]:  # repeated (or aliased) fields multiply
+            raise UserError(
+                f"--scale {key}: the factors given for {field_name} multiply to {out[field_name]:g}, outside "
+                f"{SCALE_RANGE[0]:g}..{SCALE_RANGE[1]:g}; give each field once, e.g. {field_name}=2"
+            )
     return out
 
 

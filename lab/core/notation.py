@@ -139,7 +139,8 @@ class MatmulExpr:
 
 # ----- parser --------------------------------------------------------------------------------
 
-_NAME = re.compile(r"[A-Za-z][A-Za-z0-9]*")
+AXIS_NAME = re.compile(r"[A-Za-z][A-Za-z0-9]*")  # a mesh axis or dimension name: ASCII letters and digits
+_NAME = AXIS_NAME
 _AXIS = re.compile(r"[A-Za-z][A-Za-z0-9]*")
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from typing import Any
 
 from lab.core.errors import UserError
 from lab.core.models import ModelConfig, model_from_fields
+from lab.core.notation import AXIS_NAME  # the names --mesh takes
 from lab.core.plan import LINKS, REMAT, MeshAxis, Options, Plan
 from lab.core.programs import complete_mesh, get_program
 from lab.core.rules import FIELDS, PRESETS, rules_from_table
@@ -111,6 +113,10 @@ WARMUP = 10
 REPEATS = 5
 MAX_CALLS = 10_000  # warm-up or profiled calls of one run: more would take hours and a trace too large to parse
 MAX_DEVICES = 2**20  # the largest mesh: a million chips is past any machine built
+MAX_POINTS = 256  # sweep points of one experiment: each compiles and runs, and 256 already take hours on a host
+# The book's k saved [tokens, d_model] tensors per layer: a few (selective recomputation) to a few hundred (every
+# activation kept, the attention scores of a long sequence included); more is past any layer, a typo.
+MAX_CHECKPOINTS_PER_LAYER = 1000
 
 
 @dataclass(frozen=True)
@@ -161,6 +167,7 @@ class Experiment:
 def line_of(text: str, section: str, key: str | None = None) -> int | None:
     """1-based line of ``[section]`` (or of ``key`` inside it) in the TOML text."""
     in_section = False
+    k = re.escape(key) if key is not None else ""
     for i, line in enumerate(text.splitlines(), 1):
         s = line.strip()
         if s.startswith("["):
@@ -168,7 +175,7 @@ def line_of(text: str, section: str, key: str | None = None) -> int | None:
             if in_section and key is None:
                 return i
             continue
-        if in_section and key is not None and re.match(rf"{re.escape(key)}\s*=", s):
+        if in_section and key is not None and re.match(rf"""(?:{k}|"{k}"|'{k}')\s*=""", s):  # bare or quoted
             return i
     return None
 
@@ -219,6 +226,11 @@ def _mesh(r: _Reader) -> tuple[MeshAxis, ...]:
         raise UserError(f"{r.path}: missing the [mesh] table (axis = size, e.g. data = 2)")
     out = []
     for name, v in raw.items():
+        if not AXIS_NAME.fullmatch(name):  # as --mesh takes them: XLA aborts the process on some other names
+            raise UserError(
+                f"{r.where('mesh')(name)}: [mesh] axis name {name!r} is not ASCII letters and digits starting with a "
+                "letter (as --mesh takes); rename it, e.g. data = 2"
+            )
         size, link = v, "fast"
         if isinstance(v, dict):
             unknown = sorted(set(v) - {"size", "link"})
@@ -302,9 +314,21 @@ def _sweep(r: _Reader, sizes: dict[str, int]) -> dict[str, tuple[int, ...]]:
     fields = {k: Field("ints+", f"values of {k}") for k in sizes}
     table = read_table(raw, fields, section, r.where(section))
     for k, values in table.items():
+        if len(values) > MAX_POINTS:  # before the duplicate count below, which is quadratic in the length
+            raise r.error(
+                section, k, f"lists {len(values)} values; one experiment runs at most {MAX_POINTS} points, split it"
+            )
         twice = sorted({v for v in values if list(values).count(v) > 1})
         if twice:
             raise r.error(section, k, f"lists {twice[0]} twice; each point runs once, give each value once")
+    points = math.prod(len(v) for v in table.values())
+    if points > MAX_POINTS:
+        raise r.error(
+            section,
+            None,
+            f"sweeps {' x '.join(str(len(v)) for v in table.values())} = {points} points; one experiment runs at "
+            f"most {MAX_POINTS}, give fewer values or split it",
+        )
     return {k: tuple(v) for k, v in table.items()}
 
 
@@ -322,13 +346,26 @@ def load_experiment(path: str | Path) -> Experiment:
     rules_table = r.table("rules", RULES)
     preset = rules_table.pop("preset", run.get("rules"))
     mesh = _mesh(r)
+    if "hardware" in exp and not exp["hardware"].strip():
+        raise r.error(
+            "experiment",
+            "hardware",
+            f'= {exp["hardware"]!r} names no chip; give one (`shardlab hardware list`) or "calibrated"',
+        )
+    if isinstance(exp.get("axes"), str):  # one name; "XY" is not X and Y
+        exp["axes"] = (exp["axes"],)
     if "axes" in exp and not exp["axes"]:
         raise r.error("experiment", "axes", "= [] names no mesh axis; name one or more, or leave axes out (all axes)")
-    for a in exp.get("axes") or ():
+    for i, a in enumerate(exp.get("axes") or ()):
         if a not in {m.name for m in mesh}:
             raise r.error(
-                "experiment", "axes", f"names {a!r}, which is not a mesh axis ({', '.join(m.name for m in mesh)})"
+                "experiment",
+                "axes",
+                f"names {a!r}, which is not a mesh axis; valid: {', '.join(m.name for m in mesh)} (a list: "
+                f'axes = ["{mesh[0].name}", ...])',
             )
+        if a in exp["axes"][:i]:
+            raise r.error("experiment", "axes", f"names {a!r} twice; name each mesh axis once")
     program = exp.get("program", exp.get("kernel"))
     if program is None:
         raise r.error("experiment", None, 'needs program = "<name>" (see `shardlab audit --list`)')
@@ -356,6 +393,14 @@ def load_experiment(path: str | Path) -> Experiment:
             rules = rules_from_table(rules_table, preset if spec.needs_model or preset else None)
         except UserError as exc:
             raise UserError(f"{r.where('rules')(None)}: {exc}") from None
+    saved = options.get("checkpoints_per_layer")
+    if saved is not None and saved > MAX_CHECKPOINTS_PER_LAYER:
+        raise r.error(
+            "options",
+            "checkpoints_per_layer",
+            f"= {saved:g}: a layer saves a few to a few hundred [tokens, d_model] tensors; give at most "
+            f"{MAX_CHECKPOINTS_PER_LAYER}, e.g. 2",
+        )
     opt = {k: v for k, v in options.items() if k not in ("remat", "optimizer", "param_dtype")}
     plan = Plan(
         program=spec.name,
@@ -420,4 +465,4 @@ def _options(r: _Reader, opt: dict[str, Any]) -> Options:
         raise UserError(f"{r.where('options')(None)}: [options] {exc}") from None
 
 
-__all__ = ["Experiment", "line_of", "load_experiment"]
+__all__ = ["MAX_CHECKPOINTS_PER_LAYER", "MAX_POINTS", "Experiment", "line_of", "load_experiment"]
