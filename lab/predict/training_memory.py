@@ -216,7 +216,7 @@ def memory_per_chip(cfg: TrainConfig) -> Memory:
     params, grads, opt, gathered, _ = state_bytes(m, lay, cfg.weight_bytes, cfg.optimizer_bytes, cfg.spmd_pipeline)
     per_layer = activation_bytes_per_layer(
         m, lay, cfg.seq_len, cfg.microbatch, cfg.remat, cfg.flash_attention, cfg.checkpoints_per_layer
-    )
+    ) * (cfg.act_bytes / 2.0)  # counted in 16-bit elements: an fp32 program stores each at 4 bytes
     terms = activation_terms(m, lay, cfg.seq_len, cfg.microbatch, cfg.microbatches, cfg.spmd_pipeline)
     return Memory(
         params=params,
