@@ -111,6 +111,7 @@ def test_infer_sweep_refuses_what_it_cannot_price(capsys, extra, needle):
         (["study", "memory-tech", "--stacks", "1000"], "give 1 to 32"),
         (["study", "generations", "--model", "llama3-8b", "--chips", "64", "--seq-len", "1e8"], "at most 16,777,216"),
         (["audit", str(EXPERIMENTS / "collective_all_gather.toml"), "--sizes", "N=1e15"], "give at most 68719476736"),
+        (["run", str(EXPERIMENTS / "collective_all_gather.toml"), "--sizes", "N=1e15", "--compile-only"], "2**36"),
         (["hardware", "show", "h-1-0-0"], "unknown hardware 'h-1-0-0'; valid: tpu-v3"),
         (["hardware", "show", "h-1-0-0"], "(did you mean h100?)"),
         (["hardware", "show", "\uff48\uff11\uff10\uff10"], "(did you mean h100?)"),
@@ -180,6 +181,7 @@ TRAIN = "train_fsdp_tp.toml"
         (GATHER, 'axes = ["X", "Y"]', 'axes = "XY"', ":6: [experiment].axes names 'XY', which is not a mesh axis"),
         (GATHER, "N = [65536, 262144, 1048576, 4194304]", "N = " + str(list(range(8, 24008, 8))), "lists 3000"),
         (TRAIN, 'remat = "none"', 'remat = "none"\ncheckpoints_per_layer = 1e30', "give at most 1000"),
+        (GATHER, "N = 262144", "N = 1000000000000000", ":13: collective_all_gather: size N = 1000000000000000 is past"),
     ],
 )
 def test_an_experiment_file_error_names_the_file(tmp_path, capsys, source, old, new, needle):

@@ -12,11 +12,10 @@ from typing import Any
 from lab.cli.args import add_target, command, out_path
 from lab.cli.commands import help_of
 from lab.core.errors import UserError
-from lab.core.plan import Plan, kernel_plan
+from lab.core.plan import MAX_SIZE, Plan, kernel_plan
 from lab.core.programs import PROGRAMS, get_program
 
 DEFAULT_MESH = {"X": 2, "Y": 4}
-MAX_SIZE = 2**36  # a vector of 2**36 float32s alone is 256 GiB, more than the largest HBM (B200: 192 GB)
 DEFAULT_MATMUL_SIZES = {"I": 512, "J": 1024, "K": 2048}
 DEFAULT_BLOCK_SIZES = {"B": 512, "D": 1024, "F": 4096}
 DEFAULT_COLLECTIVE_SIZES = {"N": 262144}

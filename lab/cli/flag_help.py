@@ -11,7 +11,7 @@ import argparse
 
 HELP = {
     "--achievable": "price with achievable efficiency (measured fractions of peak) instead of the ideal roofline",
-    "--batch-tokens": "tokens per optimizer step, all sequences together (e.g. 4M or 4194304)",
+    "--batch-tokens": "tokens per optimizer step, all sequences together (e.g. 4Mi or 4194304)",
     "--chips": "number of chips",
     "--context": "tokens held in each sequence's KV cache",
     "--cp": "context-parallel degree (sequence split across chips for attention)",

@@ -61,6 +61,9 @@ class MeshAxis:
             )
 
 
+MAX_SIZE = 2**36  # one size of a program: a vector of 2**36 float32s alone is 256 GiB, past the largest HBM (B200)
+
+
 @dataclass(frozen=True)
 class Options:
     """How the program is implemented and scheduled, where that changes what it costs.
@@ -242,6 +245,12 @@ class Plan:
         extra = sorted(set(self.sizes) - set(spec.dims))
         if extra:
             raise UserError(f"{spec.name}: unknown size {extra[0]!r}; its sizes are {', '.join(spec.dims)}")
+        for k, v in self.sizes.items():
+            if isinstance(v, int) and v > MAX_SIZE:
+                raise UserError(
+                    f"{spec.name}: size {k} = {v} is past any machine (a vector of that many float32s alone is "
+                    f"{v * 4:.3g} bytes, the largest HBM 192 GB); give at most {MAX_SIZE} (2**36)"
+                )
         if self.dtype not in COMPUTE_DTYPES and executable:
             raise UserError(f"dtype {self.dtype!r} is not one of float32, bfloat16")
         if self.param_dtype not in ("fp32", "bf16"):
