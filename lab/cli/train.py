@@ -38,6 +38,7 @@ from lab.core.models import CATALOG, resolve_model
 from lab.core.table import render
 from lab.core.units import canonical_dtype, fmt_bytes, fmt_count, fmt_seconds
 from lab.predict.remat import ALL as REMAT_ALL
+from lab.predict.train_config import MAX_CHECKPOINTS_PER_LAYER
 from lab.predict.training import OPTIMIZERS, SCHEDULES, Layout, TrainConfig, estimate, limits
 
 GiB = 2**30
@@ -225,8 +226,6 @@ def _check_train_flags(args: argparse.Namespace) -> None:
 
 
 def _check_checkpoints(k: float | None) -> None:
-    from lab.run.experiment import MAX_CHECKPOINTS_PER_LAYER
-
     if k is not None and k > MAX_CHECKPOINTS_PER_LAYER:
         raise UserError(
             f"--checkpoints-per-layer {k:g}: a layer saves a few to a few hundred [tokens, d_model] tensors, never "

@@ -20,6 +20,11 @@ MASTER_BYTES = 4.0  # the fp32 master copy inside OPTIMIZERS' bytes: not kept wh
 PARAM_DTYPES = ("bf16", "fp32")
 
 
+# The book's k saved [tokens, d_model] tensors per layer: a few (selective recomputation) to a few hundred (every
+# activation kept, the attention scores of a long sequence included); more is past any layer, a typo.
+MAX_CHECKPOINTS_PER_LAYER = 1000
+
+
 @dataclass(frozen=True)
 class Layout:
     """Parallelism degrees and their options."""

@@ -48,6 +48,7 @@ from lab.core.programs import complete_mesh, get_program
 from lab.core.rules import FIELDS, PRESETS, rules_from_table
 from lab.core.schema import Field, check_value, read_table
 from lab.core.units import canonical_dtype
+from lab.predict.train_config import MAX_CHECKPOINTS_PER_LAYER
 
 DTYPES = ("float32", "bfloat16", "fp32", "bf16", "f32", "fp8")  # fp8: priced by the estimators, not run
 EXPERIMENT = {
@@ -114,9 +115,6 @@ REPEATS = 5
 MAX_CALLS = 10_000  # warm-up or profiled calls of one run: more would take hours and a trace too large to parse
 MAX_DEVICES = 2**20  # the largest mesh: a million chips is past any machine built
 MAX_POINTS = 256  # sweep points of one experiment: each compiles and runs, and 256 already take hours on a host
-# The book's k saved [tokens, d_model] tensors per layer: a few (selective recomputation) to a few hundred (every
-# activation kept, the attention scores of a long sequence included); more is past any layer, a typo.
-MAX_CHECKPOINTS_PER_LAYER = 1000
 
 
 @dataclass(frozen=True)
@@ -465,4 +463,4 @@ def _options(r: _Reader, opt: dict[str, Any]) -> Options:
         raise UserError(f"{r.where('options')(None)}: [options] {exc}") from None
 
 
-__all__ = ["MAX_CHECKPOINTS_PER_LAYER", "MAX_POINTS", "Experiment", "line_of", "load_experiment"]
+__all__ = ["MAX_POINTS", "Experiment", "line_of", "load_experiment"]
