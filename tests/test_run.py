@@ -301,11 +301,14 @@ def _refused(tmp_path, body: str, *flags: str) -> str:
 
 def test_sizes_too_big_for_the_host_are_refused_before_anything_is_allocated(jax_devices, tmp_path):
     """A typo in a size used to reach numpy (16 PiB) or XLA (std::bad_alloc) as a crash."""
-    line = _refused(tmp_path, TP_MLP.replace("F = 512", "F = 4398046511104"))
+    line = _refused(tmp_path, TP_MLP.replace("F = 512", "F = 34359738368"))  # 2**35: under the cap on any size
     assert "GiB per device" in line and "--compile-only compiles it anyway" in line
+    # past 2**36 a size is refused as it is read, whatever the host
+    line = _refused(tmp_path, TP_MLP.replace("F = 512", "F = 4398046511104"))
+    assert ":11: tp_mlp: size F = 4398046511104 is past any machine" in line and "give at most 68719476736" in line
     # a sweep is checked point by point before its first point runs
-    line = _refused(tmp_path, SWEEP.replace("N = [1024, 4096, 16384]", "N = [1024, 1099511627776]"))
-    assert "point N1099511627776" in line and "GiB per device" in line
+    line = _refused(tmp_path, SWEEP.replace("N = [1024, 4096, 16384]", "N = [1024, 68719476736]"))
+    assert "point N68719476736" in line and "GiB per device" in line
 
 
 def test_a_plan_the_estimator_refuses_is_refused_by_run(jax_devices, tmp_path):
