@@ -34,8 +34,49 @@ from lab.core.table import non_finite
 from lab.core.units import canonical_dtype, dtype_bytes
 
 
+class _Formatter(argparse.HelpFormatter):
+    """argparse's help formatter, its width read from the terminal without ``shutil`` (which argparse imports for
+    it, and with it three compression modules: a tenth of an analytic command's start-up)."""
+
+    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24, width: int | None = None):
+        if width is None:
+            try:
+                columns = int(os.environ.get("COLUMNS", "")) or os.get_terminal_size(sys.__stdout__.fileno()).columns
+            except (ValueError, OSError, AttributeError):
+                columns = 80
+            width = columns - 2
+        super().__init__(prog, indent_increment, max_help_position, width)
+
+
+def _remember_catalog_lookups() -> None:
+    """argparse passes every help string and label through gettext, which looks on disk for a message catalog each
+    time (about 60 lookups and 350 ``stat`` calls for one command's parser); keep each answer for the process.
+    Only lookups with the default languages (argparse's) are kept: the result depends on the environment alone."""
+    import gettext
+
+    if getattr(gettext.find, "remembered", False):
+        return
+    find, seen = gettext.find, {}
+
+    def remembered(domain, localedir=None, languages=None, all=False):
+        if languages is not None:
+            return find(domain, localedir, languages, all)
+        key = (domain, localedir, all)
+        if key not in seen:
+            seen[key] = find(domain, localedir, None, all)
+        return seen[key]
+
+    remembered.remembered = True
+    gettext.find = remembered
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse, but a usage mistake is one line and exit code 2."""
+    """argparse, but a usage mistake is one line and exit code 2 (and its help laid out without ``shutil``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _remember_catalog_lookups()
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         hint = ""
@@ -290,7 +331,7 @@ MODEL_FLAGS = (
 
 def model_parent(positional: bool) -> argparse.ArgumentParser:
     """--model NAME (or a positional NAME) plus the custom-model flags."""
-    p = argparse.ArgumentParser(add_help=False)
+    p = Parser(add_help=False)
     if positional:
         p.add_argument("model", nargs="?", metavar="NAME", help="catalog model or a .toml file (see `model list`)")
     else:
@@ -424,7 +465,7 @@ def ops_table(program) -> str:
 
 def common_parent() -> argparse.ArgumentParser:
     """``--json`` and ``--hardware-file``, which every command takes."""
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     common.add_argument(
         "--hardware-file",
@@ -437,7 +478,7 @@ def common_parent() -> argparse.ArgumentParser:
 
 def hardware_parent(required: bool = True) -> argparse.ArgumentParser:
     """``--hardware NAME`` and ``--scale`` what-ifs."""
-    hw = argparse.ArgumentParser(add_help=False)
+    hw = Parser(add_help=False)
     hw.add_argument(
         "--hardware",
         required=required,
