@@ -61,8 +61,9 @@ def test_context_parallel_layouts_are_validated_not_skipped(capsys):
 
 
 def _estimates(chip_name: str):
-    """Hand-made planner results for a 2-layer model on 8 chips: a 1F1B pipeline, a pipeline with context
-    parallelism (which the lab does not run), ZeRO-1, and plain FSDP, in that order."""
+    """Hand-made planner results for a 2-layer model on 8 chips: a 1F1B pipeline over data parallelism, a pipeline
+    with context parallelism (which the lab does not run), ZeRO-1, plain FSDP, and a pipeline over FSDP (which the
+    lab runs, but gathering each stage's weights once a step, not as priced), in that order."""
     import dataclasses
 
     from lab.core.hardware import get_chip
@@ -82,7 +83,7 @@ def _estimates(chip_name: str):
         )  # fmt: skip
         return estimate(cfg)
 
-    top = [est(2, pp=2, fsdp=4), est(2, pp=2, cp=2, fsdp=2), est(4, dp=8, zero=1), est(4, fsdp=8)]
+    top = [est(2, pp=2, dp=4), est(2, pp=2, cp=2, dp=2), est(4, dp=8, zero=1), est(4, fsdp=8), est(2, pp=2, fsdp=4)]
     return model, chip, top
 
 
@@ -91,7 +92,7 @@ def test_a_pipeline_is_built_and_priced_with_the_schedule_the_lab_runs():
 
     model, chip, top = _estimates("tpu-v5e")
     chosen = candidates(SimpleNamespace(top=top), 3, model, "bfloat16", chip.name)
-    # cp with pp is refused by the lab's Plan checks and ZeRO-1 is not run: the pipeline and FSDP remain
+    # cp with pp is refused by the lab's Plan checks, ZeRO-1 and FSDP in stages are not run: the pipeline and FSDP
     assert [est for est, _ in chosen] == [top[0], top[3]]
     (pipe, plan), (_, flat) = chosen
     assert plan.options.pp_schedule == "gpipe" and plan.microbatches() == 4 and plan.degrees()["pp"] == 2
@@ -99,7 +100,7 @@ def test_a_pipeline_is_built_and_priced_with_the_schedule_the_lab_runs():
     got = as_run(plan, chip).config
     # priced as the lab runs it: GPipe as its SPMD pipeline runs it, the scores stored, fp32 weights
     assert (got.layout.pp_schedule, got.spmd_pipeline, got.flash_attention) == ("gpipe", True, False)
-    assert (got.param_dtype, got.microbatch, got.layout.pp, got.layout.fsdp) == ("fp32", 2, 2, 4)
+    assert (got.param_dtype, got.microbatch, got.layout.pp, got.layout.dp) == ("fp32", 2, 2, 4)
     # GPipe holds every step's activations where 1F1B holds the stages' count: it needs more memory
     assert as_run(plan, chip).memory.total > pipe.memory.total
     assert as_run(flat, chip).config.flash_attention is False and as_run(flat, chip).config.layout.fsdp == 8
@@ -112,7 +113,7 @@ def test_pipelines_run_on_this_host_beside_the_planners_schedule(tmp_path):
     model, chip, top = _estimates("cpu")
     d = validate_plan(SimpleNamespace(top=[top[0], top[3]]), model, chip, 2, str(tmp_path))
     pipe, flat = d["layouts"]
-    assert pipe["layout"] == "fsdp=4 pp=2 gpipe M=4, remat none" and pipe["planner_schedule"] == "1f1b"
+    assert pipe["layout"] == "dp=4 pp=2 gpipe M=4, remat none" and pipe["planner_schedule"] == "1f1b"
     assert pipe["measured_step_s"] > 0 and flat["measured_step_s"] > 0 and d["memory_agrees"]
     assert "priced as the lab runs it; the planner's 1f1b estimate is" in table(d)
 

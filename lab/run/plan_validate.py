@@ -1,14 +1,15 @@
 """``shardlab plan ... --validate K``: the planner checked by execution.
 
-The planner ranks layouts by their estimated step time; this takes its K best that the lab's Transformer can
-execute (data, FSDP, tensor, context, pipeline and expert parallelism as :meth:`Plan.validate` admits them; one
-microbatch a step without a pipeline), builds each as a Plan (:func:`lab.core.plan.plan_from_degrees`), compiles
-it (XLA's memory per device against the estimator's fits verdict), runs and profiles it where it can (this host's
-devices), and ranks the layouts twice: by the estimate and by the measured step. A pipeline is priced with the
-schedule the lab runs (GPipe for the planner's 1F1B, the circular schedule for its interleaved one), the planner's
-figure beside it. Spearman's and Kendall's rank correlations say how well the estimates order what runs; a layout
-ranked wrongly is named with the op whose measured time departs most from its estimate. With ``--target`` (a TPU
-topology, cross-compiled) nothing runs: the memory verdicts are checked, and the ranking is the estimate's only.
+The planner ranks layouts by their estimated step time; this takes its K best that the lab's Transformer runs as
+they are priced (data, FSDP, tensor, context, pipeline and expert parallelism as :meth:`Plan.validate` admits them;
+one microbatch a step without a pipeline; no FSDP inside pipeline stages), builds each as a Plan
+(:func:`lab.core.plan.plan_from_degrees`), prices it as built, compiles it (XLA's memory per device against the
+estimate's fits verdict), runs and profiles it where it can (this host's devices), and ranks the layouts twice: by
+the estimate and by the measured step. A pipeline runs the schedule the lab has (GPipe for the planner's 1F1B, the
+circular schedule for its interleaved one), the planner's figure beside it. Spearman's and Kendall's rank
+correlations say how well the estimates order what runs; a layout ranked wrongly is named with the op whose
+measured time departs most from its estimate. With ``--target`` (a TPU topology, cross-compiled) nothing runs: the
+memory verdicts are checked, and the ranking is the estimate's only.
 """
 
 from __future__ import annotations
@@ -74,12 +75,16 @@ RUN_SCHEDULE = {"1f1b": "gpipe", "gpipe": "gpipe", "interleaved": "interleaved"}
 
 
 def executable(est) -> bool:
-    """Whether a planner layout is one the lab's train step can be asked to run: no ZeRO-1 or -2, no uneven stages,
-    and without a pipeline one microbatch a step. Whether the lab's Transformer takes its parallelism (pipeline,
-    context, experts, and their combinations) is :meth:`Plan.validate`'s to say (:func:`candidates`)."""
+    """Whether a planner layout is one the lab's train step runs as the planner prices it: no ZeRO-1 or -2, no
+    uneven stages, without a pipeline one microbatch a step, and no FSDP inside pipeline stages (the lab's pipeline
+    takes each stage's weights whole into its ``shard_map``: they are gathered once a step and their gradients
+    all-reduced, not gathered layer by layer; ``shardlab audit`` shows the mismatch). Whether the lab's Transformer
+    takes the rest of its parallelism (pipeline, context, experts, and their combinations) is
+    :meth:`Plan.validate`'s to say (:func:`candidates`)."""
     lay, c = est.config.layout, est.config
     plain = not lay.stage_split and not lay.pp_embedding_slots
-    return lay.zero in (0, 3) and plain and (lay.pp > 1 or c.microbatches == 1)
+    staged_fsdp = lay.pp > 1 and lay.fsdp > 1
+    return lay.zero in (0, 3) and plain and (lay.pp > 1 or c.microbatches == 1) and not staged_fsdp
 
 
 def as_run(plan: Plan, chip, target=None):
@@ -122,7 +127,8 @@ def candidates(result, k: int, model, dtype: str, hardware: str) -> list[tuple[A
     if not chosen:
         raise UserError(
             "none of the planner's layouts is one the lab's train step executes (no ZeRO-1 or -2, no uneven "
-            "stages, one microbatch a step without a pipeline); give more --batch-tokens per chip or fewer chips"
+            "stages, no FSDP inside pipeline stages, one microbatch a step without a pipeline); give more "
+            "--batch-tokens per chip or fewer chips"
         )
     return chosen
 
