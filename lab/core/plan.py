@@ -487,7 +487,8 @@ def plan_from_degrees(
 
     Axes are named after their role, major to minor ``pipe, data, fsdp, context, model`` (tensor parallelism
     innermost, pipeline outermost, as the estimator places them); expert parallelism is carved out of the fsdp
-    (else the data) axis as an ``expert`` axis. ``slow`` names roles whose axes cross the slow link.
+    (else the data) axis as an ``expert`` axis. ``slow`` names roles whose axes cross the slow link. Without
+    ``options`` the Plan is the lab's Transformer as it compiles (:class:`Options`' defaults).
     """
     if ep > 1 and fsdp % ep and dp % ep:
         raise UserError(f"ep={ep} divides neither fsdp={fsdp} nor dp={dp}; the Plan cannot name its axis")
@@ -523,14 +524,7 @@ def plan_from_degrees(
         rules=rules,
         remat=remat,
         optimizer=optimizer,
-        options=options
-        or Options(  # the lab's Transformer: plain softmax attention (its scores stored), projections fused
-            fused_projections=True,
-            regather_norms=False,
-            jax_remat=False,
-            spmd_pipeline=False,
-            spmd_context=False,
-        ),
+        options=options or Options(),  # the lab's Transformer as it compiles (Options' defaults)
     )
 
 

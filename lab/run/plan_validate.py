@@ -135,17 +135,9 @@ def candidates(result, k: int, model, dtype: str, hardware: str) -> list[tuple[A
 
 def to_plan(est, model, dtype: str, hardware: str) -> Plan:
     lay, c = est.config.layout, est.config
-    options = None
-    if lay.pp > 1:  # the planner's microbatches, and the schedule the lab runs; otherwise plan_from_degrees's
-        options = Options(
-            microbatch=c.microbatch,
-            pp_schedule=RUN_SCHEDULE[lay.pp_schedule],
-            interleave=lay.v,
-            fused_projections=True,
-            regather_norms=False,
-            jax_remat=False,
-            spmd_context=False,
-        )
+    options = None  # the lab's Transformer as it compiles (Options' defaults); a pipeline's microbatches and schedule
+    if lay.pp > 1:
+        options = Options(microbatch=c.microbatch, pp_schedule=RUN_SCHEDULE[lay.pp_schedule], interleave=lay.v)
     return plan_from_degrees(
         model,
         hardware=hardware,
