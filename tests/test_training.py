@@ -587,3 +587,23 @@ def test_the_lab_pipelines_hold_every_steps_activations_and_the_whole_batchs_log
     assert activation_terms(m, circular, 128, 2, 4, spmd_pipeline=True) == (4, (2 * 4 + 2 - 1) / 2, logits)
     # Megatron's GPipe (not the lab's) holds the M microbatches, the logits on the last stage only
     assert activation_terms(m, gpipe, 128, 2, 4)[1] == 4
+
+
+def test_what_jax_saves_with_nothing_recomputed():
+    """The lab's Transformer under remat none keeps what autodiff saves, per token and layer (LLaMA-3-8B dims, read
+    off libtpu's buffer report): the two RMSNorms' fp32 input and output (16 x D bytes), their bf16 outputs (4 x D),
+    Q and the attention output (4 x D), K and V (4 x 1024), six bf16 SwiGLU tensors (12 x F) and the bf16
+    probabilities (2 x heads x seq); Korthikanti's count for fused kernels is smaller."""
+    from lab.predict.train_config import Layout
+    from lab.predict.training_memory import activation_bytes_per_layer
+
+    m, lay = get_model("llama3-8b"), Layout(fsdp=8)
+    per_token = 20 * 4096 + 4 * 4096 + 4 * 1024 + 12 * 14336 + 2 * 32 * 2048
+    got = activation_bytes_per_layer(m, lay, 2048, 4, "none", False, None, jax_saved=True)
+    assert got == 4 * 2048 * per_token == 3_321_888_768
+    megatron = activation_bytes_per_layer(m, lay, 2048, 4, "none", False, None)
+    assert megatron == 4 * 2048 * (8 * 4096 + 4 * 4096 + 4 * 1024 + 6 * 14336 + 2 * 32 * 2048)
+    # under selective recomputation the two agree (the compiler's memory is within 5% there already)
+    assert activation_bytes_per_layer(m, lay, 2048, 4, "selective", False, None, jax_saved=True) == (
+        activation_bytes_per_layer(m, lay, 2048, 4, "selective", False, None)
+    )

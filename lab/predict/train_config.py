@@ -119,7 +119,7 @@ class TrainConfig:
     # Recomputation as JAX runs it (jax.checkpoint on a layer): under full recomputation XLA drops the layer's last
     # projection from the recomputed forward (nothing in the backward reads its output, the next layer's saved
     # input), so its matmul and its row-parallel collective are not run again. Megatron's recomputation repeats
-    # the whole layer.
+    # the whole layer. With nothing recomputed, the activations JAX's autodiff saves (training_memory).
     jax_remat: bool = False
     # Under recomputation XLA:CPU gathers a layer's FSDP-sharded norm scales a third time, for the recomputed
     # forward (the TPU compiler keeps them).

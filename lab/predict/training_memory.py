@@ -54,8 +54,15 @@ def activation_bytes_per_layer(
     remat: str,
     flash_attention: bool,
     checkpoints: float | None = None,
+    jax_saved: bool = False,
 ) -> float:
     """Stored activations of one layer for one microbatch on one chip (16-bit activations).
+
+    ``jax_saved`` (the lab's Transformer, differentiated by JAX; ``TrainConfig.jax_remat``): with nothing recomputed
+    the backward pass keeps what autodiff saves, not what fused kernels keep. Read off libtpu's buffer report for
+    LLaMA-3-8B (docs/validation/tpu_cross_compile.md): each RMSNorm's float32 input and normalised output (16 bytes
+    of D a token for the two), the two 16-bit norm outputs (4), and six [tokens, F] 16-bit SwiGLU tensors (gate,
+    up, the sigmoid, SiLU, their product and its cast), against Korthikanti's 8 of D and three of F.
 
     For a GPT-style layer (MHA, 4h GeLU MLP, dropout, unfused attention) this is Korthikanti et al.
     Table 2: ``sbh(10 + 24/t + 5as/ht)``, ``sbh(34 + 5as/h)/t`` with SP, ``sbh(10 + 24/t)`` selective,
@@ -85,6 +92,8 @@ def activation_bytes_per_layer(
     attn = 2.0 * s * b * (2 * q_per_rank + 2 * kv_per_rank)
     f_local = model.d_ff * (model.experts_per_token + model.shared_experts) / t
     mlp = 2.0 * s * b * f_local * ((3 if model.gated_mlp else 2) - (1 if dots_only else 0))
+    if jax_saved and remat == "none" and model.gated_mlp and not drop:
+        shared, mlp = 20.0 * s * b * h, 2.0 * s * b * f_local * 6
     scores = 0.0
     if not flash_attention and remat == "none":
         # softmax output (2 bytes), its dropout mask (1) and dropout output (2): 5 a s^2 b / t
@@ -215,7 +224,7 @@ def memory_per_chip(cfg: TrainConfig) -> Memory:
     m, lay = cfg.model, cfg.layout
     params, grads, opt, gathered, _ = state_bytes(m, lay, cfg.weight_bytes, cfg.optimizer_bytes, cfg.spmd_pipeline)
     per_layer = activation_bytes_per_layer(
-        m, lay, cfg.seq_len, cfg.microbatch, cfg.remat, cfg.flash_attention, cfg.checkpoints_per_layer
+        m, lay, cfg.seq_len, cfg.microbatch, cfg.remat, cfg.flash_attention, cfg.checkpoints_per_layer, cfg.jax_remat
     ) * (cfg.act_bytes / 2.0)  # counted in 16-bit elements: an fp32 program stores each at 4 bytes
     terms = activation_terms(m, lay, cfg.seq_len, cfg.microbatch, cfg.microbatches, cfg.spmd_pipeline)
     return Memory(
