@@ -66,15 +66,20 @@ def test_every_collective_kind_has_a_fit_and_a_factor(cal):
     assert math.isclose(factors["all-gather"], 1.0, rel_tol=1e-9)
 
 
-def test_fitted_chip_reproduces_its_large_message_measurements(cal):
-    # Consistency of the fitting algebra (V conventions, model slopes, factors), from the recorded points.
+def test_fitted_chip_reproduces_the_line_through_its_measurements(cal):
+    """Consistency of the fitting algebra (V conventions, model slopes, factors), from the recorded points: the
+    calibrated chip prices each kind's largest message on the least-squares line ``t = launch + b V`` through that
+    kind's recorded points, computed here from the points alone. (Against the largest point's own time the test
+    was flaky: on a shared 2-core host one sample strays from the line by a third.)"""
     chip = cal.chip
+    launch = chip.launch_latency_s
     for kind in KINDS:
         rec = chip.calibration["collectives"][kind]
-        nbytes, measured = max(rec["points"], key=lambda p: p[0])[:2]
-        predicted = collective_time(kind, nbytes, tuple(rec["axis_sizes"]), chip)
+        sizes = [p[0] for p in rec["points"]]
+        slope = sum(v * (p[1] - launch) for v, p in zip(sizes, rec["points"], strict=True)) / sum(v * v for v in sizes)
+        predicted = collective_time(kind, max(sizes), tuple(rec["axis_sizes"]), chip)
         assert not predicted.latency_bound, kind
-        assert predicted.time_s == pytest.approx(measured, rel=0.10), kind
+        assert predicted.time_s == pytest.approx(launch + slope * max(sizes), rel=1e-6), kind
 
 
 def test_every_single_axis_gets_its_own_line_per_kind(cal):
