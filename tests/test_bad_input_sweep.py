@@ -160,13 +160,6 @@ def test_validate_refuses_a_hardware_file_it_would_ignore(tmp_path, capsys):
     assert "validate prices the published runs on the catalog's chips" in line and str(f) in line
 
 
-def test_the_collective_kinds_a_calibration_corrects_are_those_priced():
-    from lab.core.hardware import COLLECTIVE_KINDS
-    from lab.predict.collectives import KINDS
-
-    assert COLLECTIVE_KINDS == KINDS
-
-
 # ----- experiment files: the file and line named ---------------------------------------------------------------------
 
 GATHER = "collective_all_gather.toml"

@@ -18,11 +18,9 @@ from lab.cli.args import (
 )
 from lab.cli.commands import help_of
 from lab.core.errors import UserError
-from lab.core.hardware import default_catalog
+from lab.core.hardware import COLLECTIVE_KINDS, COLLECTIVE_SCOPES, default_catalog
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
-from lab.predict.collectives import KINDS as COLLECTIVE_KINDS
-from lab.predict.collectives import SCOPES, canonical_kind, collective_time
 
 
 def cmd_hardware_list(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -171,6 +169,8 @@ def cmd_roofline_op(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 def cmd_collective(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from lab.predict.collectives import canonical_kind, collective_time
+
     chip = chip_of(args)
     c = collective_time(
         canonical_kind(args.kind),
@@ -301,7 +301,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser) 
     c.add_argument("--no-wraparound", action="store_true", help="torus axes without wraparound links")
     c.add_argument(
         "--scope",
-        choices=SCOPES,
+        choices=COLLECTIVE_SCOPES,
         default="node",
         help="node: one ICI slice or NVLink node; cross-node: DCN or the scale-out network",
     )
@@ -318,7 +318,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser) 
     s.add_argument("--chips", type=positive_int("--chips"), help="check that the mesh has this many chips")
     s.add_argument("--dtype", type=dtype_arg, default="bf16")
     s.add_argument("--no-wraparound", action="store_true")
-    s.add_argument("--scope", choices=SCOPES, default="node")
+    s.add_argument("--scope", choices=COLLECTIVE_SCOPES, default="node")
     command(s, cmd_sharded_matmul)
 
 

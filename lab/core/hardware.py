@@ -34,9 +34,11 @@ from lab.core.schema import parse_positive_float
 from lab.core.units import canonical_dtype
 
 KINDS = ("tpu", "gpu", "cpu")
-# The collective kinds a calibration's collective_factor may correct: those lab.predict.collectives.KINDS prices
-# (lab.core cannot import lab.predict; tests/test_bad_input_sweep.py holds the two lists equal).
+# The collective kinds the cost model prices (lab.predict.collectives.KINDS) and a calibration's collective_factor
+# may correct, and the scopes a collective can span: here, where the chip's data is, so that the command line lists
+# them without importing the cost model.
 COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "permute")
+COLLECTIVE_SCOPES = ("node", "cross-node")
 TOPOLOGIES = ("torus", "switch")
 WRAPAROUND_RULES = ("full-axis", "cube", "always", "never")
 MAX_TORUS_DIMS = 3  # every torus built for accelerators is 2D (TPU v5e, v6e) or 3D (v4, v5p); a 1D ring is one too

@@ -44,10 +44,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from lab.core.errors import UserError
+from lab.core.hardware import COLLECTIVE_KINDS as KINDS
+from lab.core.hardware import COLLECTIVE_SCOPES as SCOPES
 from lab.core.hardware import Chip
-
-KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "permute")
-SCOPES = ("node", "cross-node")
 
 _KIND_ALIASES = {
     "allgather": "all-gather",
