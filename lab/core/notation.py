@@ -140,8 +140,6 @@ class MatmulExpr:
 # ----- parser --------------------------------------------------------------------------------
 
 AXIS_NAME = re.compile(r"[A-Za-z][A-Za-z0-9]*")  # a mesh axis or dimension name: ASCII letters and digits
-_NAME = AXIS_NAME
-_AXIS = re.compile(r"[A-Za-z][A-Za-z0-9]*")
 
 
 class _Parser:
@@ -170,7 +168,7 @@ class _Parser:
 
     def name(self, what: str) -> str:
         self.ws()
-        m = _NAME.match(self.text, self.i)
+        m = AXIS_NAME.match(self.text, self.i)
         if not m:
             raise self.fail(what)
         self.i = m.end()
@@ -186,7 +184,7 @@ class _Parser:
                 out.append(self.name("a mesh axis name"))
             self.take("}", "'}' closing the axis list")
             return tuple(out)
-        m = _AXIS.match(self.text, self.i)
+        m = AXIS_NAME.match(self.text, self.i)
         if not m:
             raise self.fail("mesh axes after '_' (e.g. I_X, I_XY or I_{data,fsdp})")
         self.i = m.end()
@@ -292,7 +290,7 @@ def parse_assignments(text: str, what: str, example: str) -> dict[str, int]:
         if "=" not in part:
             raise UserError(f"{what}: {part!r} is not NAME=VALUE; example: {example}")
         key, val = (s.strip() for s in part.split("=", 1))
-        if not _NAME.fullmatch(key):
+        if not AXIS_NAME.fullmatch(key):
             raise UserError(f"{what}: {key!r} is not a valid name; example: {example}")
         if key in out:
             raise UserError(f"{what}: {key!r} is given twice; example: {example}")
