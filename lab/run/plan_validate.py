@@ -92,10 +92,15 @@ def as_run(plan: Plan, chip, target=None):
     plain softmax attention, whose scores are stored where the planner assumes a flash-style kernel; fp32 weights;
     a pipeline with the schedule the lab runs, :data:`RUN_SCHEDULE`, as its SPMD pipeline runs it), and for a TPU
     ``target`` as the TPU compiler builds it."""
+    return _as_built(plan, chip, target).detail["train"]
+
+
+def _as_built(plan: Plan, chip, target=None):
+    """The Plan's :class:`~lab.predict.program.ProgramEstimate` as it compiles here, or for the TPU ``target``."""
     from lab.compile.target import for_target
     from lab.predict.program import estimate_program
 
-    return estimate_program(for_target(plan) if target is not None else plan, chip).detail["train"]
+    return estimate_program(for_target(plan) if target is not None else plan, chip)
 
 
 def layout_label(est) -> str:
@@ -171,17 +176,17 @@ def validate_plan(result, model, chip, k: int, out: str, *, target: str | None =
     """Compile (and where possible run) the planner's K best executable layouts; the comparison's data."""
     from lab.compile.audit import _analyses, compile_plan
     from lab.compile.target import DoesNotFit, parse_target
-    from lab.predict.program import estimate_program
     from lab.run.environment import Progress, environment
     from lab.run.experiment import Experiment
     from lab.run.point import fit_problem, host_bytes_per_device, run_point
 
     topology = parse_target(target) if target else None
     chosen = candidates(result, k, model, dtype, chip.name)
+    programs = [_as_built(plan, chip, topology) for _, plan in chosen]
     if topology is None:  # every layout that is to run must fit this host's devices, checked before any compiles
         host = host_bytes_per_device()
-        for _, plan in chosen:
-            problem = fit_problem(plan, estimate_program(plan, chip), chip, host)
+        for (_, plan), program in zip(chosen, programs, strict=True):
+            problem = fit_problem(plan, program, chip, host)
             if problem:
                 raise UserError(f"{problem}; or a smaller --model, or --target to compile for a TPU without running")
     say = Progress()
@@ -189,7 +194,7 @@ def validate_plan(result, model, chip, k: int, out: str, *, target: str | None =
     rows = []
     for i, (est, plan) in enumerate(chosen):
         say(f"layout {i + 1} of {len(chosen)}: {layout_label(est)}")
-        priced = as_run(plan, chip, topology)
+        priced = programs[i].detail["train"]
         if topology is not None:
             try:
                 _, compiled = compile_plan(plan, topology)
