@@ -115,7 +115,7 @@ class Search:
         """One layer's activation bytes of a point (a cache miss)."""
         j = self.job
         flash, checkpoints = j.flash_attention, j.checkpoints_per_layer
-        scale = self.config(lay, mb, remat).act_bytes / 2.0  # as training_memory.memory_per_chip counts them
+        scale = j.act_bytes / 2.0  # as training_memory.memory_per_chip counts them (the job's compute dtype)
         return activation_bytes_per_layer(j.model, lay, j.seq_len, mb, remat, flash, checkpoints) * scale
 
     def term(self, name: str, content: tuple, where: tuple | None, lay: Layout, mb: int, remat: str) -> Any:
