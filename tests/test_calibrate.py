@@ -95,14 +95,19 @@ def test_every_single_axis_gets_its_own_line_per_kind(cal):
             assert fit.points == len(points) and fit.r2 is not None and fit.value > 0
             assert chip.calibration["collective_factor_by_group"][kind][str(size)] == fit.value
             # the chip prices the group's largest message on that line: launch + factor x modelled bandwidth
-            nbytes, measured = points[-1]
+            nbytes = points[-1][0]
             predicted = collective_time(kind, nbytes, (size,), chip)
             line = (
                 chip.launch_latency_s
                 + fit.value * collective_time(kind, nbytes, (size,), _unit_factor(chip)).bandwidth_s
             )
             assert predicted.bandwidth_s + chip.launch_latency_s == pytest.approx(line, rel=1e-9), (kind, axis)
-            assert predicted.time_s == pytest.approx(measured, rel=0.25), (kind, axis)
+            # ... which is the least-squares line t = launch + b V through the group's own points, computed here
+            # from the points alone (one live sample strays from it by up to 80% on a shared 2-core host)
+            launch = chip.launch_latency_s
+            b = sum(v * (t - launch) for v, t in points) / sum(v * v for v, _ in points)
+            assert not predicted.latency_bound, (kind, axis)
+            assert predicted.time_s == pytest.approx(launch + b * nbytes, rel=1e-6), (kind, axis)
 
 
 def _unit_factor(chip: Chip) -> Chip:
