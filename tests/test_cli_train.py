@@ -360,6 +360,10 @@ def test_validate_command(capsys):
             ["train", "estimate", "--model", "llama3-8b", "--hardware", "a100", "--chips", "8", "--dtype", "fp8"],
             "a100-80gb has no fp8 peak",
         ),
+        (
+            ["train", "estimate", "--model", "llama3-8b", "--hardware", "a100", "--chips", "8", "--elementwise", "jit"],
+            "invalid choice: 'jit' (choose from 'fused', 'eager')",
+        ),
     ],
 )
 def test_bad_input_exit_2(argv, needle):
@@ -378,3 +382,13 @@ def test_fewer_microbatches_than_stages_runs_with_the_bubble_said(capsys):
     err = capsys.readouterr().err
     # (p - 1) / (m + p - 1) = 7 / 11 of the step idle on every stage
     assert "4 microbatches for 8 pipeline stages: each stage idles 64% of the step; give at least 8" in err
+
+
+def test_eager_elementwise_ops_slow_the_step_and_say_so(capsys):
+    args = "train estimate --model llama2-7b --hardware a100 --chips 8 --fsdp 8 --seq-len 4096 --global-batch 16"
+    fused, eager = run_json(capsys, args), run_json(capsys, args, "--elementwise", "eager")
+    ops = {(o["name"], o["kind"]) for o in eager["ops"]}
+    assert eager["step_time_s"] > fused["step_time_s"] and eager["mfu"] < fused["mfu"]
+    assert eager["breakdown"]["compute_s"] > fused["breakdown"]["compute_s"]
+    assert eager["model_flops_per_step"] == fused["model_flops_per_step"]  # the same matmuls, more bytes
+    assert ops == {(o["name"], o["kind"]) for o in fused["ops"]}

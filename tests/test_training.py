@@ -607,3 +607,34 @@ def test_what_jax_saves_with_nothing_recomputed():
     assert activation_bytes_per_layer(m, lay, 2048, 4, "selective", False, None, jax_saved=True) == (
         activation_bytes_per_layer(m, lay, 2048, 4, "selective", False, None)
     )
+
+
+def test_eager_elementwise_ops_move_the_bytes_of_their_kernels():
+    """Forward bytes of one layer and microbatch (LLaMA-2 7B: D 4096, 32 heads of 128 without GQA, F 11008):
+    RMSNorm 36 bytes per element eager against 4 fused, two per layer; rotary embedding 20 against 4 per query and
+    key element; SwiGLU 10 against 6 per [tokens, F] element; the residual adds the same either way."""
+    from lab.predict.training import layer_compute
+
+    tokens, d, f = 2 * 4096, 4096, 11008
+
+    def job(kind):
+        return dataclasses.replace(cfg("llama2-7b", A100, mb=2, remat="none"), elementwise=kind)
+
+    fused, eager = ({o[0]: o[5] for o in layer_compute(job(k))[0]} for k in ("fused", "eager"))
+    assert fused["norms"] == tokens * d * 2 * 4 and eager["norms"] == tokens * d * 2 * 36
+    assert fused["rope"] == tokens * (32 + 32) * 128 * 4 and eager["rope"] == tokens * (32 + 32) * 128 * 20
+    assert fused["mlp.activation"] == tokens * f * 6 and eager["mlp.activation"] == tokens * f * 10
+    assert fused["residuals"] == eager["residuals"] == tokens * d * 12
+    # one chip, nothing to hide behind: the step grows by the extra bytes, forward and twice backward, of every
+    # layer and microbatch, at A100's copy rate (H1: 1.61 TB/s)
+    extra = tokens * (d * 2 * 32 + 64 * 128 * 16 + f * 4)
+    grown = estimate(job("eager")).step_time_s - estimate(job("fused")).step_time_s
+    assert grown == pytest.approx(3 * extra * 32 * 32 / (0.79 * 2.039e12), rel=1e-9)
+    # a learned position table has no rotary embedding to run
+    gpt = {o[0] for o in layer_compute(cfg("gpt3-175b", A100, seq=2048, tp=8))[0]}
+    assert "rope" not in gpt and "norms" in gpt
+
+
+def test_an_unknown_elementwise_mode_names_the_valid_ones():
+    with pytest.raises(UserError, match="--elementwise 'jit' is not one of fused, eager"):
+        check_config(dataclasses.replace(cfg(), elementwise="jit"))

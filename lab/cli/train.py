@@ -38,7 +38,7 @@ from lab.core.models import CATALOG, resolve_model
 from lab.core.table import render
 from lab.core.units import canonical_dtype, fmt_bytes, fmt_count, fmt_seconds
 from lab.predict.remat import ALL as REMAT_ALL
-from lab.predict.train_config import MAX_CHECKPOINTS_PER_LAYER
+from lab.predict.train_config import ELEMENTWISE, MAX_CHECKPOINTS_PER_LAYER
 from lab.predict.training import OPTIMIZERS, SCHEDULES, Layout, TrainConfig, estimate, limits
 
 GiB = 2**30
@@ -163,6 +163,7 @@ def train_config(args: argparse.Namespace, chip) -> TrainConfig:
         optimizer=args.optimizer,
         flash_attention=args.flash_attention,
         attention_kernel=args.attention_kernel,
+        elementwise=args.elementwise,
         capacity_factor=args.capacity_factor,
     )
 
@@ -577,6 +578,14 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
         default="fa2",
         help="the fused attention kernel on GPUs, at its measured rate: fa2 (PyTorch SDPA and most stacks; "
         "default) or fa3 (FlashAttention-3 / cuDNN, as Megatron/NeMo's Transformer Engine runs it)",
+    )
+    te.add_argument(
+        "--elementwise",
+        choices=ELEMENTWISE,
+        default="fused",
+        help="how the stack runs norms, rotary embedding and the activation: fused (one kernel each, as "
+        "Megatron/Transformer Engine, XLA and torch.compile do; default) or eager (PyTorch eager ops, fp32 "
+        "intermediates, as the reference LLaMA code writes them)",
     )
     command(te, cmd_train_estimate)
 

@@ -85,7 +85,7 @@ def recomputed(p: Policy) -> tuple[str, ...]:
     """The estimator's layer ops (:func:`lab.predict.training._compute_ops`) the backward runs again."""
     ops = ["norms", "mlp.activation"]
     if "qkv" not in p.saved:
-        ops.append("qkv")
+        ops += ["qkv", "rope"]
     if "context" not in p.saved:
         ops += ["attention", "attention.bmm", "attention.softmax"]
     if "out_proj" not in p.saved:

@@ -18,6 +18,10 @@ UPDATE_BYTES = {"adam": 30.0, "sgd": 20.0, "adafactor": 18.0}  # HBM traffic of 
 WEIGHT_BYTES, GRAD_BYTES = 2.0, 4.0  # mixed precision: bf16 weights, fp32 gradients (Korthikanti et al., Fig. 1)
 MASTER_BYTES = 4.0  # the fp32 master copy inside OPTIMIZERS' bytes: not kept when the weights are fp32 already
 PARAM_DTYPES = ("bf16", "fp32")
+# How a stack runs a layer's small ops (norms, rotary embedding, the gated activation); bytes per element in
+# lab.predict.training: fused (one kernel each: Megatron/Transformer Engine, XLA, torch.compile) or eager (PyTorch
+# eager ops as the reference LLaMA code writes them, fp32 intermediates between kernels).
+ELEMENTWISE = ("fused", "eager")
 
 
 # The book's k saved [tokens, d_model] tensors per layer: a few (selective recomputation) to a few hundred (every
@@ -105,6 +109,9 @@ class TrainConfig:
     # The fused attention kernel on GPUs (lab.predict.efficiency): fa2, what PyTorch SDPA and most stacks run;
     # fa3, FlashAttention-3 / cuDNN (Megatron and NeMo with Transformer Engine).
     attention_kernel: str = "fa2"
+    # The layer's small ops: "fused" kernels (Megatron/Transformer Engine, XLA, torch.compile), or PyTorch "eager"
+    # ops as the reference LLaMA code writes them (ELEMENTWISE; bytes per element in lab.predict.training).
+    elementwise: str = "fused"
     # How the program is written, where XLA or a framework does it differently (the lab's own Transformer keeps
     # fp32 weights and separate Q/K/V and gate/up projections; Megatron-style defaults below).
     param_dtype: str = "bf16"  # bf16: mixed precision (fp32 master copy in the optimizer state); fp32: weights are it
@@ -205,6 +212,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise UserError(f"--zero {lay.zero} is not one of 0, 1, 2, 3")
     if cfg.attention_kernel not in ("fa2", "fa3"):
         raise UserError(f"--attention-kernel {cfg.attention_kernel!r} is not one of fa2, fa3")
+    if cfg.elementwise not in ELEMENTWISE:
+        raise UserError(f"--elementwise {cfg.elementwise!r} is not one of {', '.join(ELEMENTWISE)}")
     if lay.pp_schedule not in SCHEDULES:
         raise UserError(f"--pp-schedule {lay.pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
     remat_policy(cfg.remat)  # a classic or a named policy (lab.predict.remat), else the valid choices

@@ -209,6 +209,22 @@ def _wide(dtype: str) -> str:
     return "bf16" if dtype in ("fp8", "fp4", "int8", "int4") else dtype
 
 
+# HBM bytes per element of a layer's small ops in the forward pass, bf16 activations (the backward moves twice as
+# much, as for every memory-bound op here), by how the stack runs them (TrainConfig.elementwise). Fused: one kernel
+# reads its input and writes its output. Eager: PyTorch ops as the reference LLaMA code (Meta's llama/model.py)
+# writes them, each kernel reading and writing whole tensors, counted kernel by kernel:
+# * RMSNorm, ``(x.float() * rsqrt(x.float().pow(2).mean(-1) + eps)).type_as(x) * w``: cast up 2+4, square 4+4,
+#   mean 4, scale 4+4, cast down 4+2, weight 2+2 = 36 (fused: 2+2);
+# * rotary embedding of each query and key element, through complex fp32: cast up 2+4, complex product 4+4, cast
+#   down 4+2 = 20 (fused: 2+2);
+# * SwiGLU, ``silu(a) * b`` on [tokens, F]: silu 2+2, product 2+2+2 = 10 (fused: read a and b, write one: 6); GeLU
+#   is one kernel either way (2+2).
+NORM_BYTES = {"fused": 4.0, "eager": 36.0}
+ROPE_BYTES = {"fused": 4.0, "eager": 20.0}
+SWIGLU_BYTES = {"fused": 6.0, "eager": 10.0}
+GELU_BYTES = 4.0
+
+
 def _compute_ops(cfg: TrainConfig) -> list[tuple[str, str, float, float, float, float]]:
     """The forward and backward ops of one layer for one microbatch (matmuls by shape, the rest by bytes)."""
     m, lay, chip, dt = cfg.model, cfg.layout, cfg.chip, cfg.dtype
@@ -248,10 +264,13 @@ def _compute_ops(cfg: TrainConfig) -> list[tuple[str, str, float, float, float, 
         ops.append(("attention.bmm", "attention", bmm, 2 * bmm, bmm_flops, 0.0))
         scores = cfg.microbatch * q * s_local * cfg.seq_len
         mem("attention.softmax", scores * (4.0 + (5.0 if m.dropout else 0.0)), "attention")
+    if not m.learned_positions:  # rotary embedding of the queries and keys (MLA: their decoupled RoPE part)
+        rotated = (q + 1) * m.rope_head_dim if m.is_mla else (q + kv) * m.head_dim
+        mem("rope", tokens * rotated * ROPE_BYTES[cfg.elementwise])
     mm("out_proj", tokens, m.v_dim / t, d)
     _mlp_ops(cfg, tokens, ops, mm, mem)
     sp_div = t if lay.sequence_parallel else 1
-    mem("norms", tokens / sp_div * d * 8.0)  # two norms: read and write 2 bytes per element each
+    mem("norms", tokens / sp_div * d * 2 * NORM_BYTES[cfg.elementwise])  # two per layer
     mem("residuals", tokens / sp_div * d * (12.0 + (2.0 if m.dropout else 0.0)))  # two (bias-dropout-)adds
     return ops
 
@@ -274,7 +293,7 @@ def _mlp_ops(cfg: TrainConfig, tokens: float, ops: list, mm, mem) -> None:
     if m.shared_experts:
         mm("mlp.shared", tokens, d, m.shared_experts * m.d_ff * (gate + 1) / t)  # up (and gate) and down, fused
     act_elems = tokens * (m.experts_per_token + m.shared_experts) * m.d_ff / t
-    mem("mlp.activation", act_elems * (6.0 if m.gated_mlp else 4.0))
+    mem("mlp.activation", act_elems * (SWIGLU_BYTES[cfg.elementwise] if m.gated_mlp else GELU_BYTES))
     mm("mlp.down", per_expert, m.d_ff / t, d, experts_local)
     if moe_share < 1.0:  # the expert layers' MLP ops for their share of the layers, the dense MLP for the rest
         _weigh(ops, start, moe_share)

@@ -94,6 +94,7 @@ class PublicRun:
     note: str = ""
     node_network_gbps: float | None = None  # the cluster's stated inter-node rate per node, if not the catalog's
     attention_kernel: str = "fa2"  # fa3: FlashAttention-3 / cuDNN (Transformer Engine)
+    elementwise: str = "fused"  # eager: PyTorch eager norms, rotary embedding and activation (TrainConfig)
     # serving: the source's per-token figure is a whole generate call (tokenize, prefill and every decode step) over
     # the tokens it generated, as its benchmark script states, not the time of one decode step
     per_token_includes_prefill: bool = False
@@ -220,9 +221,12 @@ TRAINING: tuple[PublicRun, ...] = (
             unit="tokens/s/chip",
             source=_FSDP_BLOG,
             grade="B",
-            stack="PyTorch FSDP (IBM fms-fsdp), SDPA FlashAttention-2",
+            stack="PyTorch FSDP (IBM fms-fsdp), SDPA FlashAttention-2, eager (torch.compile came later)",
             assumed=FSDP_STACK,
             node_network_gbps=network,  # the blog states 400 Gb/s (A100) and 800 Gb/s (H100) between nodes
+            # eager PyTorch: the same team's next post ('Maximizing training throughput using torch.compile and
+            # FSDP', PyTorch blog, 2024) adds torch.compile to this code for its next MFU gain
+            elementwise="eager",
         )
         for case, chip, chips, model, remat, tokens, network in (
             ("PT09", "a100-80gb", 128, "llama2-7b", "none", 3700.0, 400.0),

@@ -95,6 +95,7 @@ def _train(run: PublicRun) -> tuple[float, float, str]:
         flash_attention=True,
         causal=True,
         attention_kernel=run.attention_kernel,
+        elementwise=run.elementwise,
     )
     est = estimate(cfg)
     step = est.step_time_s
