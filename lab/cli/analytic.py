@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from lab.cli.args import (
     Parser,
@@ -21,6 +20,10 @@ from lab.core.errors import UserError
 from lab.core.hardware import COLLECTIVE_KINDS, COLLECTIVE_SCOPES, default_catalog
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
+
+TYPE_CHECKING = False  # typing is not imported at run time: annotations only
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def cmd_hardware_list(args: argparse.Namespace) -> tuple[dict[str, Any], str]:

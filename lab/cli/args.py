@@ -14,12 +14,8 @@ import re
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
 
 from lab.core.errors import UserError
-
-if TYPE_CHECKING:
-    from lab.core.models import ModelConfig
 from lab.core.hardware import Chip, default_catalog, parse_scale, scale_chip
 from lab.core.schema import (
     INT_LIMIT,
@@ -32,6 +28,12 @@ from lab.core.schema import (
 )
 from lab.core.table import non_finite
 from lab.core.units import canonical_dtype, dtype_bytes
+
+TYPE_CHECKING = False  # typing is not imported at run time: annotations only
+if TYPE_CHECKING:
+    from typing import Any, NoReturn
+
+    from lab.core.models import ModelConfig
 
 
 class _Formatter(argparse.HelpFormatter):

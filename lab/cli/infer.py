@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from lab.cli.args import (
     MAX_SEQ_LEN,
@@ -31,6 +30,10 @@ from lab.core.errors import UserError
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
 from lab.predict.inference import WEIGHT_DTYPES, InferConfig, estimate_inference
+
+TYPE_CHECKING = False  # typing is not imported at run time: annotations only
+if TYPE_CHECKING:
+    from typing import Any
 
 GiB = 2**30
 MAX_STACKS = 32  # HBM stacks on one package: 8 today (B200, MI300X), 16 announced (Rubin Ultra); 32 leaves room

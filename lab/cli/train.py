@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-from typing import Any
 
 from lab.cli.args import (
     MAX_SEQ_LEN,
@@ -40,6 +39,10 @@ from lab.core.units import canonical_dtype, fmt_bytes, fmt_count, fmt_seconds
 from lab.predict.remat import ALL as REMAT_ALL
 from lab.predict.train_config import ELEMENTWISE, MAX_CHECKPOINTS_PER_LAYER
 from lab.predict.training import OPTIMIZERS, SCHEDULES, Layout, TrainConfig, estimate, limits
+
+TYPE_CHECKING = False  # typing is not imported at run time: annotations only
+if TYPE_CHECKING:
+    from typing import Any
 
 GiB = 2**30
 MIN_MFU = 1e-3  # an MFU below 0.1% is a typo: large training runs reach 0.3-0.6 (the calibration set's Megatron runs)

@@ -20,18 +20,20 @@ same format. See :func:`load_hardware_file`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
 
 from lab.core.errors import UserError
 from lab.core.schema import parse_positive_float
 from lab.core.units import canonical_dtype
+
+TYPE_CHECKING = False  # typing is not imported at run time: annotations only
+if TYPE_CHECKING:
+    from typing import Any
 
 KINDS = ("tpu", "gpu", "cpu")
 # The collective kinds the cost model prices (lab.predict.collectives.KINDS) and a calibration's collective_factor
@@ -853,6 +855,8 @@ def load_hardware_file(path: str | os.PathLike, catalog: Catalog | None = None) 
     except OSError as exc:
         raise UserError(f"cannot read hardware file {str(p)!r}: {exc.strerror}") from None
     is_json = p.suffix.lower() == ".json"
+    import json  # here, with tomllib: a command that reads no hardware file starts without either
+
     if not is_json:
         import tomllib  # only for TOML: importing it costs a command a few ms at start-up otherwise
     try:

@@ -22,10 +22,13 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from lab.core.errors import UserError
 from lab.core.units import canonical_dtype, dtype_bytes
+
+TYPE_CHECKING = False  # typing is not imported at run time: annotations only
+if TYPE_CHECKING:
+    from typing import Any
 
 HF = "Hugging Face config.json of the released checkpoint"
 KORTHIKANTI = "Korthikanti et al. 2022 (arXiv 2205.05198), Table 3"

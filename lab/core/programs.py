@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from fractions import Fraction
 from numbers import Integral
 
 from lab.core.errors import UserError
@@ -291,6 +290,8 @@ def check_attention_sizes(name: str, mesh: dict[str, int], sizes: dict[str, int]
 def moe_capacity(tokens: int, experts: int, topk: int = MOE_TOPK, factor: float = MOE_CAPACITY_FACTOR) -> int:
     """Slots per expert in one device's send buffer: ``ceil(topk * tokens * factor / experts)`` (exact arithmetic,
     so a product that is whole is not rounded up by a float's last bit)."""
+    from fractions import Fraction  # here: importing it costs an analytic command about a millisecond at start-up
+
     return math.ceil(Fraction(topk * tokens) * Fraction(str(factor)) / experts)
 
 

@@ -15,9 +15,12 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from lab.core.errors import UserError
+
+TYPE_CHECKING = False  # typing is not imported at run time: annotations only
+if TYPE_CHECKING:
+    from typing import Any
 
 INT_LIMIT = 2**63  # integers at or above this are refused: beyond any real size, and beyond int64 downstream
 KINDS = ("int+", "int0", "number+", "bool", "str", "strs", "ints+")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+
+TYPE_CHECKING = False  # typing is not imported at run time: annotations only
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def render(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:
@@ -74,4 +76,6 @@ def _finite(obj: Any) -> Any:
 
 def dumps(obj: dict[str, Any]) -> str:
     """One JSON object, strict (no Infinity/NaN), keys in insertion order."""
+    import json  # only for --json: a command that prints a table starts without it
+
     return json.dumps(_finite(obj), indent=2, allow_nan=False)

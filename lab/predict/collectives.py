@@ -41,12 +41,15 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from lab.core.errors import UserError
 from lab.core.hardware import COLLECTIVE_KINDS as KINDS
 from lab.core.hardware import COLLECTIVE_SCOPES as SCOPES
 from lab.core.hardware import Chip
+
+TYPE_CHECKING = False  # typing is not imported at run time: annotations only
+if TYPE_CHECKING:
+    from typing import Any
 
 _KIND_ALIASES = {
     "allgather": "all-gather",

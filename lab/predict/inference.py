@@ -30,13 +30,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from lab.core.errors import UserError
 from lab.core.hardware import Chip
 from lab.core.models import ModelConfig
 from lab.core.units import canonical_dtype, dtype_bytes
 from lab.predict import efficiency as eff
+
+TYPE_CHECKING = False  # typing is not imported at run time: annotations only
+if TYPE_CHECKING:
+    from typing import Any
 
 WEIGHT_DTYPES = ("bf16", "fp8", "int8", "int4", "fp32")
 SAMPLE_BYTES = 8.0  # greedy sampling over vocab shards: each shard's best logit (fp32) and its index (int32)

@@ -9,8 +9,6 @@ its weights' share of the read time and attention the KV read; when FLOPs bound 
 
 from __future__ import annotations
 
-from typing import Any
-
 from lab.core.models import ModelConfig
 from lab.predict import efficiency as eff
 from lab.predict.inference import (
@@ -22,6 +20,10 @@ from lab.predict.inference import (
     decode_step,
     prefill_terms,
 )
+
+TYPE_CHECKING = False  # typing is not imported at run time: annotations only
+if TYPE_CHECKING:
+    from typing import Any
 
 MATMULS = ("attention/qkv", "attention/out", "mlp/up", "mlp/down", "logits")
 

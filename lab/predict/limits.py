@@ -5,10 +5,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from lab.core.errors import UserError
 from lab.core.hardware import Chip
+
+TYPE_CHECKING = False  # typing is not imported at run time: annotations only
+if TYPE_CHECKING:
+    from typing import Any
 
 # ----- the book's thresholds -----------------------------------------------------------------
 

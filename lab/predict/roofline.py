@@ -17,11 +17,14 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any
 
 from lab.core.errors import UserError
 from lab.core.hardware import Chip
 from lab.core.units import canonical_dtype, dtype_bytes
+
+TYPE_CHECKING = False  # typing is not imported at run time: annotations only
+if TYPE_CHECKING:
+    from typing import Any
 
 
 @dataclass(frozen=True)

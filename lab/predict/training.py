@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
 from lab.predict import efficiency as eff
 from lab.predict.limits import Limits, limits
@@ -79,6 +78,10 @@ from lab.predict.training_step import (
     step_parts,
     tp_microbatch_time,
 )
+
+TYPE_CHECKING = False  # typing is not imported at run time: annotations only
+if TYPE_CHECKING:
+    from typing import Any
 
 # The kernels' named scope each estimator op is joined to (lab/report/ledger.py); ops sharing a scope are one row.
 SCOPES = {

@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from lab.core.hardware import Chip
 from lab.predict.axis_costs import moe_exchange_bytes, ring_kv_block_bytes, ring_passes
@@ -40,6 +39,10 @@ from lab.predict.remat import policy as remat_policy
 from lab.predict.remat import recomputed
 from lab.predict.train_config import Layout, TrainConfig
 from lab.predict.training_memory import end_params, layer_params_local, local_params, routed_params_local
+
+TYPE_CHECKING = False  # typing is not imported at run time: annotations only
+if TYPE_CHECKING:
+    from typing import Any
 
 LOSS_BYTES = 4.0  # the float32 loss
 SOFTMAX_BYTES = 4.0  # max and sum of float32 logits per token

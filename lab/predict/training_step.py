@@ -19,8 +19,8 @@ What each role's collectives depend on is :func:`lab.predict.training_comm.conte
 
 from __future__ import annotations
 
+from collections import namedtuple
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from lab.core.hardware import Chip
 from lab.core.models import ModelConfig
@@ -85,32 +85,18 @@ def comm_time(cfg: TrainConfig, c: Comm) -> float:
     return prices(cfg.chip, cfg.layout, (c,))[0]
 
 
-class LayoutTerms(NamedTuple):
-    """A layout's part of the step (seconds): what neither the layer cost nor the microbatch changes."""
-
-    layers: float  # transformer layers on the busiest stage (Layout.stage_layers)
-    split: tuple[int, ...]  # uneven stages' layers (Layout.stage_split), else empty
-    slots: bool  # the embedding and the loss take a layer's slot on the first and last stage
-    dp: float  # the data-parallel gradient reduction, once per step (0 without one)
-    loss: float  # the loss mean over the batch axes
-    optimizer: float  # the optimizer's memory-bound pass over this chip's share of the state
-
-
-class FsdpTerms(NamedTuple):
-    """FSDP's collectives per layer (ahead of the forward, in the backward) and per microbatch (seconds)."""
-
-    fwd: float
-    bwd: float
-    rest: float
-
-
-class MicrobatchTerms(NamedTuple):
-    """A layout and microbatch size's part of the step."""
-
-    n_mb: int  # microbatches per pipeline per step
-    pp: float  # pipeline sends per microbatch, seconds
-    tp: float  # TP collectives once per microbatch (the vocab-parallel embedding and loss, SP's norm gradients)
-    bubble: float  # the pipeline bubble as a multiple of the work (axis_costs.bubble_over_work)
+# A layout's part of the step (seconds): what neither the layer cost nor the microbatch changes. layers: transformer
+# layers on the busiest stage (Layout.stage_layers); split: uneven stages' layers (Layout.stage_split), else empty;
+# slots: the embedding and the loss take a layer's slot on the first and last stage; dp: the data-parallel gradient
+# reduction, once per step (0 without one); loss: the loss mean over the batch axes; optimizer: the optimizer's
+# memory-bound pass over this chip's share of the state. (Plain named tuples: typing is not imported at run time.)
+LayoutTerms = namedtuple("LayoutTerms", "layers split slots dp loss optimizer")
+# FSDP's collectives per layer (ahead of the forward, in the backward) and per microbatch (seconds).
+FsdpTerms = namedtuple("FsdpTerms", "fwd bwd rest")
+# A layout and microbatch size's part of the step: n_mb microbatches per pipeline per step; pp: pipeline sends per
+# microbatch, seconds; tp: TP collectives once per microbatch (the vocab-parallel embedding and loss, SP's norm
+# gradients); bubble: the pipeline bubble as a multiple of the work (axis_costs.bubble_over_work).
+MicrobatchTerms = namedtuple("MicrobatchTerms", "n_mb pp tp bubble")
 
 
 # The roles each term prices; the pipeline's and context's once-a-step reductions (the SPMD pipeline's embedding
