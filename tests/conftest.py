@@ -23,6 +23,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["SHARDLAB_SPECS_DIR"] = tempfile.mkdtemp(prefix="shardlab-specs-")
 # One XLA compilation cache for the session, subprocesses included: the same small programs are compiled by
 # several tests (the audit, the runs, the fault tests' processes), and XLA:CPU takes seconds for each.
+# ./scripts/test keeps it between runs (in .venv); pytest on its own uses a new one each session.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="shardlab-xla-cache-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
