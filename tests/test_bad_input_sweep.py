@@ -130,7 +130,9 @@ HARDWARE_FILES = [
     ({"name": "x", "base": "tpu-v5e", "pod_shape": []}, "pod_shape = [] names no axis"),
     ({"name": "x", "base": "tpu-v5e", "torus_dims": 7}, "torus_dims = 7"),
     ({"name": "x", "base": "tpu-v5e", "pod_shape": [16] * 5}, "has 5 axes but torus_dims = 2"),
-    ({"name": "x", "base": "h100", "topology": "torus"}, "a torus topology needs torus_dims and pod_shape"),
+    ({"name": "x", "base": "h100", "kind": "tpu", "topology": "torus"}, "a torus topology needs torus_dims"),
+    ({"name": "x", "base": "h100", "kind": "tpu"}, "kind 'tpu' with topology 'switch': a TPU is priced on a torus"),
+    ({"name": "x", "base": "tpu-v5e", "kind": "gpu"}, "kind 'gpu' with topology 'torus': a GPU is priced on a switch"),
     ({"name": "x", "base": "h100", "node_size": 10**26}, "node_size = 1e+26 is outside the plausible 1..1e+06"),
     ({"name": "x", "base": "h100", "hbm_bytes": 1e30}, "hbm_bytes = 1e+30 is outside the plausible"),
     ({"name": "x", "base": "h100", "hbm_bandwidth": 1e-300}, "hbm_bandwidth = 1e-300 is outside the plausible"),
@@ -151,6 +153,13 @@ def test_a_hardware_file_with_absurd_values_is_refused(tmp_path, capsys, entry, 
     f.write_text(json.dumps(entry), encoding="utf-8")
     line = refused(["hardware", "list", "--hardware-file", str(f)], capsys)
     assert "chips.json" in line and needle in line
+
+
+def test_a_json_hardware_file_with_a_repeated_key_is_refused(tmp_path, capsys):
+    f = tmp_path / "chips.json"  # TOML refuses a repeated key itself; JSON would keep the last one silently
+    f.write_text('{"name": "x", "base": "h100", "hbm_bandwidth": 1e12, "hbm_bandwidth": 2e12}', encoding="utf-8")
+    line = refused(["hardware", "list", "--hardware-file", str(f)], capsys)
+    assert "chips.json" in line and "key 'hbm_bandwidth' appears twice" in line
 
 
 def test_validate_refuses_a_hardware_file_it_would_ignore(tmp_path, capsys):

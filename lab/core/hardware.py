@@ -208,6 +208,12 @@ class Chip:
             )
         if self.wraparound_rule in ("full-axis", "cube") and not self.wraparound_size:
             raise UserError(f"{where}: wraparound_rule {self.wraparound_rule!r} needs a wraparound_size")
+        if (self.kind, self.topology) in (("tpu", "switch"), ("gpu", "torus")):  # e.g. kind = "tpu" on a GPU base
+            want = "torus" if self.kind == "tpu" else "switch"
+            raise UserError(
+                f"{where}: kind {self.kind!r} with topology {self.topology!r}: a {self.kind.upper()} is priced on a "
+                f"{want} (give topology = {want!r} with its fields, or base the chip on a catalog {self.kind.upper()})"
+            )
         if self.topology == "switch" and not self.node_size:
             raise UserError(f"{where}: a switch topology needs node_size (chips per switch domain)")
         if self.pod_shape is not None and not self.pod_shape:
@@ -784,6 +790,16 @@ def _check_plausible(chip: Chip, where: str) -> None:
         )
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are unique (TOML refuses a repeated key; JSON would keep the last silently)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice in one object; keep one")
+        out[key] = value
+    return out
+
+
 def _coerce_chip(entry: Mapping[str, Any], base: Chip | None, where: str) -> Chip:
     known = {f.name for f in dataclasses.fields(Chip)}
     if not isinstance(entry, Mapping):
@@ -860,7 +876,7 @@ def load_hardware_file(path: str | os.PathLike, catalog: Catalog | None = None) 
     if not is_json:
         import tomllib  # only for TOML: importing it costs a command a few ms at start-up otherwise
     try:
-        doc = json.loads(text) if is_json else tomllib.loads(text)
+        doc = json.loads(text, object_pairs_hook=_unique_keys) if is_json else tomllib.loads(text)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and TOMLDecodeError are ValueErrors
         reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise UserError(
