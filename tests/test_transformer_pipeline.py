@@ -301,3 +301,27 @@ def test_decode_does_not_run_pipelined():
     two = dataclasses.replace(one, mesh=make_mesh_axes({"data": 1, "model": 4, "pipe": 2}))
     with pytest.raises(UserError, match=r"layers = \['pipe'\]: decode runs unpipelined; leave layers out"):
         two.validate()
+
+
+def test_fsdp_inside_the_stages_audits_as_one_gather_and_one_reduction_a_step(jax_devices):
+    """pipe x data x model with the weights FSDP-sharded over data: the stage's weights are loop-invariant in the
+    pipeline's loop, so XLA gathers them whole once before it and all-reduces their summed gradients once after it.
+    By hand, one device's fp32 weights (the experiment's dims, TP over model = 2): a layer's Q 56x96/2, K and V
+    56x48/2 each, O 96x56/2, gate and up 2x56x104/2, down 104x56/2, two norm scales of 56 = 16,912; a stage holds
+    2 layers, and every stage the two vocab-parallel tables (88x56/2 each) and the final norm (56): 38,808."""
+    from lab.compile.audit import audit_plan
+    from lab.core.hardware import get_chip
+    from lab.core.rules import get_rules
+    from lab.run.experiment import load_experiment
+
+    plan = load_experiment(os.path.join(REPO, "experiments", "train_pipe_dp_tp.toml")).plan
+    plan = dataclasses.replace(plan, rules=dataclasses.replace(get_rules("fsdp_tp"), layers="pipe"))
+    r = audit_plan(plan, get_chip("cpu"))
+    assert r.all_match and not r.unexpected, r.table()
+    by_kind = {(e.kind, e.axes): e for e in r.entries}
+    stage = 38_808 * 4
+    gather = by_kind[("all-gather", ("data",))]
+    assert gather.predicted_bytes == gather.compiled_bytes == stage and len(gather.instructions) >= 1
+    reduce = by_kind[("all-reduce", ("data",))]
+    assert reduce.predicted_bytes == reduce.compiled_bytes == stage + 4  # and the float32 loss
+    assert ("reduce-scatter", ("data",)) not in by_kind

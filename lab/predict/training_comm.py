@@ -275,6 +275,8 @@ def _fsdp(cfg: TrainConfig) -> list[Comm]:
     final = m.d_model * (2 if m.norm == "layernorm" else 1) / lay.pp
     rest = local_params(m, lay) - m.layers / lay.pp * layer - final  # embeddings (and learned positions)
     out_table = rest * _output_table_share(m)
+    if cfg.spmd_pipeline and lay.pp > 1:  # the lab's pipeline: a stage's weights gathered whole, once a step
+        return _fsdp_in_pipeline(cfg, wdt, gdt)
     norms = float(m.norm_params_per_layer)
     # the norm scales gathered again for the recomputed forward (XLA:CPU)
     again = Comm("fsdp", "all-gather", norms * cfg.weight_bytes, 1, "layer", _NORMS_AGAIN, "layer", wdt)
@@ -305,6 +307,20 @@ def _fsdp(cfg: TrainConfig) -> list[Comm]:
         ),
     ]
     return [c for c in out if c.bytes > 0]
+
+
+def _fsdp_in_pipeline(cfg: TrainConfig, wdt: str, gdt: str) -> list[Comm]:
+    """FSDP inside the lab's SPMD pipeline, as XLA compiles it: the stage's weights (its layers, and the embeddings
+    and final norm every stage holds) are loop-invariant in the pipeline's loop over steps, so XLA gathers them
+    whole once, before it, and reduces their gradients, summed over the steps, once after it: an AllReduce of the
+    whole gradients over the FSDP group (each shard then keeps its slice), not a ReduceScatter per layer."""
+    stage = local_params(cfg.model, cfg.layout, ends_on_every_stage=True)
+    what = "FSDP: the stage's weights, once a step (before the pipeline's loop)"
+    grads = "FSDP: the stage's gradients, once a step (after the pipeline's loop)"
+    return [
+        Comm("fsdp", "all-gather", stage * cfg.weight_bytes, 1, "step", what, "", wdt),
+        Comm("fsdp", "all-reduce", stage * cfg.grad_reduce_bytes, 1, "step", grads, "", gdt),
+    ]
 
 
 _LAYER_GATHER = "FSDP: each layer's weights, fwd and bwd"

@@ -178,8 +178,11 @@ def state_bytes(
     zero_group = lay.dp * lay.fsdp
     params = local * weight_bytes / f
     gathered = 2 * layer * weight_bytes if f > 1 else 0.0
-    params += gathered  # the layer being computed (and the next, prefetched) are gathered whole
     grads = local * GRAD_BYTES / (zero_group if lay.zero >= 2 else f)
+    if f > 1 and ends_on_every_stage and lay.pp > 1:  # the lab's SPMD pipeline (training_comm._fsdp_in_pipeline):
+        gathered = local * weight_bytes  # the stage's weights gathered whole for the step,
+        grads = local * GRAD_BYTES  # their gradients summed whole before the reduction
+    params += gathered  # the layer being computed (and the next, prefetched) are gathered whole
     opt = local * optimizer_bytes / (zero_group if lay.zero >= 1 else f)
     return params, grads, opt, gathered, local
 

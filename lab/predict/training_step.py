@@ -91,8 +91,9 @@ def comm_time(cfg: TrainConfig, c: Comm) -> float:
 # reduction, once per step (0 without one); loss: the loss mean over the batch axes; optimizer: the optimizer's
 # memory-bound pass over this chip's share of the state. (Plain named tuples: typing is not imported at run time.)
 LayoutTerms = namedtuple("LayoutTerms", "layers split slots dp loss optimizer")
-# FSDP's collectives per layer (ahead of the forward, in the backward) and per microbatch (seconds).
-FsdpTerms = namedtuple("FsdpTerms", "fwd bwd rest")
+# FSDP's collectives per layer (ahead of the forward, in the backward) and per microbatch (seconds), and those once a
+# step, exposed (the lab's SPMD pipeline gathers a stage's weights before its loop and reduces their gradients after).
+FsdpTerms = namedtuple("FsdpTerms", "fwd bwd rest step")
 # A layout and microbatch size's part of the step: n_mb microbatches per pipeline per step; pp: pipeline sends per
 # microbatch, seconds; tp: TP collectives once per microbatch (the vocab-parallel embedding and loss, SP's norm
 # gradients); bubble: the pipeline bubble as a multiple of the work (axis_costs.bubble_over_work).
@@ -145,7 +146,7 @@ def fsdp_terms(chip: Chip, lay: Layout, comms: tuple[Comm, ...]) -> FsdpTerms | 
             fwd += t * ahead
             bwd += t * (c.calls - ahead)
     rest = sum(c.calls * t for c, t in times.items() if c.per == "microbatch")
-    return FsdpTerms(fwd, bwd, rest)
+    return FsdpTerms(fwd, bwd, rest, sum(c.calls * t for c, t in times.items() if c.per == "step"))
 
 
 def pp_time(chip: Chip, lay: Layout, comms: tuple[Comm, ...]) -> float:
@@ -176,8 +177,8 @@ def fsdp_exposed(chip: Chip, ft: FsdpTerms, lc: LayerCost, layers: float) -> flo
 def step_parts(
     chip: Chip, lc: LayerCost, lt: LayoutTerms, mt: MicrobatchTerms, ft: FsdpTerms | None
 ) -> tuple[float, ...]:
-    """The step time and its parts: ``(step, compute, tp, ep, cp, pp, fsdp, offload, bubble, dp_exposed)``,
-    the six after compute per microbatch, the rest per step (:func:`breakdown` names them)."""
+    """The step time and its parts: ``(step, compute, tp, ep, cp, pp, fsdp, offload, bubble, dp_exposed,
+    fsdp_step)``, the six after compute per microbatch, the rest per step (:func:`breakdown` names them)."""
     layers, n_mb = lt.layers, mt.n_mb
     layer_t = lc.fwd + lc.bwd + lc.recompute
     if lt.split:  # uneven stages: the last one also computes the logits; the busiest sets the pace
@@ -197,24 +198,25 @@ def step_parts(
     bubble = mt.bubble * n_mb * t_mb  # (p - 1) / v microbatch times (axis_costs)
     # Data parallelism: one gradient reduction per step, behind the last microbatch's backward; the loss mean.
     dp_exposed = eff.overlap_cost(chip, lt.dp, layers * (lc.bwd + lc.recompute)) + lt.loss
-    step = n_mb * t_mb + bubble + dp_exposed + lt.optimizer
-    return step, compute_mb, tp_mb, ep_mb, cp_mb, pp_mb, fsdp_mb, offload_mb, bubble, dp_exposed
+    fsdp_step = 0.0 if ft is None else ft.step
+    step = n_mb * t_mb + bubble + dp_exposed + fsdp_step + lt.optimizer
+    return step, compute_mb, tp_mb, ep_mb, cp_mb, pp_mb, fsdp_mb, offload_mb, bubble, dp_exposed, fsdp_step
 
 
 def breakdown(parts: tuple[float, ...], lt: LayoutTerms, mt: MicrobatchTerms) -> dict[str, float]:
     """The step's parts (:func:`step_parts`) as the estimate's breakdown: seconds per step."""
-    _, compute_mb, tp_mb, ep_mb, cp_mb, pp_mb, fsdp_mb, offload_mb, bubble, dp_exposed = parts
+    _, compute_mb, tp_mb, ep_mb, cp_mb, pp_mb, fsdp_mb, offload_mb, bubble, dp_exposed, fsdp_step = parts
     n_mb = mt.n_mb
     return {
         "compute_s": n_mb * compute_mb,
-        "exposed_comm_s": n_mb * (tp_mb + ep_mb + cp_mb + pp_mb + fsdp_mb) + dp_exposed,
+        "exposed_comm_s": n_mb * (tp_mb + ep_mb + cp_mb + pp_mb + fsdp_mb) + fsdp_step + dp_exposed,
         "bubble_s": bubble,
         "optimizer_s": lt.optimizer,
         "comm_tp_s": n_mb * tp_mb,
         "comm_ep_s": n_mb * ep_mb,
         "comm_cp_s": n_mb * cp_mb,
         "comm_pp_s": n_mb * pp_mb,
-        "comm_fsdp_s": n_mb * fsdp_mb,
+        "comm_fsdp_s": n_mb * fsdp_mb + fsdp_step,
         "comm_dp_s": dp_exposed,
         "dp_reduction_s": lt.dp,
         "offload_s": n_mb * offload_mb,

@@ -78,8 +78,9 @@ def executable(est) -> bool:
     """Whether a planner layout is one the lab's train step runs as the planner prices it: no ZeRO-1 or -2, no
     uneven stages, without a pipeline one microbatch a step, and no FSDP inside pipeline stages (the lab's pipeline
     takes each stage's weights whole into its ``shard_map``: they are gathered once a step and their gradients
-    all-reduced, not gathered layer by layer; ``shardlab audit`` shows the mismatch). Whether the lab's Transformer
-    takes the rest of its parallelism (pipeline, context, experts, and their combinations) is
+    all-reduced, not gathered layer by layer as the planner prices them; the audit and the estimate of the Plan
+    price what the lab does on this host, not yet what the TPU compiler does, which casts first). Whether the lab's
+    Transformer takes the rest of its parallelism (pipeline, context, experts, and their combinations) is
     :meth:`Plan.validate`'s to say (:func:`candidates`)."""
     lay, c = est.config.layout, est.config
     plain = not lay.stage_split and not lay.pp_embedding_slots
