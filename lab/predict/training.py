@@ -90,6 +90,7 @@ SCOPES = {
     "attention.bmm": "attention/scores",
     "attention.softmax": "attention/scores",
     "out_proj": "attention/out",
+    "rope": "attention/rope",
     "router": "mlp/router",
     "mlp.up": "mlp/up",
     "mlp.activation": "mlp/up",
