@@ -269,14 +269,14 @@ def _fsdp(cfg: TrainConfig) -> list[Comm]:
         return []
     wdt = "fp32" if cfg.weight_bytes == 4 else "bf16"
     gdt = _dtype(cfg.grad_reduce_bytes)
+    if cfg.spmd_pipeline and lay.pp > 1:  # the lab's pipeline: a stage's weights gathered whole, once a step
+        return _fsdp_in_pipeline(cfg, wdt, gdt)
     layer = layer_params_local(m, lay)
     # A stage holds its share of the embeddings (the first stage the input table, the last the output one and the
     # final norm), averaged over the stages as local_params averages them.
     final = m.d_model * (2 if m.norm == "layernorm" else 1) / lay.pp
     rest = local_params(m, lay) - m.layers / lay.pp * layer - final  # embeddings (and learned positions)
     out_table = rest * _output_table_share(m)
-    if cfg.spmd_pipeline and lay.pp > 1:  # the lab's pipeline: a stage's weights gathered whole, once a step
-        return _fsdp_in_pipeline(cfg, wdt, gdt)
     norms = float(m.norm_params_per_layer)
     # the norm scales gathered again for the recomputed forward (XLA:CPU)
     again = Comm("fsdp", "all-gather", norms * cfg.weight_bytes, 1, "layer", _NORMS_AGAIN, "layer", wdt)

@@ -182,7 +182,7 @@ def state_bytes(
     if f > 1 and ends_on_every_stage and lay.pp > 1:  # the lab's SPMD pipeline (training_comm._fsdp_in_pipeline):
         gathered = local * weight_bytes  # the stage's weights gathered whole for the step,
         grads = local * GRAD_BYTES  # their gradients summed whole before the reduction
-    params += gathered  # the layer being computed (and the next, prefetched) are gathered whole
+    params += gathered  # held whole: two layers (the one computed, the next prefetched), or the pipeline's stage
     opt = local * optimizer_bytes / (zero_group if lay.zero >= 1 else f)
     return params, grads, opt, gathered, local
 

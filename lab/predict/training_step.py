@@ -134,8 +134,8 @@ def layout_terms(
 
 
 def fsdp_terms(chip: Chip, lay: Layout, comms: tuple[Comm, ...]) -> FsdpTerms | None:
-    """FSDP's gathers and scatters (``role_comms(cfg, "fsdp")``), summed per layer and per microbatch; None without
-    FSDP."""
+    """FSDP's gathers and scatters (``role_comms(cfg, "fsdp")``), summed per layer, per microbatch and once a step;
+    None without FSDP."""
     if lay.fsdp_eff <= 1:
         return None
     times = dict(zip(comms, prices(chip, lay, comms), strict=True))
