@@ -239,3 +239,31 @@ def test_the_batch_tokens_help_example_works(capsys):
     assert "e.g. 4Mi or 4194304" in " ".join(capsys.readouterr().out.split())
     assert main(["train", "estimate", *LLAMA, "--batch-tokens", "4Mi", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["global_batch"] == 512
+
+
+# ----- options an experiment file's Plan gives, set again next to --plan ---------------------------------------------
+
+
+TRAIN_PLAN = ["train", "estimate", "--plan", str(EXPERIMENTS / "train_dp.toml")]
+INFER_PLAN = ["infer", "estimate", "--plan", str(EXPERIMENTS / "decode_tp.toml")]
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        ([*TRAIN_PLAN, "--remat", "full"], "--remat"),
+        ([*TRAIN_PLAN, "--microbatch", "2"], "--microbatch"),
+        ([*TRAIN_PLAN, "--elementwise", "eager"], "--elementwise"),
+        ([*TRAIN_PLAN, "--no-flash-attention"], "--flash-attention"),
+        ([*INFER_PLAN, "--weights", "int8"], "--weights"),
+        ([*INFER_PLAN, "--achievable"], "--achievable"),
+    ],
+)
+def test_an_option_the_plan_gives_is_refused_next_to_it_not_ignored(capsys, argv, flag):
+    line = refused(argv, capsys)
+    assert line.startswith(f"shardlab: error: {flag} with --plan: the Plan gives") and "drop them" in line
+
+
+def test_what_a_plan_does_not_give_still_goes_with_it(capsys):
+    argv = [*TRAIN_PLAN, "--tokens", "1e12", "--json"]
+    assert main(argv) == 0 and json.loads(capsys.readouterr().out)["days"] > 0

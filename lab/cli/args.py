@@ -407,6 +407,12 @@ PLAN_CONFLICTS = (
 )
 
 
+def plan_options(parser: argparse.ArgumentParser, *dests: str) -> None:
+    """Record on ``parser`` the defaults of its options that a Plan gives or prices its own way (``[options]``, the
+    dtypes, the pricing mode): :func:`plan_of` refuses any of them changed next to ``--plan`` instead of ignoring it."""
+    parser.set_defaults(plan_options={d: parser.get_default(d) for d in dests})
+
+
 def plan_of(args: argparse.Namespace, program: str, command: str):
     """``(plan, chip)`` of ``--plan FILE``: the experiment file's Plan, priced on its hardware or ``--hardware``.
 
@@ -417,8 +423,13 @@ def plan_of(args: argparse.Namespace, program: str, command: str):
 
     given = [f"--{k.replace('_', '-')}" for k in PLAN_CONFLICTS if getattr(args, k, None) is not None]
     given += [f"--{k.replace('_', '-')}" for k in MODEL_FLAGS if getattr(args, k, None) is not None]
+    options = getattr(args, "plan_options", {})
+    given += [f"--{k.replace('_', '-')}" for k, d in options.items() if getattr(args, k, d) != d]
     if given:
-        raise UserError(f"{', '.join(given)} with --plan: the Plan gives the model, layout and sizes; drop them")
+        raise UserError(
+            f"{', '.join(given)} with --plan: the Plan gives the model, layout, sizes and options and is priced as "
+            "the lab builds it; drop them (or change the experiment file)"
+        )
     plan = load_experiment(args.plan).plan
     if plan.program != program:
         other = {"train_step": "train estimate", "decode": "infer estimate"}.get(plan.program, "shardlab audit")

@@ -19,6 +19,7 @@ from lab.cli.args import (
     model_parent,
     ops_table,
     plan_of,
+    plan_options,
     positive_int,
     positive_ints,
     scale_arg,
@@ -325,6 +326,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
         "--mfu", type=fraction("--mfu"), help="prefill at this MFU (2 N tokens FLOPs) instead of the roofline"
     )
     ie.add_argument("--achievable", action="store_true", help="apply the efficiency model instead of ideal peaks")
+    plan_options(ie, "weights", "kv", "compute", "mfu", "achievable")  # the Plan's dtypes; priced as it is built
     command(ie, cmd_infer_estimate)
 
     def serving_args(p) -> None:

@@ -24,6 +24,7 @@ from lab.cli.args import (
     ops_table,
     out_path,
     plan_of,
+    plan_options,
     positive_float,
     positive_int,
     positive_ints,
@@ -45,6 +46,25 @@ if TYPE_CHECKING:
     from typing import Any
 
 GiB = 2**30
+# The job's options an experiment file's Plan gives instead ([options], its dtype), refused next to --plan
+TRAIN_OPTIONS = (
+    "microbatch",
+    "ep",
+    "zero",
+    "sequence_parallel",
+    "pp_schedule",
+    "interleave",
+    "capacity_factor",
+    "pp_split",
+    "pp_embedding_slots",
+    "remat",
+    "checkpoints_per_layer",
+    "dtype",
+    "optimizer",
+    "flash_attention",
+    "attention_kernel",
+    "elementwise",
+)
 MIN_MFU = 1e-3  # an MFU below 0.1% is a typo: large training runs reach 0.3-0.6 (the calibration set's Megatron runs)
 # A whole number of sequences: 4Mi = 4,194,304 = 512 x 8192 divides by every power-of-two --seq-len (4M does not)
 BATCH_TOKENS_HELP = "tokens per optimizer step, all sequences together: a multiple of --seq-len (e.g. 4Mi or 4194304)"
@@ -590,6 +610,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
         "Megatron/Transformer Engine, XLA and torch.compile do; default) or eager (PyTorch eager ops, fp32 "
         "intermediates, as the reference LLaMA code writes them)",
     )
+    plan_options(te, *TRAIN_OPTIONS)
     command(te, cmd_train_estimate)
 
     tl = tsub.add_parser("limits", parents=[common, hw], help="the book's DP, TP and FSDP thresholds")
