@@ -267,3 +267,27 @@ def test_an_option_the_plan_gives_is_refused_next_to_it_not_ignored(capsys, argv
 def test_what_a_plan_does_not_give_still_goes_with_it(capsys):
     argv = [*TRAIN_PLAN, "--tokens", "1e12", "--json"]
     assert main(argv) == 0 and json.loads(capsys.readouterr().out)["days"] > 0
+
+
+# ----- flags a layout or command makes meaningless (a third sweep's findings) ----------------------------------------
+
+TRAIN_64 = ["train", "estimate", "--model", "llama3-8b", *H100, "--chips", "64", "--global-batch", "512"]
+DISAGG = ["infer", "disaggregate", "--model", "llama3-70b", *H100, "--prefill-len", "4096", "--generate", "1000"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        ([*TRAIN_64, "--tp", "8", "--pp-schedule", "gpipe"], "--pp-schedule gpipe applies to a pipeline"),
+        ([*TRAIN_64, "--tp", "8", "--pp-split", "32"], "--pp-split applies to a pipeline"),
+        ([*TRAIN_64, "--tp", "8", "--pp-embedding-slots"], "--pp-embedding-slots applies to a pipeline"),
+        ([*TRAIN_64, "--pp", "2", "--pp-schedule", "interleaved"], "needs --interleave 2 or more"),
+        ([*TRAIN_64, "--dp", "64", "--sequence-parallel"], "--sequence-parallel splits the tensor-parallel group"),
+        ([*TRAIN_64, "--attention-kernel", "fa3", "--no-flash-attention"], "drop --no-flash-attention"),
+        ([*DISAGG, "--batch", "32", "--context", "8192"], "required: --chips"),
+        ([*DISAGG, "--batch", "32", "--chips", "8"], "required: --context"),
+        ([*INFER[:-4], "--batch", "32", "--context", "8192", "--mfu", "0.5"], "give --prefill-len too"),
+    ],
+)
+def test_a_flag_that_would_change_nothing_is_refused(capsys, argv, needle):
+    assert needle in refused(argv, capsys)

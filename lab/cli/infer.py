@@ -65,6 +65,11 @@ def _warn_context(args: argparse.Namespace, model) -> None:
 
 
 def infer_config(args: argparse.Namespace, chip) -> InferConfig:
+    missing = [
+        f for f, v in (("--chips", args.chips), ("--batch", args.batch), ("--context", args.context)) if v is None
+    ]
+    if missing:
+        raise UserError(f"the following arguments are required: {', '.join(missing)}")
     model = model_of(args)
     n = args.chips
     tp, dp, ep = args.tp, args.dp, args.ep or 1
@@ -82,6 +87,8 @@ def infer_config(args: argparse.Namespace, chip) -> InferConfig:
             f"--prefill-len {args.prefill_len} is longer than --context {args.context}: the KV cache holds the "
             f"prompt; give --prefill-len at most {args.context}, or --context {args.prefill_len}"
         )
+    if args.mfu is not None and args.prefill_len is None:
+        raise UserError(f"--mfu {args.mfu:g} prices the prefill at that MFU; give --prefill-len too (e.g. 2048)")
     if args.generate is not None and args.generate > MAX_SEQ_LEN:
         raise UserError(
             f"--generate {args.generate} tokens is longer than any model's context; give at most {MAX_SEQ_LEN:,} "

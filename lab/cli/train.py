@@ -142,6 +142,7 @@ def _layout(args: argparse.Namespace) -> Layout:
             f"{parts} = {math.prod(degrees.values())} chips but --chips is {chips}; "
             f"make the degrees multiply to {chips} (leave --dp out to fill the rest)"
         )
+    _check_layout_flags(args, degrees)
     return Layout(
         **degrees,
         ep=args.ep,
@@ -152,6 +153,30 @@ def _layout(args: argparse.Namespace) -> Layout:
         pp_embedding_slots=args.pp_embedding_slots,
         stage_split=tuple(args.pp_split or ()),
     )
+
+
+def _check_layout_flags(args: argparse.Namespace, degrees: dict[str, int]) -> None:
+    """Refuse a flag the layout makes meaningless (it would only change the estimate's label)."""
+    if degrees["pp"] == 1:
+        pipeline = [
+            f
+            for f, given in (
+                (f"--pp-schedule {args.pp_schedule}", args.pp_schedule != "1f1b"),
+                ("--pp-split", args.pp_split is not None),
+                ("--pp-embedding-slots", args.pp_embedding_slots),
+            )
+            if given
+        ]
+        if pipeline:
+            raise UserError(f"{', '.join(pipeline)} applies to a pipeline; add --pp N (N > 1), or drop it")
+    elif args.pp_schedule == "interleaved" and args.interleave < 2:
+        raise UserError("--pp-schedule interleaved needs --interleave 2 or more (chunks per stage); 1 is 1f1b")
+    if args.sequence_parallel and degrees["tp"] == 1:
+        raise UserError(
+            "--sequence-parallel splits the tensor-parallel group's sequence; add --tp N (N > 1), or drop it"
+        )
+    if args.attention_kernel != "fa2" and not args.flash_attention:
+        raise UserError(f"--attention-kernel {args.attention_kernel} is a fused kernel; drop --no-flash-attention")
 
 
 def train_config(args: argparse.Namespace, chip) -> TrainConfig:
