@@ -291,3 +291,26 @@ DISAGG = ["infer", "disaggregate", "--model", "llama3-70b", *H100, "--prefill-le
 )
 def test_a_flag_that_would_change_nothing_is_refused(capsys, argv, needle):
     assert needle in refused(argv, capsys)
+
+
+ALL_REDUCE = ["collective", "all-reduce", "--bytes", "32Mi", "--axis-size", "8", "--no-wraparound"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        ([*ALL_REDUCE, *H100], "h100's switch"),
+        ([*ALL_REDUCE, "--hardware", "v5e", "--scope", "cross-node"], "not --scope cross-node (DCN)"),
+    ],
+)
+def test_no_wraparound_is_refused_where_there_is_no_torus_axis(capsys, argv, needle):
+    assert needle in refused(argv, capsys)
+
+
+def test_no_wraparound_still_prices_a_torus_axis(capsys):
+    base = ["collective", "all-gather", "--hardware", "v5e", "--bytes", "32Mi", "--axis-size", "16", "--json"]
+    assert main(base) == 0
+    ring = json.loads(capsys.readouterr().out)
+    assert main([*base, "--no-wraparound"]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line["time_s"] > ring["time_s"]  # one direction around an open line, both around a ring

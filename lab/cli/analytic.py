@@ -171,6 +171,14 @@ def cmd_roofline_op(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return r.to_dict(), text
 
 
+def _wraparound(args: argparse.Namespace, chip) -> bool:
+    """``not --no-wraparound``, refused where it would change nothing: wraparound is a torus axis' (ICI) property."""
+    if args.no_wraparound and (chip.topology != "torus" or args.scope != "node"):
+        where = f"{chip.name}'s {chip.topology}" if chip.topology != "torus" else "--scope cross-node (DCN)"
+        raise UserError(f"--no-wraparound describes torus axes inside a slice, not {where}; drop it")
+    return not args.no_wraparound
+
+
 def cmd_collective(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from lab.predict.collectives import canonical_kind, collective_time
 
@@ -180,7 +188,7 @@ def cmd_collective(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         parse_bytes(args.bytes),
         args.axis_size,
         chip,
-        wraparound=not args.no_wraparound,
+        wraparound=_wraparound(args, chip),
         scope=args.scope,
     )
     d = c.to_dict()
@@ -225,7 +233,7 @@ def cmd_sharded_matmul(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         mesh,
         chip,
         args.dtype,
-        wraparound=not args.no_wraparound,
+        wraparound=_wraparound(args, chip),
         scope=args.scope,
     )
     d = plan.to_dict()
