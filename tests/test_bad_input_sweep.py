@@ -314,3 +314,18 @@ def test_no_wraparound_still_prices_a_torus_axis(capsys):
     assert main([*base, "--no-wraparound"]) == 0
     line = json.loads(capsys.readouterr().out)
     assert line["time_s"] > ring["time_s"]  # one direction around an open line, both around a ring
+
+
+@pytest.mark.parametrize(
+    ("extra", "flag"),
+    [
+        (["--dp", "8", "--elementwise", "eager"], "--elementwise eager"),
+        (["--dp", "8", "--attention-kernel", "fa3"], "--attention-kernel fa3"),
+        (["--pp", "2", "--dp", "4", "--pp-embedding-slots"], "--pp-embedding-slots"),
+    ],
+)
+def test_save_plan_refuses_what_a_plan_cannot_record(tmp_path, capsys, extra, flag):
+    out = tmp_path / "p.toml"
+    argv = ["train", "estimate", "--model", "llama3-8b", *H100, "--chips", "8", *extra, "--save-plan", str(out)]
+    assert f"--save-plan cannot record {flag} (a Plan has no such option)" in refused(argv, capsys)
+    assert not out.exists()

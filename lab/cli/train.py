@@ -345,6 +345,17 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
         raise UserError(f"--save-plan cannot record --remat {cfg.remat} (a Plan runs none, selective or full)")
     if cfg.capacity_factor != 1.0:
         raise UserError("--save-plan cannot record --capacity-factor yet (a Plan has no MoE routing options); drop one")
+    unrecorded = [  # GPU kernel and pipeline-split choices a Plan does not carry: its estimate would differ
+        flag
+        for flag, given in (
+            (f"--attention-kernel {cfg.attention_kernel}", cfg.attention_kernel != "fa2"),
+            (f"--elementwise {cfg.elementwise}", cfg.elementwise != "fused"),
+            ("--pp-embedding-slots", lay.pp_embedding_slots),
+        )
+        if given
+    ]
+    if unrecorded:
+        raise UserError(f"--save-plan cannot record {', '.join(unrecorded)} (a Plan has no such option); drop one")
     options = Options(
         microbatch=cfg.microbatch,
         zero=lay.zero,
