@@ -118,7 +118,7 @@ def parse_int(val: str | int, what: str = "", *, minimum: int = 1) -> int:
         UserError: not a number, not an integer, below ``minimum``, or too large (``1e999``, ``inf``, ``nan``).
     """
     kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-    example = "4096 or 8k" if minimum >= 1 else "0, 1 or 4096"
+    example = "4096 or 8Ki" if minimum >= 1 else "0, 1 or 4096"  # 8k is 8000: SI, as 8Ki is 8192
     s = str(val).strip().lower()
     m = _INT_TEXT.fullmatch(s)
     if s.lstrip("+-") in ("inf", "infinity", "nan"):
