@@ -329,3 +329,8 @@ def test_save_plan_refuses_what_a_plan_cannot_record(tmp_path, capsys, extra, fl
     argv = ["train", "estimate", "--model", "llama3-8b", *H100, "--chips", "8", *extra, "--save-plan", str(out)]
     assert f"--save-plan cannot record {flag} (a Plan has no such option)" in refused(argv, capsys)
     assert not out.exists()
+
+
+def test_train_limits_batch_tokens_alone_is_refused(capsys):
+    argv = ["train", "limits", "--hardware", "v5e", "--model", "llama3-8b", "--batch-tokens", "4Mi"]
+    assert "goes with --chips (the best FSDP degree) or --checkpoints-per-layer" in refused(argv, capsys)

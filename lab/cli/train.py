@@ -410,6 +410,11 @@ def cmd_train_limits(args: argparse.Namespace, chip) -> tuple[dict[str, Any], st
             raise UserError(f"{flag} {v}: {chip.name}'s torus has {most} axes; give 1 to {most}")
         if v > most:
             raise UserError(f"{flag} {v}: {chip.name}'s switched fabric ({chip.kind} node) is one axis; give 1")
+    if args.batch_tokens is not None and args.chips is None and args.checkpoints_per_layer is None:
+        raise UserError(
+            f"--batch-tokens {args.batch_tokens} goes with --chips (the best FSDP degree) or --checkpoints-per-layer "
+            "(the chips that hold the job); give one, or drop --batch-tokens"
+        )
     if args.chips is not None:
         from lab.predict.planner import MAX_CHIPS
 
