@@ -334,3 +334,9 @@ def test_save_plan_refuses_what_a_plan_cannot_record(tmp_path, capsys, extra, fl
 def test_train_limits_batch_tokens_alone_is_refused(capsys):
     argv = ["train", "limits", "--hardware", "v5e", "--model", "llama3-8b", "--batch-tokens", "4Mi"]
     assert "goes with --chips (the best FSDP degree) or --checkpoints-per-layer" in refused(argv, capsys)
+
+
+def test_a_size_no_dim_of_the_expression_names_is_refused(capsys):
+    argv = ["sharded-matmul", "--hardware", "v5e", "--sizes", "I=1024,J=8192,K=4096,Z=7", "--mesh", "X=2"]
+    line = refused([*argv, "A[I,J_X]*B[J_X,K]->C[I,K]"], capsys)
+    assert "--sizes Z=7 names no dim of" in line and "(its dims: I, J, K)" in line
