@@ -213,7 +213,7 @@ def cmd_collective(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 def cmd_sharded_matmul(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    from lab.core.notation import parse_mesh, parse_sizes
+    from lab.core.notation import parse_matmul, parse_mesh, parse_sizes
     from lab.predict.sharded_matmul import plan_sharded_matmul
 
     chip = chip_of(args)
@@ -227,9 +227,17 @@ def cmd_sharded_matmul(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                 f"--mesh {args.mesh} has {prod} devices but --chips is {args.chips}; "
                 f"make the axis sizes multiply to {args.chips}"
             )
+    expr, sizes = parse_matmul(args.expression), parse_sizes(args.sizes)
+    named = {d for arr in (expr.lhs, expr.rhs, expr.out) if arr is not None for d in arr.dim_names}
+    unused = [k for k in sizes if k not in named]
+    if unused:  # a misspelt dim would otherwise be ignored (the real one then fails as missing)
+        raise UserError(
+            f"--sizes {unused[0]}={sizes[unused[0]]} names no dim of {expr} (its dims: {', '.join(sorted(named))}); "
+            "drop it"
+        )
     plan = plan_sharded_matmul(
-        args.expression,
-        parse_sizes(args.sizes),
+        expr,
+        sizes,
         mesh,
         chip,
         args.dtype,

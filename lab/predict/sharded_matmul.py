@@ -383,13 +383,6 @@ def plan_sharded_matmul(
         scope: ``node`` or ``cross-node`` (see :func:`lab.predict.collectives.collective_time`).
     """
     expr = parse_matmul(expression) if isinstance(expression, str) else expression
-    named = {d for arr in (expr.lhs, expr.rhs, expr.out) if arr is not None for d in arr.dim_names}
-    unused = [k for k in sizes if k not in named]
-    if unused:  # a misspelt dim would otherwise be ignored while the real one fails as missing, or is a leftover
-        raise UserError(
-            f"--sizes {unused[0]}={sizes[unused[0]]} names no dim of {expr} (its dims: {', '.join(sorted(named))}); "
-            "drop it"
-        )
     return _Planner(expr, sizes, mesh, chip, dtype, wraparound, scope).run()
 
 
