@@ -340,3 +340,16 @@ def test_a_size_no_dim_of_the_expression_names_is_refused(capsys):
     argv = ["sharded-matmul", "--hardware", "v5e", "--sizes", "I=1024,J=8192,K=4096,Z=7", "--mesh", "X=2"]
     line = refused([*argv, "A[I,J_X]*B[J_X,K]->C[I,K]"], capsys)
     assert "--sizes Z=7 names no dim of" in line and "(its dims: I, J, K)" in line
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--fsdp", "8", "--zero", "1"], "--zero 1 shards the state over the data-parallel replicas; with --dp 1"),
+        (["--tp", "8", "--zero", "3"], "--zero 3 shards the state over the data-parallel replicas; with --dp 1"),
+        (["--dp", "8", "--attention-kernel", "fa3", "--hardware", "v5p"], "fa3 is a GPU kernel; tpu-v5p is a tpu"),
+    ],
+)
+def test_a_zero_stage_or_kernel_the_job_cannot_use_is_refused(capsys, extra, needle):
+    argv = ["train", "estimate", "--model", "llama3-8b", *H100, "--chips", "8", "--global-batch", "64", *extra]
+    assert needle in refused(argv, capsys)

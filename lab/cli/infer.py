@@ -317,7 +317,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     ie.add_argument("--context", type=positive_int("--context"), help="tokens in each KV cache (required w/o --plan)")
     ie.add_argument("--prefill-len", type=positive_int("--prefill-len"))
     ie.add_argument("--generate", type=positive_int("--generate"), help="tokens to generate (mean context priced)")
-    ie.add_argument("--weights", type=_storage_dtype, default="bf16", help="bf16, fp8, int8 or int4")
+    ie.add_argument("--weights", type=_storage_dtype, default="bf16", help="bf16, fp8, int8, int4 or fp32")
     ie.add_argument("--kv", type=_storage_dtype, default="bf16", help="bf16, fp8, int8 or int4")
     ie.add_argument(
         "--compute",

@@ -175,6 +175,11 @@ def _check_layout_flags(args: argparse.Namespace, degrees: dict[str, int]) -> No
         raise UserError(
             "--sequence-parallel splits the tensor-parallel group's sequence; add --tp N (N > 1), or drop it"
         )
+    if args.zero and degrees["dp"] == 1:
+        raise UserError(
+            f"--zero {args.zero} shards the state over the data-parallel replicas; with --dp 1 there are none to "
+            "shard it over; add --dp N (N > 1), or drop --zero"
+        )
     if args.attention_kernel != "fa2" and not args.flash_attention:
         raise UserError(f"--attention-kernel {args.attention_kernel} is a fused kernel; drop --no-flash-attention")
 
@@ -198,6 +203,8 @@ def train_config(args: argparse.Namespace, chip) -> TrainConfig:
     else:  # about 4M tokens, rounded to whole microbatches on every replica
         unit = replicas * args.microbatch
         batch = max(1, round(4 * 1024 * 1024 / seq / unit)) * unit
+    if args.attention_kernel != "fa2" and chip.kind != "gpu":
+        raise UserError(f"--attention-kernel {args.attention_kernel} is a GPU kernel; {chip.name} is a {chip.kind}")
     return TrainConfig(
         model=model,
         chip=chip,
