@@ -353,3 +353,8 @@ def test_a_size_no_dim_of_the_expression_names_is_refused(capsys):
 def test_a_zero_stage_or_kernel_the_job_cannot_use_is_refused(capsys, extra, needle):
     argv = ["train", "estimate", "--model", "llama3-8b", *H100, "--chips", "8", "--global-batch", "64", *extra]
     assert needle in refused(argv, capsys)
+
+
+def test_memory_tech_refuses_a_batch_that_fits_no_memory(capsys):
+    line = refused(["study", "memory-tech", "--batch", "100000"], capsys)
+    assert "--batch 100000 fits none of the memory technologies of h100" in line and "give at most" in line

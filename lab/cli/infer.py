@@ -293,6 +293,12 @@ def cmd_study_memtech(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         hardware_file=args.hardware_file,
         scale=args.scale,
     )
+    if args.batch is not None and not any(r["fits"] for r in study.to_dict()["rows"]):
+        most = max(r["max_batch"] for r in study.to_dict()["rows"])
+        raise UserError(
+            f"--batch {args.batch} fits none of the memory technologies of {study.hardware} at --context "
+            f"{args.context}; give at most {most}, or leave --batch out (the largest that fits each)"
+        )
     png = write_chart(args.png, f"runs/study/memory_tech_{study.model}_{study.hardware}.png", study.plot)
     return study.to_dict() | {"png": png}, study.table() + f"\n\nchart: {png}"
 
