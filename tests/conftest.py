@@ -28,6 +28,29 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="shar
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
+
+def _drop_truncated_entries(folder: str) -> None:
+    """Delete cache entries a killed run left half-written. JAX writes an entry in place, never replaces one, and
+    warns on every read of a bad one, so a test run interrupted mid-write would warn in every later run. JAX's
+    entries are zlib streams here (zstd where zstandard is installed: those are left as they are)."""
+    import zlib
+
+    for entry in os.scandir(folder):
+        if not entry.name.endswith("-cache") or not entry.is_file():
+            continue
+        with open(entry.path, "rb") as f:
+            data = f.read()
+        if data[:1] != b"\x78":  # not zlib
+            continue
+        try:
+            zlib.decompress(data)
+        except zlib.error:
+            os.remove(entry.path)
+
+
+if "PYTEST_XDIST_WORKER" not in os.environ and os.path.isdir(os.environ["JAX_COMPILATION_CACHE_DIR"]):
+    _drop_truncated_entries(os.environ["JAX_COMPILATION_CACHE_DIR"])  # once, before the workers start
+
 import pytest  # noqa: E402
 
 
