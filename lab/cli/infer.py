@@ -293,8 +293,9 @@ def cmd_study_memtech(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         hardware_file=args.hardware_file,
         scale=args.scale,
     )
-    if args.batch is not None and not any(r["fits"] for r in study.to_dict()["rows"]):
-        most = max(r["max_batch"] for r in study.to_dict()["rows"])
+    rows = study.to_dict()["rows"]
+    if args.batch is not None and not any(r["fits"] for r in rows):
+        most = max(r["max_batch"] for r in rows)
         raise UserError(
             f"--batch {args.batch} fits none of the memory technologies of {study.hardware} at --context "
             f"{args.context}; give at most {most}, or leave --batch out (the largest that fits each)"
