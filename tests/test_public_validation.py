@@ -12,8 +12,7 @@ import pytest
 from lab.cli.main import main
 from lab.core.hardware import get_chip
 from lab.predict import efficiency as eff
-from lab.studies.public_runs import RUNS
-from lab.studies.validate_public import run_public_validation
+from lab.studies.validate_public import RUNS, run_public_validation
 
 
 @pytest.fixture(scope="module")
@@ -132,9 +131,10 @@ def test_a_per_token_figure_over_a_whole_generate_call_includes_its_prefill(publ
     from lab.predict.inference import InferConfig, estimate_inference
 
     flagged = {r.case_id for r in RUNS if r.per_token_includes_prefill}
-    assert flagged == {"PS04", "PS05", "PS06", "PS07", "PS08", "PS09"}
+    bloom = {"PS04", "PS05", "PS06", "PS07", "PS08", "PS09"}
+    assert bloom <= flagged
     rows = {r.run.case_id: r for r in public.rows}
-    for case in sorted(flagged):
+    for case in sorted(bloom):
         run = rows[case].run
         m = dataclasses.replace(get_model(run.model), **run.overrides)
         batch = int(run.layout["batch"])
@@ -149,3 +149,48 @@ def test_a_per_token_figure_over_a_whole_generate_call_includes_its_prefill(publ
         model=get_model("llama2-70b"), chip=get_chip("a100-80gb"), batch=1, context=512 + 25, tp=8, achievable=True
     )
     assert ps01.predicted == pytest.approx(estimate_inference(cfg).decode_step_s, rel=1e-12)
+
+
+def test_a_figure_logged_at_the_end_of_generation_is_priced_at_the_full_cache(public):
+    """SGLang's last logged decode throughput (1024 in / 512 out) is a step at 1536 cached tokens, turned into a step
+    as batch / tokens/s; its fp8 rows keep a bf16 KV cache."""
+    from lab.core.models import get_model
+    from lab.predict.inference import InferConfig, estimate_inference
+
+    rows = {r.run.case_id: r for r in public.rows}
+    for case, batch, tp, dtype, tokens in (("PS31", 32, 1, "bf16", 2799.0), ("PS35", 32, 4, "fp8", 6159.0)):
+        row = rows[case]
+        assert row.run.measured == pytest.approx(batch / tokens, rel=1e-12)
+        cfg = InferConfig(
+            model=get_model("llama3-8b"),
+            chip=get_chip("h100"),
+            batch=batch,
+            context=1024 + 512,
+            tp=tp,
+            weights=dtype,
+            kv="bf16",
+            compute=dtype,
+            achievable=True,
+        )
+        assert row.predicted == pytest.approx(estimate_inference(cfg).decode_step_s, rel=1e-12)
+
+
+def test_each_serving_source_is_taken_whole_or_by_its_stated_rule():
+    """LMDeploy's llama2-70b table is every (batch, in, out) of its grid; SGLang's bf16 and fp8 columns are every row
+    of the teaser table; the vLLM DBRX rows are both TP degrees at every batch; HF's fp16 rows every batch."""
+    by = {}
+    for r in RUNS:
+        if r.kind == "serving":
+            by.setdefault(r.source, []).append(r)
+    lmdeploy = next(v for k, v in by.items() if "lmdeploy" in k)
+    grid = {(r.layout["batch"], r.layout["prompt"], r.layout["generated"]) for r in lmdeploy}
+    ios = {(1, 128), (128, 128), (128, 2048), (2048, 128), (2048, 2048)}
+    assert len(lmdeploy) == 20 and grid == {(b, i, o) for b in (1, 16, 32, 64) for i, o in ios}
+    sglang = next(v for k, v in by.items() if "SGLang" in k)
+    assert {(r.layout["batch"], r.layout["tp"], r.dtype) for r in sglang} == {
+        (b, tp, d) for b, tp in ((1, 1), (32, 1), (32, 4)) for d in ("bf16", "fp8")
+    }
+    dbrx = next(v for k, v in by.items() if "DBRX" in k)
+    assert {(r.layout["tp"], r.layout["batch"]) for r in dbrx} == {(tp, b) for tp in (4, 8) for b in (8, 16, 32, 64)}
+    hf = next(v for k, v in by.items() if "optimum" in k)
+    assert sorted(r.layout["batch"] for r in hf) == [1, 2, 4, 8, 16] and all(r.expressible for r in hf)

@@ -1,4 +1,5 @@
-"""Public measured runs the estimators were never fitted to: the second validation group.
+"""Public measured runs the estimators were never fitted to: the second validation group (training here, serving in
+:mod:`lab.studies.public_serving`).
 
 Every row is an end-to-end measurement published with its configuration (MLPerf logs and the submitters' config
 files, framework blogs, papers), chosen outside the sources reserved for the project's independent check
@@ -28,7 +29,6 @@ _XLA_TRAIN = (
     "Tan et al. (Google), 'High-Performance Llama 2 Training and Inference with PyTorch/XLA on Cloud TPUs', "
     "PyTorch blog (Nov 2023), Table 3 and text"
 )
-_COMPILE_INFER = "IBM Research and Meta, 'PyTorch compile to speed up inference on Llama 2', PyTorch blog (2023)"
 _FA_TRAIN = (
     "Dao-AILab/flash-attention, training/README.md, 'Training speed' table (8 x A100 80GB SXM4), with the "
     "experiment configs of training/configs (gpt3s-flash, gpt3xl-flash, gpt3-2.7B-flash-hdim128)"
@@ -36,16 +36,6 @@ _FA_TRAIN = (
 _OLMO_CORE = (
     "allenai/OLMo-core README.md throughput table (the version before commit 9eb8f2f, March 2025; 'tokens per "
     "second per device', H100), with src/scripts/train/Llama3-8B.py"
-)
-_BLOOM_INFER = (
-    "S. Bekman and S. Gugger, 'Incredibly Fast BLOOM Inference with DeepSpeed and Accelerate', Hugging Face blog "
-    "(Sep 2022), Benchmarks, 'ds-inference fp16' row (8 x A100 80GB)"
-)
-# GPT-3-style models with learned positions, biases, LayerNorm and a 4D GeLU MLP, on top of gpt3-175b's options
-_GPT_SMALL = {"learned_positions": True, "biases": True, "norm": "layernorm", "gated_mlp": False}
-_XLA_INFER = (
-    "Mohammadi et al. (Google), 'The Path to Achieve Ultra-Low Inference Latency With LLaMA 65B on PyTorch/XLA', "
-    "PyTorch blog (2023), Results"
 )
 
 # Assumptions applied to every run of a kind, where its source is silent (never per run).
@@ -98,6 +88,11 @@ class PublicRun:
     # serving: the source's per-token figure is a whole generate call (tokenize, prefill and every decode step) over
     # the tokens it generated, as its benchmark script states, not the time of one decode step
     per_token_includes_prefill: bool = False
+    # serving: the cache length the figure was taken at: ``mean`` (prompt plus half the generated tokens: a median
+    # token, or a whole call's average step) or ``end`` (prompt plus every generated token: a figure logged as the
+    # last generated tokens were made)
+    context_at: str = "mean"
+    kv_dtype: str | None = None  # serving: the KV cache's dtype where it is not ``dtype`` (fp8 weights, bf16 cache)
 
     @property
     def group(self) -> str:
@@ -342,109 +337,4 @@ TRAINING += (
     ),
 )
 
-SERVING: tuple[PublicRun, ...] = (
-    PublicRun(
-        case_id="PS01",
-        kind="serving",
-        chip="a100-80gb",
-        chips=8,
-        model="llama2-70b",
-        layout={"tp": 8, "batch": 1, "prompt": 512, "generated": 50},
-        seq_len=562,
-        global_batch=1,
-        microbatch=1,
-        dtype="bf16",
-        remat="none",
-        measured=0.029,
-        unit="s/token",
-        source=_COMPILE_INFER,
-        grade="B",
-        stack="PyTorch torch.compile (CUDA graphs), tensor parallel 8",
-        assumed="half precision taken as bf16 weights and KV cache",
-    ),
-    PublicRun(
-        case_id="PS02",
-        kind="serving",
-        chip="tpu-v4",
-        chips=4,
-        model="llama2-7b",
-        overrides={"kv_heads": 32},
-        layout={"tp": 4, "batch": 1, "prompt": 256, "generated": 0},
-        seq_len=256,
-        global_batch=1,
-        microbatch=1,
-        dtype="bf16",
-        remat="none",
-        measured=0.0047,
-        unit="s/token",
-        source=_XLA_INFER,
-        grade="C",
-        stack="PyTorch/XLA with TorchDynamo, tensor parallel over the 4 chips",
-        assumed="batch 1 (the blog's sizing example; the figure does not state it); a 256-token context",
-        note="LLaMA 7B (the first LLaMA; the same dims as Llama 2 7B)",
-    ),
-    PublicRun(
-        case_id="PS03",
-        kind="serving",
-        chip="tpu-v4",
-        chips=16,
-        model="llama2-70b",
-        overrides={"layers": 80, "d_model": 8192, "heads": 64, "kv_heads": 64, "d_ff": 22016},
-        layout={"tp": 16, "batch": 1, "prompt": 256, "generated": 0},
-        seq_len=256,
-        global_batch=1,
-        microbatch=1,
-        dtype="bf16",
-        remat="none",
-        measured=0.0145,
-        unit="s/token",
-        source=_XLA_INFER,
-        grade="C",
-        stack="PyTorch/XLA with TorchDynamo, tensor parallel over the 16 chips",
-        assumed="batch 1 (as PS02); a 256-token context",
-        note="LLaMA 65B: 80 layers, d_model 8192, 64 heads (no GQA), FFN 22016 (Touvron et al. 2023, Table 2)",
-    ),
-)
-
-SERVING += tuple(
-    PublicRun(
-        case_id=case,
-        kind="serving",
-        chip="a100-80gb",
-        chips=8,
-        model="gpt3-175b",
-        overrides=_GPT_SMALL
-        | {"layers": 70, "d_model": 14336, "heads": 112, "kv_heads": 112, "head_dim": 128, "d_ff": 57344}
-        | {"name": "bloom-176b", "vocab": 250880, "learned_positions": False},  # BLOOM-176B (ALiBi: no position table)
-        layout={"tp": 8, "batch": batch, "prompt": 8, "generated": 100},
-        seq_len=108,
-        global_batch=batch,
-        microbatch=batch,
-        dtype="bf16",
-        remat="none",
-        measured=step,
-        unit="s/token",
-        source=_BLOOM_INFER,
-        grade="B",
-        stack="DeepSpeed-Inference (kernel injection), tensor parallel 8, greedy generation",
-        assumed="fp16 taken as bf16 (the same tensor-core peak and bytes); a prompt of 8 tokens ('just a few')",
-        note=f"{step * 1e3:.1f} ms per decode step: the blog's ms per token times the batch; the figure is the "
-        "benchmark script's 'Throughput per token including tokenize' (bloom-inference-scripts/bloom-ds-inference.py: "
-        "five whole generate() calls, tokenizing included, over the new tokens they made), so the prefill is in it",
-        per_token_includes_prefill=True,
-    )
-    # the whole 'ds-inference fp16' row of the blog's table: ms per token 44.02 / 5.70 / 3.01 / 1.68 / 1.00 / 0.69
-    # at batch 1 / 8 / 16 / 32 / 64 / 128 (batch 256 ran out of memory), times the batch
-    for case, batch, step in (
-        ("PS04", 1, 0.04402),
-        ("PS05", 128, 0.0883),
-        ("PS06", 8, 0.0456),
-        ("PS07", 16, 0.04816),
-        ("PS08", 32, 0.05376),
-        ("PS09", 64, 0.064),
-    )
-)
-
-RUNS: tuple[PublicRun, ...] = TRAINING + SERVING
-
-__all__ = ["FSDP_STACK", "MEGATRON_FP8", "RUNS", "SERVING", "TRAINING", "PublicRun"]
+__all__ = ["FSDP_STACK", "MEGATRON_FP8", "TRAINING", "PublicRun"]

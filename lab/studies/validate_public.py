@@ -1,14 +1,16 @@
 """The second validation group: public measured runs the estimators were never fitted to.
 
-Each run of :mod:`lab.studies.public_runs` is predicted with the estimators a user runs (training: the step of
-``shardlab train estimate``; serving: the decode step of ``shardlab infer estimate --achievable``) from its
-published configuration, and compared with what was measured, in the unit the source measured:
+Each run of :mod:`lab.studies.public_runs` (training) and :mod:`lab.studies.public_serving` is predicted with the
+estimators a user runs (training: the step of ``shardlab train estimate``; serving: the decode step of ``shardlab
+infer estimate --achievable``) from its published configuration, and compared with what was measured, in the
+unit the source measured:
 
 * ``s/step``: the predicted step time;
 * ``tokens/s/chip``: global batch tokens over the predicted step, per chip;
 * ``mfu``: predicted tokens per second at ``6 N`` FLOPs per token over the chips' peak (the convention of the
   sources that quote MFU this way);
-* ``s/token``: the predicted decode step at the mean context (prompt plus half the generated tokens); where the
+* ``s/token``: the predicted decode step at the mean context (prompt plus half the generated tokens; every generated
+  token where the figure was logged at the end of generation, ``context_at``); where the
   source's figure is a whole generate call over the tokens it made (``per_token_includes_prefill``), the prefill,
   which yields the first token, plus ``generated - 1`` such steps, over ``generated``.
 
@@ -32,7 +34,10 @@ from lab.core.table import render
 from lab.predict.inference import InferConfig, estimate_inference
 from lab.predict.train_config import Layout, TrainConfig
 from lab.predict.training import estimate
-from lab.studies.public_runs import RUNS, PublicRun
+from lab.studies.public_runs import TRAINING, PublicRun
+from lab.studies.public_serving import SERVING
+
+RUNS: tuple[PublicRun, ...] = TRAINING + SERVING
 
 TARGET_MEAN = 0.12  # issue 15: mean absolute error on this group
 TARGET_CLASS = 0.15  # no class mean off by more
@@ -118,10 +123,10 @@ def _serve(run: PublicRun) -> tuple[float, float, str]:
         model=_model(run),
         chip=get_chip(run.chip),
         batch=int(lay["batch"]),  # type: ignore[call-overload]
-        context=prompt + generated // 2,
+        context=prompt + (generated if run.context_at == "end" else generated // 2),
         tp=int(lay["tp"]),  # type: ignore[call-overload]
         weights=run.dtype,
-        kv=run.dtype,
+        kv=run.kv_dtype or run.dtype,
         compute=run.dtype,
         prefill_len=prompt if run.per_token_includes_prefill else None,
         achievable=True,
