@@ -257,6 +257,7 @@ INFER_PLAN = ["infer", "estimate", "--plan", str(EXPERIMENTS / "decode_tp.toml")
         ([*TRAIN_PLAN, "--no-flash-attention"], "--flash-attention"),
         ([*INFER_PLAN, "--weights", "int8"], "--weights"),
         ([*INFER_PLAN, "--achievable"], "--achievable"),
+        ([*INFER_PLAN, "--fp8-scaling", "static"], "--fp8-scaling"),
     ],
 )
 def test_an_option_the_plan_gives_is_refused_next_to_it_not_ignored(capsys, argv, flag):
@@ -271,6 +272,7 @@ def test_what_a_plan_does_not_give_still_goes_with_it(capsys):
 
 # ----- flags a layout or command makes meaningless (a third sweep's findings) ----------------------------------------
 
+FP8_W8A8 = ["--weights", "fp8", "--compute", "fp8"]
 TRAIN_64 = ["train", "estimate", "--model", "llama3-8b", *H100, "--chips", "64", "--global-batch", "512"]
 DISAGG = ["infer", "disaggregate", "--model", "llama3-70b", *H100, "--prefill-len", "4096", "--generate", "1000"]
 
@@ -287,6 +289,8 @@ DISAGG = ["infer", "disaggregate", "--model", "llama3-70b", *H100, "--prefill-le
         ([*DISAGG, "--batch", "32", "--context", "8192"], "required: --chips"),
         ([*DISAGG, "--batch", "32", "--chips", "8"], "required: --context"),
         ([*INFER[:-4], "--batch", "32", "--context", "8192", "--mfu", "0.5"], "give --prefill-len too"),
+        ([*INFER[:-4], "--batch", "32", "--context", "8192", "--fp8-scaling", "static"], "--weights fp8 --compute"),
+        ([*INFER[:-4], "--batch", "8", "--context", "8", *FP8_W8A8, "--fp8-scaling", "dynamic"], "--achievable, or"),
     ],
 )
 def test_a_flag_that_would_change_nothing_is_refused(capsys, argv, needle):

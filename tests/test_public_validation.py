@@ -91,6 +91,22 @@ def test_hbm_and_collective_fractions_are_the_measured_ones():
     assert eff.collective_fraction(h200, "all-gather", 64, "cross-node") == pytest.approx(0.72, abs=0.03)  # C14/C17
 
 
+def test_a_skinny_fp8_gemm_with_dynamic_activation_scales_takes_its_measured_share_of_bf16s_time():
+    """bf16 / fp8 TFLOP/s at M = 1, 16, 64, 128 rows on H100 (vLLM PRs #49363 and #17126, per-token dynamic
+    activation scales): the fp8 GEMM takes their mean ratio of the bf16 GEMM's time; static scales take the byte
+    ratio, 0.5; a TPU (nothing published) and fp8 weights computing in bf16 keep the plain byte ratio too."""
+    bf16 = (2.870333, 46.541434, 182.588263, 352.560566, 2.513023, 39.110705, 160.586644, 307.854920)
+    fp8 = (4.733311, 71.740831, 275.078859, 505.737658, 4.059088, 66.707845, 287.609822, 506.953838)
+    measured = sum(b / f for b, f in zip(bf16, fp8, strict=True)) / len(bf16)
+    h100, v5e, n = get_chip("h100"), get_chip("tpu-v5e"), 2e9  # bf16 bytes of the weights; fp8 holds half
+    base = eff.decode_weights_time(h100, n, "bf16", "bf16")
+    assert eff.decode_weights_time(h100, n / 2, "fp8", "fp8") / base == pytest.approx(measured, abs=0.005)
+    assert eff.decode_weights_time(h100, n / 2, "fp8", "fp8", "static") / base == pytest.approx(0.5, rel=1e-12)
+    assert eff.decode_weights_time(h100, n / 2, "fp8", "bf16") / base == pytest.approx(0.5, rel=1e-12)
+    tpu = eff.decode_weights_time(v5e, n / 2, "fp8", "fp8") / eff.decode_weights_time(v5e, n, "bf16", "bf16")
+    assert tpu == pytest.approx(0.5, rel=1e-12)
+
+
 def test_attention_kernels_run_at_their_measured_rates():
     h100 = get_chip("h100")
     assert eff.attention_efficiency(h100, "fa2") == pytest.approx(327.9 / 989, abs=0.01)  # A13

@@ -94,6 +94,12 @@ def infer_config(args: argparse.Namespace, chip) -> InferConfig:
             f"--generate {args.generate} tokens is longer than any model's context; give at most {MAX_SEQ_LEN:,} "
             "(e.g. 512)"
         )
+    scaling = getattr(args, "fp8_scaling", None)
+    if scaling is not None and not (args.achievable and args.weights == "fp8" and args.compute == "fp8"):
+        raise UserError(
+            f"--fp8-scaling {scaling} prices fp8 weights multiplying fp8 activations under the efficiency model; give "
+            "it with --weights fp8 --compute fp8 --achievable, or drop it"
+        )
     _warn_context(args, model)
     return InferConfig(
         model=model,
@@ -110,6 +116,7 @@ def infer_config(args: argparse.Namespace, chip) -> InferConfig:
         generate=args.generate,
         mfu=args.mfu,
         achievable=args.achievable,
+        fp8_scaling=scaling or "dynamic",
     )
 
 
@@ -340,7 +347,14 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
         "--mfu", type=fraction("--mfu"), help="prefill at this MFU (2 N tokens FLOPs) instead of the roofline"
     )
     ie.add_argument("--achievable", action="store_true", help="apply the efficiency model instead of ideal peaks")
-    plan_options(ie, "weights", "kv", "compute", "mfu", "achievable")  # the Plan's dtypes; priced as it is built
+    ie.add_argument(
+        "--fp8-scaling",
+        choices=("dynamic", "static"),
+        help="with --weights fp8 --compute fp8 --achievable: activation scales computed each step (vLLM, SGLang, "
+        "TorchAO; fp8 GEMMs take 0.62 of bf16's time) or static ones fused before (0.5) (default dynamic)",
+    )
+    # the Plan's dtypes and pricing mode: priced as it is built
+    plan_options(ie, "weights", "kv", "compute", "mfu", "achievable", "fp8_scaling")
     command(ie, cmd_infer_estimate)
 
     def serving_args(p) -> None:
@@ -399,6 +413,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
             "ep",
             "mfu",
             "achievable",
+            "fp8_scaling",
         ):
             dg._add_action(action)
     command(dg, with_chip(cmd_infer_disaggregate))

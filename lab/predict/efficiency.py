@@ -197,9 +197,29 @@ def decode_weight_fraction(chip: Chip) -> float:
     return DECODE_WEIGHT_FRACTION if chip.kind in ("gpu", "tpu") else hbm_fraction(chip)
 
 
-def decode_weights_time(chip: Chip, nbytes: float) -> float:
-    """Streaming weights through the skinny GEMMs of a decode step (decode_weight_fraction)."""
-    return nbytes / (decode_weight_fraction(chip) * chip.hbm_bandwidth)
+# fp8 decode GEMMs on a GPU, where the activations are quantised to fp8 as the step runs (per-token dynamic scales:
+# what vLLM, SGLang and TorchAO's float8 run by default): a separate quantisation kernel before each GEMM, and the fp8
+# GEMM itself streams its half-size weights at a lower rate than a bf16 one at these shapes, so a skinny fp8 GEMM takes
+# 0.62 of the bf16 GEMM's time, not 0.5. Mean of the bf16 / fp8 TFLOP/s ratios at M = 1, 16, 64, 128 rows on H100:
+# vLLM PR #49363 (2026, benchmark_fp8_gemm.py, N x K = 12288 x 5376, 'fp8-tensor-w-token-a' against torch bf16:
+# 0.61 / 0.65 / 0.66 / 0.70) and PR #17126 (2025, bench_fp8_gemm.py, Llama-3.1-8B's 6144 x 4096, 'fp8-channel-w-
+# token-a': 0.62 / 0.59 / 0.56 / 0.61; its GPU is unstated, and its bf16 rate at M = 256, 544 TFLOP/s, is beyond an
+# A100). With static activation scales (the 'noquant' columns of the same tables) the ratio is 0.51: the byte ratio,
+# so ``static`` keeps fp8's clean halving. Grade C (benchmark output in pull requests); no TPU figure is published.
+FP8_DECODE_TIME_VS_BF16 = 0.62
+FP8_SCALINGS = ("dynamic", "static")
+
+
+def decode_weights_time(
+    chip: Chip, nbytes: float, weights: str = "bf16", compute: str = "bf16", fp8_scaling: str = "dynamic"
+) -> float:
+    """Streaming weights through the skinny GEMMs of a decode step (decode_weight_fraction); fp8 weights that
+    multiply fp8 activations quantised as the step runs take FP8_DECODE_TIME_VS_BF16 of bf16's time on a GPU."""
+    fraction = decode_weight_fraction(chip)
+    fp8_gemm = canonical_dtype(weights) == "fp8" and canonical_dtype(compute) == "fp8"
+    if chip.kind == "gpu" and fp8_gemm and fp8_scaling == "dynamic":
+        fraction *= dtype_bytes("fp8") / dtype_bytes("bf16") / FP8_DECODE_TIME_VS_BF16
+    return nbytes / (fraction * chip.hbm_bandwidth)
 
 
 # Across nodes a collective's rate depends on its size: C14, 32 B200 over EFA (4 nodes), per-GPU NIC rate as a

@@ -68,6 +68,9 @@ class InferConfig:
     # shard's best token for greedy sampling; ``flash_attention``: prefill skips the masked half of the scores.
     vocab_parallel: bool = False
     flash_attention: bool = True
+    # fp8 weights with fp8 compute (W8A8): ``dynamic`` activation scales computed as the step runs (vLLM, SGLang,
+    # TorchAO), or ``static`` ones fused into the kernel before (efficiency.FP8_DECODE_TIME_VS_BF16; achievable only)
+    fp8_scaling: str = "dynamic"
 
     @property
     def chips(self) -> int:
@@ -93,6 +96,8 @@ def check_infer(cfg: InferConfig) -> None:
         if dt not in WEIGHT_DTYPES:
             raise UserError(f"--{name} {dt} is not one of {', '.join(WEIGHT_DTYPES)}")
     cfg.chip.flops(cfg.compute)
+    if cfg.fp8_scaling not in eff.FP8_SCALINGS:
+        raise UserError(f"--fp8-scaling {cfg.fp8_scaling!r} is not one of {', '.join(eff.FP8_SCALINGS)}")
     if cfg.mfu is not None and not 0 < cfg.mfu <= 1:
         raise UserError(f"--mfu must be in (0, 1], got {cfg.mfu}")
     if m.heads % cfg.tp:
@@ -307,7 +312,11 @@ def decode_step(cfg: InferConfig, context: int | None = None) -> dict[str, float
     att = m.attention_flops_per_token(ctx, causal=False) * b / (cfg.tp * cfg.ep)
     compute_s = _flop_time(chip, mm + att, cfg.compute, cfg.achievable, rows=b)
     # the weights stream through skinny GEMMs, which reach less of HBM than a copy (achievable)
-    weights_s = eff.decode_weights_time(chip, weight_bytes) if cfg.achievable else weight_bytes / chip.hbm_bandwidth
+    weights_s = (
+        eff.decode_weights_time(chip, weight_bytes, cfg.weights, cfg.compute, cfg.fp8_scaling)
+        if cfg.achievable
+        else weight_bytes / chip.hbm_bandwidth
+    )
     kv_s = _mem_time(chip, kv_bytes, cfg.achievable)
     comm, lat = 0.0, False
     for kind, nbytes, calls, group, _ in comms(cfg, b):

@@ -75,7 +75,7 @@ def _split(
         if not memory_bound:
             t = _flop_time(chip, flops, cfg.compute, cfg.achievable, rows=cfg.replica_batch if decode else None)
         elif decode and cfg.achievable:  # the weights at the skinny-GEMM rate, as decode_step prices them all
-            t = eff.decode_weights_time(chip, w)
+            t = eff.decode_weights_time(chip, w, cfg.weights, cfg.compute, cfg.fp8_scaling)
         else:
             t = _mem_time(chip, w, cfg.achievable)
         ops.append(
