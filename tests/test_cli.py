@@ -286,6 +286,39 @@ def test_a_command_imports_only_its_own_group():
     )
 
 
+CTX = ("--context", "8")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "estimate", "--model", "llama3-8b", "--hardware", "h100", "--chips", "8"],
+        ["infer", "estimate", "--model", "llama3-8b", "--hardware", "h100", *("--chips", "1", "--batch", "1"), *CTX],
+        ["roofline", "matmul", "--b", "8", "--d", "8", "--f", "8", "--hardware", "h100"],
+        ["validate", "--group", "public"],
+    ],
+)
+def test_an_analytic_command_never_loads_inspect_and_inspect_still_works_after(argv):
+    """dataclasses imports inspect only to write a missing docstring: an analytic command defers it (start-up), so
+    every dataclass on its path has a docstring; the first use of inspect then loads the real module."""
+    code = (
+        "import contextlib, io, sys\nfrom lab.cli.main import main\n"
+        f"with contextlib.redirect_stdout(io.StringIO()):\n    rc = main({argv!r})\n"
+        "print(rc, type(sys.modules['inspect']).__name__, 'ast' in sys.modules, 'dis' in sys.modules)\n"
+        "import inspect\nfrom dataclasses import dataclass\n@dataclass\nclass NoDoc:\n    x: int\n"
+        "print(inspect.signature(NoDoc), NoDoc.__doc__, inspect.isfunction(main), sys.modules['inspect'].__name__)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["0 _Deferred False False", "(x: int) -> None NoDoc(x: int) True inspect"]
+
+
+def test_a_jax_command_loads_the_real_inspect():
+    code = "import sys\nfrom lab.cli.main import main\nmain(['run', '--bogus'])\nprint(sys.modules.get('inspect'))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "_Deferred" not in r.stdout
+
+
 @pytest.mark.parametrize(
     ("argv", "env", "expected"),
     [

@@ -61,6 +61,33 @@ def _command(argv: Sequence[str] | None) -> str | None:
     return None
 
 
+def _defer_inspect() -> None:
+    """Load ``inspect`` on first use instead of at start-up, for the analytic commands (they never start JAX).
+
+    ``dataclasses`` imports ``inspect`` (and with it ``ast``, ``dis`` and ``tokenize``: about 8 ms, a sixth of an
+    analytic command's start-up) only to write a signature as the docstring of a dataclass that has none. A stand-in
+    module takes its place in ``sys.modules``; the first attribute anyone reads from it imports the real module and
+    copies its namespace into the stand-in, so a module that imported the stand-in sees the real functions from then
+    on. The analytic modules' dataclasses all have docstrings (tests/test_cli.py checks that nothing loads it).
+    """
+    import types
+
+    if "inspect" in sys.modules:
+        return
+
+    class _Deferred(types.ModuleType):
+        def __getattr__(self, name: str):
+            import importlib
+
+            if sys.modules.get("inspect") is self:
+                del sys.modules["inspect"]
+            real = importlib.import_module("inspect")
+            self.__dict__.update(real.__dict__)
+            return getattr(real, name)
+
+    sys.modules["inspect"] = _Deferred("inspect")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command: exit 0, 2 for a user mistake, 130 on Ctrl-C, 1 for a bug (traceback with --debug)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -68,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.unraisablehook = keep_interrupts  # a Ctrl-C inside a finalizer is kept, not printed and lost
     argv = [a for a in argv if a != "--debug"]
     chosen = _command(argv)
+    if chosen not in JAX_COMMANDS | {None}:
+        _defer_inspect()
     if "jax" not in sys.modules and chosen in JAX_COMMANDS | {None}:  # libtpu on a host without TPUs: no screen
         from lab.compile.target import quiet_absent_tpu  # of its warnings (analytic commands never start JAX)
 

@@ -124,6 +124,8 @@ class CollectiveCost:
 
 @dataclass(frozen=True)
 class _Parts:
+    """One collective's cost, term by term: hops, the bandwidth term, per-hop and launch latency, and the link."""
+
     hops: int
     bandwidth_s: float
     hop_latency_s: float

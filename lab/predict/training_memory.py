@@ -14,6 +14,8 @@ from lab.predict.train_config import GRAD_BYTES, Layout, TrainConfig
 
 @dataclass(frozen=True)
 class Memory:
+    """Bytes per chip of one training step: parameters, gradients, optimizer state and activations."""
+
     params: float
     grads: float
     optimizer: float

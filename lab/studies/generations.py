@@ -104,6 +104,8 @@ class Attribution:
 
 @dataclass(frozen=True)
 class GenerationsStudy:
+    """One model trained on each hardware generation, and what each spec group contributes to the speed-up."""
+
     model: str
     chips: int
     tokens: float

@@ -136,6 +136,8 @@ class MemTechRow:
 
 @dataclass(frozen=True)
 class MemTechStudy:
+    """Decode on one chip with each memory technology: its rows and what they say."""
+
     model: str
     hardware: str
     stacks: int

@@ -41,6 +41,8 @@ TARGETS = {
 
 @dataclass(frozen=True)
 class Row:
+    """One published figure against the estimate of it."""
+
     group: str
     case: str
     quantity: str
@@ -71,6 +73,8 @@ class Row:
 
 @dataclass(frozen=True)
 class GroupSummary:
+    """A group of rows: its mean and largest error against its target."""
+
     group: str
     n: int
     mean_abs_error: float
@@ -81,6 +85,8 @@ class GroupSummary:
 
 @dataclass(frozen=True)
 class Validation:
+    """The calibration group: every row and every group's summary."""
+
     rows: tuple[Row, ...]
     groups: tuple[GroupSummary, ...]
 

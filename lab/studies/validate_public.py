@@ -46,6 +46,8 @@ TARGET_SIGN = 0.75  # no error sign shared by more of the runs
 
 @dataclass(frozen=True)
 class PublicRow:
+    """One public run, its prediction in the run's unit and the error as a time."""
+
     run: PublicRun
     predicted: float | None  # in the run's unit; None when not expressible
     error: float | None  # as a time: predicted / measured - 1 (positive: pessimistic)
@@ -152,6 +154,8 @@ def predict(run: PublicRun) -> PublicRow:
 
 @dataclass(frozen=True)
 class PublicValidation:
+    """The public group: every run, the error by class and against the targets."""
+
     rows: tuple[PublicRow, ...]
 
     @property
