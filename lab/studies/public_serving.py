@@ -35,62 +35,64 @@ _XLA_INFER = (
     "PyTorch blog (2023), Results"
 )
 
-SERVING: tuple[PublicRun, ...] = (
-    PublicRun(
-        case_id="PS01",
+
+def _serving(
+    case: str, chip: str, model: str, shape: tuple[int, int, int, int], measured: float, **fields
+) -> PublicRun:
+    """A serving run of ``shape = (tp, batch, prompt, generated)``: ``tp`` chips (one tensor-parallel replica) serve
+    ``batch`` sequences of ``prompt`` tokens and ``generated`` new ones, ``measured`` in seconds per generated token;
+    the training fields say one step of that batch."""
+    tp, batch, prompt, generated = shape
+    return PublicRun(
+        case_id=case,
         kind="serving",
-        chip="a100-80gb",
-        chips=8,
-        model="llama2-70b",
-        layout={"tp": 8, "batch": 1, "prompt": 512, "generated": 50},
-        seq_len=562,
-        global_batch=1,
-        microbatch=1,
-        dtype="bf16",
+        chip=chip,
+        chips=tp,
+        model=model,
+        layout={"tp": tp, "batch": batch, "prompt": prompt, "generated": generated},
+        seq_len=prompt + generated,
+        global_batch=batch,
+        microbatch=batch,
+        dtype=fields.pop("dtype", "bf16"),
         remat="none",
-        measured=0.029,
+        measured=measured,
         unit="s/token",
+        **fields,
+    )
+
+
+SERVING: tuple[PublicRun, ...] = (
+    _serving(
+        "PS01",
+        "a100-80gb",
+        "llama2-70b",
+        (8, 1, 512, 50),
+        0.029,
         source=_COMPILE_INFER,
         grade="B",
         stack="PyTorch torch.compile (CUDA graphs), tensor parallel 8",
         assumed="half precision taken as bf16 weights and KV cache",
     ),
-    PublicRun(
-        case_id="PS02",
-        kind="serving",
-        chip="tpu-v4",
-        chips=4,
-        model="llama2-7b",
+    _serving(
+        "PS02",
+        "tpu-v4",
+        "llama2-7b",
+        (4, 1, 256, 0),
+        0.0047,
         overrides={"kv_heads": 32},
-        layout={"tp": 4, "batch": 1, "prompt": 256, "generated": 0},
-        seq_len=256,
-        global_batch=1,
-        microbatch=1,
-        dtype="bf16",
-        remat="none",
-        measured=0.0047,
-        unit="s/token",
         source=_XLA_INFER,
         grade="C",
         stack="PyTorch/XLA with TorchDynamo, tensor parallel over the 4 chips",
         assumed="batch 1 (the blog's sizing example; the figure does not state it); a 256-token context",
         note="LLaMA 7B (the first LLaMA; the same dims as Llama 2 7B)",
     ),
-    PublicRun(
-        case_id="PS03",
-        kind="serving",
-        chip="tpu-v4",
-        chips=16,
-        model="llama2-70b",
+    _serving(
+        "PS03",
+        "tpu-v4",
+        "llama2-70b",
+        (16, 1, 256, 0),
+        0.0145,
         overrides={"layers": 80, "d_model": 8192, "heads": 64, "kv_heads": 64, "d_ff": 22016},
-        layout={"tp": 16, "batch": 1, "prompt": 256, "generated": 0},
-        seq_len=256,
-        global_batch=1,
-        microbatch=1,
-        dtype="bf16",
-        remat="none",
-        measured=0.0145,
-        unit="s/token",
         source=_XLA_INFER,
         grade="C",
         stack="PyTorch/XLA with TorchDynamo, tensor parallel over the 16 chips",
@@ -100,23 +102,15 @@ SERVING: tuple[PublicRun, ...] = (
 )
 
 SERVING += tuple(
-    PublicRun(
-        case_id=case,
-        kind="serving",
-        chip="a100-80gb",
-        chips=8,
-        model="gpt3-175b",
+    _serving(
+        case,
+        "a100-80gb",
+        "gpt3-175b",
+        (8, batch, 8, 100),
+        step,
         overrides=_GPT_SMALL
         | {"layers": 70, "d_model": 14336, "heads": 112, "kv_heads": 112, "head_dim": 128, "d_ff": 57344}
         | {"name": "bloom-176b", "vocab": 250880, "learned_positions": False},  # BLOOM-176B (ALiBi: no position table)
-        layout={"tp": 8, "batch": batch, "prompt": 8, "generated": 100},
-        seq_len=108,
-        global_batch=batch,
-        microbatch=batch,
-        dtype="bf16",
-        remat="none",
-        measured=step,
-        unit="s/token",
         source=_BLOOM_INFER,
         grade="B",
         stack="DeepSpeed-Inference (kernel injection), tensor parallel 8, greedy generation",
@@ -166,20 +160,12 @@ _LMDEPLOY_70B = (
     (64, 2048, 2048, 0.055),
 )
 SERVING += tuple(
-    PublicRun(
-        case_id=f"PS{10 + i:02d}",
-        kind="serving",
-        chip="a100-80gb",
-        chips=4,
-        model="llama2-70b",
-        layout={"tp": 4, "batch": batch, "prompt": prompt, "generated": out},
-        seq_len=prompt + out,
-        global_batch=batch,
-        microbatch=batch,
-        dtype="bf16",
-        remat="none",
-        measured=p50,
-        unit="s/token",
+    _serving(
+        f"PS{10 + i:02d}",
+        "a100-80gb",
+        "llama2-70b",
+        (4, batch, prompt, out),
+        p50,
         source=_LMDEPLOY,
         grade="B",
         stack="LMDeploy TurboMind (C++ engine), tensor parallel 4, fp16 weights and KV cache",
@@ -205,20 +191,13 @@ _SGLANG_ROWS = (
     ("PS35", 32, 4, "fp8", 6159.0),
 )
 SERVING += tuple(
-    PublicRun(
-        case_id=case,
-        kind="serving",
-        chip="h100",
-        chips=tp,
-        model="llama3-8b",
-        layout={"tp": tp, "batch": batch, "prompt": 1024, "generated": 512},
-        seq_len=1536,
-        global_batch=batch,
-        microbatch=batch,
+    _serving(
+        case,
+        "h100",
+        "llama3-8b",
+        (tp, batch, 1024, 512),
+        batch / tokens,
         dtype=dtype,
-        remat="none",
-        measured=batch / tokens,
-        unit="s/token",
         source=_SGLANG_TORCHAO,
         grade="B",
         stack="SGLang (commit feb2b76) with torch.compile and CUDA graphs, PyTorch 2.5.1, Llama-3.1-8B-Instruct "
@@ -252,21 +231,13 @@ _DBRX = {
     "vocab": 100352,
 }
 SERVING += tuple(
-    PublicRun(
-        case_id=case,
-        kind="serving",
-        chip="h100",
-        chips=tp,
-        model="mixtral-8x7b",
+    _serving(
+        case,
+        "h100",
+        "mixtral-8x7b",
+        (tp, batch, 32, 128),
+        latency / 128,
         overrides=_DBRX,
-        layout={"tp": tp, "batch": batch, "prompt": 32, "generated": 128},
-        seq_len=160,
-        global_batch=batch,
-        microbatch=batch,
-        dtype="bf16",
-        remat="none",
-        measured=latency / 128,
-        unit="s/token",
         source=_VLLM_DBRX,
         grade="C",
         stack="vLLM (about v0.4.0) with CUDA graphs, the Triton fused-MoE kernel at its tuned H100 config, "
@@ -293,20 +264,12 @@ _OPTIMUM_GPTQ = (
     "A100-SXM4-80GB; benchmark_gptq.py), the fp16 rows (gptq False)"
 )
 SERVING += tuple(
-    PublicRun(
-        case_id=case,
-        kind="serving",
-        chip="a100-80gb",
-        chips=1,
-        model="llama2-13b",
-        layout={"tp": 1, "batch": batch, "prompt": 512, "generated": 512},
-        seq_len=1024,
-        global_batch=batch,
-        microbatch=batch,
-        dtype="bf16",
-        remat="none",
-        measured=ms / 1e3,
-        unit="s/token",
+    _serving(
+        case,
+        "a100-80gb",
+        "llama2-13b",
+        (1, batch, 512, 512),
+        ms / 1e3,
         source=_OPTIMUM_GPTQ,
         grade="B",
         stack="HF transformers generate in eager PyTorch (no CUDA graphs, no torch.compile), fp16",
