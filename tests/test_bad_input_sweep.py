@@ -258,6 +258,7 @@ INFER_PLAN = ["infer", "estimate", "--plan", str(EXPERIMENTS / "decode_tp.toml")
         ([*INFER_PLAN, "--weights", "int8"], "--weights"),
         ([*INFER_PLAN, "--achievable"], "--achievable"),
         ([*INFER_PLAN, "--fp8-scaling", "static"], "--fp8-scaling"),
+        ([*TRAIN_PLAN, "--tp-comm-overlap"], "--tp-comm-overlap"),
     ],
 )
 def test_an_option_the_plan_gives_is_refused_next_to_it_not_ignored(capsys, argv, flag):
@@ -285,6 +286,7 @@ DISAGG = ["infer", "disaggregate", "--model", "llama3-70b", *H100, "--prefill-le
         ([*TRAIN_64, "--tp", "8", "--pp-embedding-slots"], "--pp-embedding-slots applies to a pipeline"),
         ([*TRAIN_64, "--pp", "2", "--pp-schedule", "interleaved"], "needs --interleave 2 or more"),
         ([*TRAIN_64, "--dp", "64", "--sequence-parallel"], "--sequence-parallel splits the tensor-parallel group"),
+        ([*TRAIN_64, "--tp", "8", "--tp-comm-overlap"], "give it with --tp 2 or more and --sequence-parallel"),
         ([*TRAIN_64, "--attention-kernel", "fa3", "--no-flash-attention"], "drop --no-flash-attention"),
         ([*DISAGG, "--batch", "32", "--context", "8192"], "required: --chips"),
         ([*DISAGG, "--batch", "32", "--chips", "8"], "required: --context"),
@@ -326,6 +328,7 @@ def test_no_wraparound_still_prices_a_torus_axis(capsys):
         (["--dp", "8", "--elementwise", "eager"], "--elementwise eager"),
         (["--dp", "8", "--attention-kernel", "fa3"], "--attention-kernel fa3"),
         (["--pp", "2", "--dp", "4", "--pp-embedding-slots"], "--pp-embedding-slots"),
+        (["--tp", "8", "--sequence-parallel", "--tp-comm-overlap"], "--tp-comm-overlap"),
     ],
 )
 def test_save_plan_refuses_what_a_plan_cannot_record(tmp_path, capsys, extra, flag):

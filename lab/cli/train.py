@@ -64,6 +64,7 @@ TRAIN_OPTIONS = (
     "flash_attention",
     "attention_kernel",
     "elementwise",
+    "tp_comm_overlap",
 )
 MIN_MFU = 1e-3  # an MFU below 0.1% is a typo: large training runs reach 0.3-0.6 (the calibration set's Megatron runs)
 # A whole number of sequences: 4Mi = 4,194,304 = 512 x 8192 divides by every power-of-two --seq-len (4M does not)
@@ -219,6 +220,7 @@ def train_config(args: argparse.Namespace, chip) -> TrainConfig:
         flash_attention=args.flash_attention,
         attention_kernel=args.attention_kernel,
         elementwise=args.elementwise,
+        tp_comm_overlap=args.tp_comm_overlap,
         capacity_factor=args.capacity_factor,
     )
 
@@ -357,6 +359,7 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
         for flag, given in (
             (f"--attention-kernel {cfg.attention_kernel}", cfg.attention_kernel != "fa2"),
             (f"--elementwise {cfg.elementwise}", cfg.elementwise != "fused"),
+            ("--tp-comm-overlap", cfg.tp_comm_overlap),
             ("--pp-embedding-slots", lay.pp_embedding_slots),
         )
         if given
@@ -657,6 +660,12 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
         help="how the stack runs norms, rotary embedding and the activation: fused (one kernel each, as "
         "Megatron/Transformer Engine, XLA and torch.compile do; default) or eager (PyTorch eager ops, fp32 "
         "intermediates, as the reference LLaMA code writes them)",
+    )
+    te.add_argument(
+        "--tp-comm-overlap",
+        action="store_true",
+        help="with --sequence-parallel: TP's AllGathers and ReduceScatters in chunks under the GEMMs, as Transformer "
+        "Engine's userbuffers run them (Megatron-Core --tp-comm-overlap, NeMo's MLPerf recipes) (default: exposed)",
     )
     plan_options(te, *TRAIN_OPTIONS)
     command(te, cmd_train_estimate)

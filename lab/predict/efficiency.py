@@ -22,12 +22,15 @@ its rows), per chip family where one was measured; a calibrated chip (``shardlab
   weights through skinny decode GEMMs reaches less: 68% of HBM on Hopper (mean of the DeepGEMM M=64 rows).
 * **Collectives**: the collective model's time over the fraction of the link a ring reaches: NVLink 78%
   (A100), 81% (H100/H200), 75% (B200); NVLS all-reduce on 6 or more Hopper/Blackwell GPUs 107% (busbw);
-  across nodes 72% of the NIC rate (4-node H100 and B200 sweeps); TPU ICI 95%.
+  across nodes 72% of the NIC rate (4-node H100 and B200 sweeps); TPU ICI 95%. Inside a GPU node a collective
+  reaches that rate only for large messages: its bandwidth term takes the share of the plateau the nccl-tests
+  size sweeps measured at its size (A100, H100, H200: 47-50% at 16 MiB, 9-16% at 1 MiB; NVLINK_SWEEP).
 * **Fixed per-kernel costs of a decode step** (GPUs): each of a layer's ~14 kernels adds a CUDA-graph gap of
   0.9 us and each of its ~8 small ones takes at least 1.5 us, about 25 us a layer, 2 ms for an 80-layer model.
   TPUs: the step's dispatch and sync, ~100 us (O4). Weights stream through a decode step's skinny GEMMs at 68%
   of HBM on H100 (G16), i.e. 0.78 of its copy rate (H2); other GPU families take 0.78 of their own measured copy
-  rate (A100 62%, H200 66%, B200 72%); TPUs take 68% (nothing is published).
+  rate (A100 62%, H200 66%, B200 72%); TPUs take 68% (nothing is published). fp8 weights multiplying fp8
+  activations quantised as the step runs take 0.62 of bf16's GEMM time, not half (FP8_DECODE_TIME_VS_BF16).
 * **Across nodes** a collective reaches 12.5% of the NIC rate at 16 MiB, 44% at 256 MiB, 70% at 1 GiB (C14);
   and on GPUs, computation overlapped with a collective runs 18.9% slower (arXiv:2507.03114), so a hidden
   collective is not free.
@@ -246,6 +249,66 @@ def nic_fraction(nbytes: float) -> float:
     return pts[-1][1]
 
 
+# Inside a node a GPU collective reaches its plateau rate only for large messages: nccl-tests all-reduce on 8 GPUs
+# (in place), bus bandwidth in GB/s at 1 KiB, 2 KiB, ... 8 GiB (24 doubling sizes), Azure AI-benchmarking-guide
+# (microbenchmarks.md C1, C3, C4: ND A100 v4, NCCL 2.18.5; ND H100 v5, NCCL 2.18.5; ND H200 v5, NCCL 2.20.5). At
+# 16 MiB the A100 reaches 47% of its plateau, H100 49%, H200 50%; at 1 MiB 9-16%. B200 has no nccl-tests sweep (C9
+# is torch.distributed's, with its per-call overhead and a step between 4 and 8 GiB): it keeps the plateau rate
+# (a chip family with no sweep is priced as before). The bandwidth term of a collective
+# of V bytes is divided by its size's share of the plateau (log-log interpolation; below the smallest size the time
+# stays that size's, above the largest the plateau), so a mid-size collective costs what the sweep measured rather
+# than the larger of a latency and the plateau rate. The share is the all-reduce's, taken for every NCCL collective
+# (no size sweep of the others is published); point-to-point sends keep the plateau (C13: a copy engine's rate).
+_DOUBLINGS = tuple(2**k for k in range(10, 34))
+_BUSBW_GBPS = {  # at each of _DOUBLINGS
+    "a100": "0.04 0.08 0.17 0.33 0.67 1.37 2.70 5.15 10.11 19.24 36.22 53.54 71.43 89.99 109.22 132.77 166.63 174.18 "
+    "213.87 221.58 228.10 230.22 230.48 231.58",
+    "h100": "0.07 0.14 0.27 0.53 0.95 1.71 2.72 5.40 10.86 21.35 43.70 81.93 128.73 172.13 234.45 295.53 361.78 400.61 "
+    "423.38 438.46 466.35 472.36 475.54 478.87",
+    "h200": "0.06 0.12 0.23 0.47 0.93 1.84 3.72 7.39 14.75 29.38 52.96 88.78 138.44 181.94 240.41 300.91 368.11 412.45 "
+    "432.24 442.72 467.58 472.57 477.41 479.98",
+}
+NVLINK_SWEEP: dict[str, tuple[tuple[float, float], ...]] = {
+    fam: tuple(zip(_DOUBLINGS, map(float, text.split()), strict=True)) for fam, text in _BUSBW_GBPS.items()
+}
+RAMPED_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
+
+
+def _sweep_times(pts: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
+    """``(bytes, seconds per byte of bus traffic)`` of a sweep, the times made non-decreasing in size (a larger
+    message never takes less time: at 256 KiB-1 MiB the H100 sweep's times dip by 1%, its noise)."""
+    out, worst = [], 0.0
+    for size, busbw in pts:
+        worst = max(worst, size / (busbw * 1e9))
+        out.append((size, worst))
+    return tuple(out)
+
+
+_SWEEP_TIMES = {fam: _sweep_times(pts) for fam, pts in NVLINK_SWEEP.items()}
+
+
+SWEEP_GPUS = 8  # the sweeps' group: a collective of V over n GPUs moves the pieces one of V * 8 / n over 8 does
+
+
+def nvlink_ramp(chip: Chip, kind: str, nbytes: float, group: int = SWEEP_GPUS) -> float:
+    """The share of its plateau bus bandwidth an intra-node GPU collective of ``nbytes`` over ``group`` GPUs reaches
+    (NVLINK_SWEEP, log-log between the sizes measured, at the size whose per-GPU pieces are as large on the sweep's
+    8 GPUs): 1 for a family with no sweep, for point-to-point sends, and off GPUs."""
+    fam = family(chip)
+    pts = _SWEEP_TIMES.get(fam) if chip.kind == "gpu" and kind in RAMPED_KINDS else None
+    if not pts:
+        return 1.0
+    nbytes = nbytes * SWEEP_GPUS / max(group, 1)
+    top = pts[-1][0] / pts[-1][1]  # the plateau's bytes per second
+    if nbytes <= pts[0][0]:  # below the smallest size: that size's time
+        return nbytes / pts[0][1] / top
+    for (x0, t0), (x1, t1) in itertools.pairwise(pts):
+        if nbytes <= x1:
+            w = math.log(nbytes / x0) / math.log(x1 / x0)
+            return nbytes / math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0))) / top
+    return 1.0
+
+
 def overlap_cost(chip: Chip, comm_s: float, compute_s: float) -> float:
     """What a collective hidden behind ``compute_s`` of computation still costs: the overlapped part of the
     computation runs OVERLAP_SLOWDOWN slower (GPUs), and whatever the computation does not cover is exposed."""
@@ -302,4 +365,7 @@ def comm_time(
     c = collective_on(chip, kind, nbytes, group, scope=scope, members_per_node=members_per_node, axes=axes)
     if c is None:
         return 0.0
-    return c.time_s / collective_fraction(chip, kind, group, scope, nbytes)
+    t = c.time_s
+    if scope == "node":  # the bandwidth term at its size's share of the plateau (NVLINK_SWEEP)
+        t = max(t, c.bandwidth_s / nvlink_ramp(chip, c.kind, nbytes, group))
+    return t / collective_fraction(chip, kind, group, scope, nbytes)

@@ -268,8 +268,8 @@ def _comm(chip: Chip, kind: str, nbytes: float, group: int, achievable: bool) ->
         return 0.0, False
     scope = "node" if chip.topology == "torus" or group <= (chip.node_size or group) else "cross-node"
     c = eff.collective_on(chip, kind, nbytes, group, scope=scope)
-    frac = eff.collective_fraction(chip, kind, group, scope) if achievable else 1.0
-    return c.time_s / frac, c.latency_bound
+    t = eff.comm_time(chip, kind, nbytes, group, scope=scope) if achievable else c.time_s  # as training prices it
+    return t, c.latency_bound
 
 
 def _act_bytes(cfg: InferConfig) -> float:

@@ -112,6 +112,10 @@ class TrainConfig:
     # The layer's small ops: "fused" kernels (Megatron/Transformer Engine, XLA, torch.compile), or PyTorch "eager"
     # ops as the reference LLaMA code writes them (ELEMENTWISE; bytes per element in lab.predict.training).
     elementwise: str = "fused"
+    # Tensor parallelism's sequence-parallel AllGathers and ReduceScatters run in chunks under the GEMM each feeds or
+    # follows (Transformer Engine's userbuffers: Megatron-Core's --tp-comm-overlap, NeMo's ub_tp_comm_overlap, set by
+    # NVIDIA's MLPerf recipes); off, they are exposed, as Megatron-LM ran them (Korthikanti et al. 2022).
+    tp_comm_overlap: bool = False
     # How the program is written, where XLA or a framework does it differently (the lab's own Transformer keeps
     # fp32 weights and separate Q/K/V and gate/up projections; Megatron-style defaults below).
     param_dtype: str = "bf16"  # bf16: mixed precision (fp32 master copy in the optimizer state); fp32: weights are it
@@ -216,6 +220,11 @@ def check_config(cfg: TrainConfig) -> None:
         raise UserError(f"--elementwise {cfg.elementwise!r} is not one of {', '.join(ELEMENTWISE)}")
     if lay.pp_schedule not in SCHEDULES:
         raise UserError(f"--pp-schedule {lay.pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if cfg.tp_comm_overlap and not (lay.tp > 1 and lay.sequence_parallel):
+        raise UserError(
+            "--tp-comm-overlap hides sequence parallelism's AllGathers and ReduceScatters under the GEMMs; give it "
+            "with --tp 2 or more and --sequence-parallel"
+        )
     remat_policy(cfg.remat)  # a classic or a named policy (lab.predict.remat), else the valid choices
     cf = cfg.capacity_factor
     if isinstance(cf, bool) or not isinstance(cf, int | float) or not 0 < cf <= 64:

@@ -77,6 +77,7 @@ from lab.predict.training_step import (
     role_comms,
     step_parts,
     tp_microbatch_time,
+    tp_overlapped,
 )
 
 TYPE_CHECKING = False  # typing is not imported at run time: annotations only
@@ -227,6 +228,13 @@ NORM_BYTES = {"fused": 4.0, "eager": 36.0}
 ROPE_BYTES = {"fused": 4.0, "eager": 20.0}
 SWIGLU_BYTES = {"fused": 6.0, "eager": 10.0}
 GELU_BYTES = 4.0
+# fp8 GEMMs on a GPU take fp8 operands in both layouts, so Transformer Engine casts around every Linear (its
+# cast_transpose kernels): in the forward the inputs' fp8 transposes for the weight gradients (2 bytes an element
+# where a norm or the activation already wrote the fp8 copy: the QKV and MLP-up inputs; 4, cast and transpose from
+# bf16, for the attention-out and MLP-down inputs), in the backward each output gradient cast and transposed from
+# bf16 (4 bytes an element). The measured fp8 GEMM rates (efficiency.GEMM_CEILING) time the GEMM alone.
+FP8_TRANSPOSE_BYTES = 2.0
+FP8_CAST_TRANSPOSE_BYTES = 4.0
 
 
 def _compute_ops(cfg: TrainConfig) -> list[tuple[str, str, float, float, float, float]]:
@@ -273,6 +281,14 @@ def _compute_ops(cfg: TrainConfig) -> list[tuple[str, str, float, float, float, 
         mem("rope", tokens * rotated * ROPE_BYTES[cfg.elementwise])
     mm("out_proj", tokens, m.v_dim / t, d)
     _mlp_ops(cfg, tokens, ops, mm, mem)
+    if dt == "fp8" and chip.kind == "gpu":  # the casts around the four projections (FP8_CAST_TRANSPOSE_BYTES)
+        gate = 2 if m.gated_mlp else 1
+        ff = m.d_ff * (m.experts_per_token + m.shared_experts if m.is_moe else 1)
+        fwd_bytes = tokens * (2 * d * FP8_TRANSPOSE_BYTES + (m.v_dim + ff) / t * FP8_CAST_TRANSPOSE_BYTES)
+        outputs = (q + 2 * kv) * m.head_dim + gate * ff / t + 2 * d
+        bwd_bytes = tokens * outputs * FP8_CAST_TRANSPOSE_BYTES
+        fwd_s, bwd_s = eff.memory_time(chip, fwd_bytes), eff.memory_time(chip, bwd_bytes)
+        ops.append(("fp8.casts", "elementwise", fwd_s, bwd_s, 0.0, fwd_bytes + bwd_bytes))
     sp_div = t if lay.sequence_parallel else 1
     mem("norms", tokens / sp_div * d * 2 * NORM_BYTES[cfg.elementwise])  # two per layer
     mem("residuals", tokens / sp_div * d * (12.0 + (2.0 if m.dropout else 0.0)))  # two (bias-dropout-)adds
@@ -337,6 +353,8 @@ def layer_cost(cfg: TrainConfig, compute: tuple | None = None) -> LayerCost:
     per_layer = collectives(cfg, roles=("tp", "ep", "cp"), per="layer")
     times = list(zip(per_layer, prices(cfg.chip, cfg.layout, per_layer), strict=True))
     tp = sum(c.calls * t for c, t in times if c.role == "tp" and not c.hidden)
+    if cfg.tp_comm_overlap:
+        tp = tp_overlapped(cfg, ops, [(c, t) for c, t in times if c.role == "tp" and not c.hidden])
     ep = sum(c.calls * t for c, t in times if c.role == "ep")
     cp_exposed = 0.0
     for c, t in times:
@@ -433,7 +451,7 @@ def estimate(
         memory=mem,
         model_flops_per_step=model_flops,
         hardware_flops_per_step=hw_flops,
-        assumptions=(*ASSUMPTIONS, _precision(cfg)),
+        assumptions=(*(_TP_OVERLAPPED if cfg.tp_comm_overlap else ASSUMPTIONS), _precision(cfg)),
         layer=lc,
     )
 
@@ -497,6 +515,11 @@ ASSUMPTIONS = (
     "TP and EP collectives and pipeline sends are not overlapped with compute",
     "FSDP gathers/scatters overlap the same layer's compute; DP gradient reduction overlaps the last backward",
     "SP's re-gathered inputs for the weight gradients overlap the input-gradient matmul",
+)
+_TP_OVERLAPPED = (
+    "TP's AllGathers and ReduceScatters run in chunks under the layer's GEMMs (--tp-comm-overlap); EP collectives "
+    "and pipeline sends are not overlapped with compute",
+    *ASSUMPTIONS[1:],
 )
 
 

@@ -80,6 +80,34 @@ def prices(chip: Chip, lay: Layout, comms: tuple[Comm, ...] | list[Comm]) -> lis
     return out
 
 
+# Where Transformer Engine's userbuffers put each sequence-parallel collective of a layer: under the GEMM it feeds (an
+# AllGather of the input, forward) or follows (a ReduceScatter of the output), and in the backward the transposes
+# under the same GEMM's input-gradient half.
+_TP_SITES = ("qkv", "out_proj", "mlp.up", "mlp.down")
+
+
+def tp_overlapped(cfg: TrainConfig, ops: list, tp: list) -> float:
+    """What a layer's TP collectives still cost with ``tp_comm_overlap``: each of the eight (four sites, forward and
+    backward) at the overlap's cost under its own GEMM (efficiency.overlap_cost: what the GEMM does not cover is
+    exposed, and the GEMM runs slower meanwhile); calls beyond those (a recomputed forward's) under the recomputed
+    GEMMs together. A layer without the four sites (an expert layer) hides them under all of its GEMMs together."""
+    chip = cfg.chip
+    calls = sum(c.calls for c, _ in tp)
+    if not calls:
+        return 0.0
+    per_call = sum(c.calls * t for c, t in tp) / calls
+    gemm = {o[0]: o for o in ops if o[1] == "matmul"}
+    if cfg.model.is_moe or not all(s in gemm for s in _TP_SITES) or calls < 2 * len(_TP_SITES):
+        return eff.overlap_cost(chip, calls * per_call, sum(o[2] + o[3] for o in gemm.values()))
+    out = 0.0
+    for site in _TP_SITES:
+        fwd, bwd = gemm[site][2], gemm[site][3]
+        out += eff.overlap_cost(chip, per_call, fwd) + eff.overlap_cost(chip, per_call, bwd / 2)
+    extra = calls - 2 * len(_TP_SITES)
+    again = sum(gemm[s][2] for s in _TP_SITES)
+    return out + (eff.overlap_cost(chip, extra * per_call, again) if extra > 0 else 0.0)
+
+
 def comm_time(cfg: TrainConfig, c: Comm) -> float:
     """Achievable time of one call of ``c`` in ``cfg``'s layout (:func:`prices`)."""
     return prices(cfg.chip, cfg.layout, (c,))[0]
@@ -241,4 +269,5 @@ __all__ = [
     "role_comms",
     "step_parts",
     "tp_microbatch_time",
+    "tp_overlapped",
 ]

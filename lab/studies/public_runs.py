@@ -85,6 +85,7 @@ class PublicRun:
     node_network_gbps: float | None = None  # the cluster's stated inter-node rate per node, if not the catalog's
     attention_kernel: str = "fa2"  # fa3: FlashAttention-3 / cuDNN (Transformer Engine)
     elementwise: str = "fused"  # eager: PyTorch eager norms, rotary embedding and activation (TrainConfig)
+    tp_comm_overlap: bool = False  # the run's config sets TP communication overlap (TrainConfig.tp_comm_overlap)
     # serving: the source's per-token figure is a whole generate call (tokenize, prefill and every decode step) over
     # the tokens it generated, as its benchmark script states, not the time of one decode step
     per_token_includes_prefill: bool = False
@@ -130,6 +131,7 @@ def _mlperf_gpt3(case, chips, chip, tp, pp, v, mb, gbs, step, source, log, grade
         assumed=MEGATRON_FP8,
         note=note,
         attention_kernel="fa3",
+        tp_comm_overlap=True,  # every config file of these submissions: export TP_COMM_OVERLAP=True
     )
 
 
@@ -192,6 +194,7 @@ TRAINING: tuple[PublicRun, ...] = (
             stack="NVIDIA NeMo/Megatron, Transformer Engine fp8",
             assumed=MEGATRON_FP8,
             attention_kernel="fa3",
+            tp_comm_overlap=True,  # the config files: export TP_COMM_OVERLAP=True
         )
         for case, chips, chip, dp, tp, gbs, step, log in (
             ("PT06", 512, "h100", 4, 8, 1152, 55.13, "NVIDIA/results/eos-dfw_n64_ngc25.01_nemo/llama31_405b"),

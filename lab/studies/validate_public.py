@@ -103,6 +103,7 @@ def _train(run: PublicRun) -> tuple[float, float, str]:
         causal=True,
         attention_kernel=run.attention_kernel,
         elementwise=run.elementwise,
+        tp_comm_overlap=run.tp_comm_overlap,
     )
     est = estimate(cfg)
     step = est.step_time_s
