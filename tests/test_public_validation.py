@@ -63,15 +63,16 @@ def test_the_cli_reports_the_group_and_its_classes(capsys):
     ("chip", "dtype", "tflops", "peak"),
     [
         ("a100-80gb", "bf16", 256.5, 312),  # G9: sustained, 16384^3 after 10k warm-up (G1's best shape: 271.2)
-        ("h100", "bf16", 794.5, 989),  # G2
+        ("h100", "bf16", 755.0, 989),  # H200's MSMF, the same die and power (G2's best-shape burst: 794.5)
+        ("h200", "bf16", 755.0, 989),  # MSMF (ml-engineering at 0359db8)
         ("h100", "fp8", 1377.3, 1979),  # G11: sustained at 16384^3 (G3's best shape: 1402.6)
-        ("h200", "fp8", 1366.3, 1979),  # G13: sustained at 16384^3 (G4's best shape: 1453.4)
-        ("b200", "bf16", 1745.0, 2250),  # G6
-        ("b200", "fp8", 3432.5, 4500),  # G7
+        ("h200", "fp8", 1366.3, 1979),  # G13: sustained at 16384^3 (G4's best shape: 1453.4; MSMF 1354)
+        ("b200", "bf16", 1439.0, 2250),  # MSMF (G6's burst: 1745)
+        ("b200", "fp8", 2788.0, 4500),  # MSMF (G7's burst: 3432.5)
         ("tpu-v5e", "bf16", 181.8, 197),  # G26
     ],
 )
-def test_gemm_ceilings_are_the_measured_sustained_or_best_shapes(chip, dtype, tflops, peak):
+def test_gemm_ceilings_are_the_measured_sustained_rates(chip, dtype, tflops, peak):
     assert eff.gemm_ceiling(get_chip(chip), dtype) == pytest.approx(tflops / peak, abs=0.001)
 
 
@@ -79,7 +80,7 @@ def test_fp8_is_priced_at_its_measured_gain_not_twice_bf16():
     h100 = get_chip("h100")
     n = 16384.0
     gain = eff.matmul_time(h100, n, n, n, "bf16") / eff.matmul_time(h100, n, n, n, "fp8")
-    assert gain == pytest.approx(1377.3 / 794.5, rel=1e-3)  # G11 / G2: 1.73x
+    assert gain == pytest.approx(1377.3 / 755.0, rel=1e-3)  # G11 / MSMF: 1.82x, sustained both
 
 
 def test_hbm_and_collective_fractions_are_the_measured_ones():

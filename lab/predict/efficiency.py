@@ -6,10 +6,10 @@ its rows), per chip family where one was measured; a calibrated chip (``shardlab
 
 * **Matmuls.** ``t = max(2 m k n / (eta * peak), bytes / (hbm_fraction * W_hbm))`` with
   ``eta = ceiling(chip, dtype) * prod_{x in m, k, n} x / (x + tile)``. The ceiling is the best a large GEMM
-  reaches: sustained in a size sweep after 10,000 warm-up iterations where one is published (A100 bf16 82%, G9:
-  a training step runs at steady-state clocks, below a short best-shape burst's 87%), else in a brute-force shape
-  search (H100/H200 bf16 80%, B200 bf16 78%; fp8 71-76% of its own
-  peak, so fp8 is 1.7x bf16 on Hopper and not 2x); TPU v5e's XLA matmul at 8192^3 reaches 92%, and no figure is
+  reaches sustained, as a training step runs at its power limit: in a size sweep after 10,000 warm-up iterations
+  (A100 bf16 82%, G9, below a short best-shape burst's 87%; Hopper fp8 69-70%) or as the maximum sustainable matmul
+  FLOPS (H100/H200 bf16 76%, B200 bf16 64% and fp8 62%: Blackwell throttles to ~0.72 of its boost clock at 1000 W),
+  so fp8 is 1.8x bf16 on Hopper and not 2x; TPU v5e's XLA matmul at 8192^3 reaches 92%, and no figure is
   published for the other TPUs, which take it. The product is a smooth stand-in for tile quantisation (the
   MXU is 128 wide, 256 on v6e; GPU tensor-core tiles are of the same order): a dimension much larger than the
   tile costs nothing, one the size of a tile halves the rate.
@@ -75,16 +75,23 @@ def decode_kernel_overhead(chip: Chip, layers: int) -> float:
 
 
 # Best large-GEMM fraction of the dense peak, by chip family and dtype (microbenchmarks.md §1a, §1e).
+# What a GEMM sustains once the chip runs at its power limit, as a training step does, where it is published: a size
+# sweep after 10k warm-up iterations (G9, G11, G13) or the maximum sustainable matmul FLOPS (MSMF: the best shape held
+# steady for seconds at full power with the node's other GPUs busy; stas00/ml-engineering compute/accelerator/
+# README.md at 0359db8, 'Maximum Achievable and Sustainable Matmul FLOPS comparison table', torch 2.14+cu130). A
+# short best-shape burst (G1-G7, MAMF) runs at the boost clock and low power, 5-17% above these.
+MSMF_SOURCE = "stas00/ml-engineering compute/accelerator/README.md at 0359db8 (MSMF column)"
 GEMM_CEILING: dict[tuple[str, str], float] = {
-    # sustained where a size sweep after 10k warm-up iterations is published (G9, G11, G13), else the best shape
     ("a100", "bf16"): 0.822,  # G9: 256.5 of 312 (fp16 16384^3, the same tensor-core peak); G1 best shape 0.869
     ("a100", "int8"): 0.822,  # no fp8 on A100; int8 assumed as bf16 (G25 measured it no faster)
-    ("h100", "bf16"): 0.803,  # G2: 794.5 of 989
+    # MSMF of H200, the H100's GH100 die at the same 700 W: 755 of 989 (the burst, G2: 794.5); Hugging Face
+    # gpu-fryer's 60 s bf16 burn of 8192^3 on all 8 GPUs of an H100 node reads ~730 (README), 3% below at one shape
+    ("h100", "bf16"): 0.763,
     ("h100", "fp8"): 0.696,  # G11: 1377.3 of 1979 at 16384^3; G3 best shape 0.709
-    ("h200", "bf16"): 0.803,  # G2 (the source: H200's bf16 matmul is the H100's)
-    ("h200", "fp8"): 0.690,  # G13: 1366.3 of 1979 at 16384^3; G4 best shape 0.734
-    ("b200", "bf16"): 0.776,  # G6: 1745 of 2250
-    ("b200", "fp8"): 0.763,  # G7: 3432.5 of 4500
+    ("h200", "bf16"): 0.763,  # MSMF: 755 of 989 at 1536x2816x6144, ~686 W, 1860-1918 MHz (burst 850)
+    ("h200", "fp8"): 0.690,  # G13: 1366.3 of 1979 at 16384^3 (MSMF 1354: the same); G4 best shape 0.734
+    ("b200", "bf16"): 0.640,  # MSMF: 1439 of 2250, ~980 W, 1399-1443 MHz (burst G6: 1745)
+    ("b200", "fp8"): 0.620,  # MSMF: 2788 of 4500 (burst G7: 3432.5)
 }
 GEMM_CEILING_TPU = 0.923  # G26: v5e jnp.matmul bf16 8192^3; no v4/v5p/v6e figure is published
 GEMM_CEILING_OTHER = {"gpu": 0.80, "tpu": GEMM_CEILING_TPU, "cpu": 1.0}  # a chip family with no measurement

@@ -312,6 +312,14 @@ def study_layout(model: ModelConfig, chip: Chip, chips: int, seq_len: int, globa
     return plain
 
 
+def _fp8_gain(chip: str) -> float:
+    """How much faster a large fp8 GEMM runs than a bf16 one on ``chip``, at the rates both sustain."""
+    from lab.predict.efficiency import gemm_ceiling
+
+    c = get_chip(chip)
+    return gemm_ceiling(c, "fp8") * c.flops("fp8") / (gemm_ceiling(c, "bf16") * c.flops("bf16"))
+
+
 def _days(tokens: float, est: TrainEstimate) -> float:
     return tokens / est.tokens_per_s / 86400.0
 
@@ -396,14 +404,15 @@ def _readings(
                 else ""
             )
             + "The rest would have to come from what is held fixed here: software (kernels, overlapping the "
-            "tensor-parallel collectives this model leaves exposed), a layout retuned per generation, larger or "
+            "tensor-parallel collectives this comparison leaves exposed), a layout retuned per generation, larger or "
             f"differently sized systems, and faster parts (GB200). The {lo:g}-{hi:g}x per-GPU measurements are "
             f"also above this model's x{per_gpu:.1f}; with software held fixed here, that difference too is left "
             "to software and per-generation tuning."
         ),
         "precision": (
-            "fp8 rows run the linear layers at the fp8 rate a large GEMM measures (1.7x bf16 on H100/H200, 2.0x on "
-            "B200; lab/predict/efficiency.py) with 1-byte operands; attention and "
+            f"fp8 rows run the linear layers at the fp8 rate a large GEMM sustains ({_fp8_gain('h100'):.1f}x bf16 on "
+            f"H100/H200, {_fp8_gain('b200'):.1f}x on B200; lab/predict/efficiency.py) with 1-byte operands, and pay "
+            "Transformer Engine's casts around them; attention and "
             "the logits stay in bf16, as fp8 recipes keep them; activation memory, weights, gradients, optimizer "
             "state, collectives and memory-bound ops keep their bf16/fp32 bytes. MFU is against the row's own peak."
         ),
