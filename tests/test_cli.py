@@ -286,6 +286,22 @@ def test_a_command_imports_only_its_own_group():
     )
 
 
+def test_a_command_builds_its_own_parser_and_lists_its_groups_others():
+    """``train estimate`` builds the train command's flags; plan, study, validate and model (the same module) are
+    listed by name and help only, and each still parses when it is the one chosen."""
+    from lab.cli.main import build_parser
+
+    def choices(argv):
+        sub = next(a for a in build_parser(argv)._actions if getattr(a, "choices", None) and "run" in a.choices)
+        return sub.choices
+
+    lazy = choices(["train", "estimate", "--model", "llama3-8b"])
+    assert "--validate" not in lazy["plan"]._option_string_actions
+    assert lazy["train"]._subparsers is not None and lazy["plan"]._subparsers is None
+    assert "--validate" in choices(["plan", "--model", "llama3-8b"])["plan"]._option_string_actions
+    assert main(["validate", "--group", "public", "--json"]) == 0
+
+
 CTX = ("--context", "8")
 
 

@@ -42,7 +42,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         module = importlib.import_module(f"lab.cli.{group}")
         if group in ("analytic",):
             module.register(sub, common, hw)
-        elif group in ("train", "infer"):
+        elif group == "train":  # five commands: the chosen one's parser alone
+            module.register(sub, common, hw, with_chip, only=chosen)
+        elif group == "infer":
             module.register(sub, common, hw, with_chip)
         else:
             module.register(sub, common)

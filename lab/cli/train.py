@@ -556,8 +556,7 @@ def cmd_validate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return (data if args.group == "all" else next(iter(data.values()))), "\n\n".join(texts)
 
 
-def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, with_chip) -> None:
-    """Add ``model``, ``train`` and ``validate`` to the ``shardlab`` parser."""
+def _register_model(sub, common, hw, with_chip) -> None:
     mp = sub.add_parser("model", help=help_of("model"))
     msub = mp.add_subparsers(dest="model_command", required=True, parser_class=Parser, metavar="list|show")
     ml = msub.add_parser("list", parents=[common], help="every catalog model")
@@ -571,6 +570,8 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     ms.add_argument("--seq-len", type=positive_int("--seq-len"), help="FLOPs per token at this context")
     command(ms, cmd_model_show)
 
+
+def _register_train(sub, common, hw, with_chip) -> None:
     tp = sub.add_parser("train", help=help_of("train"))
     tsub = tp.add_subparsers(dest="train_command", required=True, parser_class=Parser, metavar="estimate|limits")
     te = tsub.add_parser(
@@ -687,6 +688,8 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     )
     command(tl, with_chip(cmd_train_limits))
 
+
+def _register_plan(sub, common, hw, with_chip) -> None:
     pl = sub.add_parser(
         "plan",
         parents=[common, hw, model_parent(positional=False)],
@@ -708,6 +711,8 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     pl.add_argument("--out", type=in_path("--out"), help="with --validate: where the runs go (default runs/plan)")
     command(pl, with_chip(cmd_plan))
 
+
+def _register_study(sub, common, hw, with_chip) -> None:
     st = sub.add_parser("study", help=help_of("study"))
     ssub = st.add_subparsers(
         dest="study_command", required=True, parser_class=Parser, metavar="generations|memory-tech"
@@ -746,6 +751,8 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     sm.add_argument("--png", type=chart_path("--png"), metavar="PATH")
     command(sm, _study_memtech, allowed=_unfit_row)
 
+
+def _register_validate(sub, common, hw, with_chip) -> None:
     v = sub.add_parser("validate", parents=[common], help=help_of("validate"))
     v.add_argument(
         "--group",
@@ -755,6 +762,27 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
         "measured runs it was never fitted to (MLPerf, framework blogs), error by class; all: both",
     )
     command(v, cmd_validate)
+
+
+_REGISTER = {
+    "model": _register_model,
+    "train": _register_train,
+    "plan": _register_plan,
+    "study": _register_study,
+    "validate": _register_validate,
+}
+
+
+def register(
+    sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, with_chip, only: str | None = None
+) -> None:
+    """Add ``model``, ``train``, ``plan``, ``study`` and ``validate`` to the ``shardlab`` parser; with ``only``, build
+    that command's parser alone and list the others by name and help (start-up: a command builds its own flags)."""
+    for name, build in _REGISTER.items():
+        if only in (None, name):
+            build(sub, common, hw, with_chip)
+        else:
+            sub.add_parser(name, help=help_of(name))
 
 
 __all__ = ["register"]
