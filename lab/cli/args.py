@@ -36,17 +36,26 @@ if TYPE_CHECKING:
     from lab.core.models import ModelConfig
 
 
+def _columns() -> int:
+    """The terminal's width as ``shutil.get_terminal_size`` reads it: ``COLUMNS``, else the terminal, else 80."""
+    try:
+        return int(os.environ.get("COLUMNS") or 0) or os.get_terminal_size(sys.__stdout__.fileno()).columns
+    except (ValueError, OSError, AttributeError):
+        return 80
+
+
 class _Formatter(argparse.HelpFormatter):
     """argparse's help formatter, its width read from the terminal without ``shutil`` (which argparse imports for
-    it, and with it three compression modules: a tenth of an analytic command's start-up)."""
+    it, and with it three compression modules: a tenth of an analytic command's start-up). argparse makes one for
+    every flag it adds, so the width is read once a process."""
+
+    _width: int | None = None
 
     def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24, width: int | None = None):
         if width is None:
-            try:
-                columns = int(os.environ.get("COLUMNS", "")) or os.get_terminal_size(sys.__stdout__.fileno()).columns
-            except (ValueError, OSError, AttributeError):
-                columns = 80
-            width = columns - 2
+            if _Formatter._width is None:
+                _Formatter._width = _columns() - 2
+            width = _Formatter._width
         super().__init__(prog, indent_increment, max_help_position, width)
 
 
