@@ -274,6 +274,7 @@ def test_what_a_plan_does_not_give_still_goes_with_it(capsys):
 # ----- flags a layout or command makes meaningless (a third sweep's findings) ----------------------------------------
 
 FP8_W8A8 = ["--weights", "fp8", "--compute", "fp8"]
+TP4_SP_OVERLAP = ["--tp", "4", "--sequence-parallel", "--tp-comm-overlap"]
 TRAIN_64 = ["train", "estimate", "--model", "llama3-8b", *H100, "--chips", "64", "--global-batch", "512"]
 DISAGG = ["infer", "disaggregate", "--model", "llama3-70b", *H100, "--prefill-len", "4096", "--generate", "1000"]
 
@@ -287,6 +288,10 @@ DISAGG = ["infer", "disaggregate", "--model", "llama3-70b", *H100, "--prefill-le
         ([*TRAIN_64, "--pp", "2", "--pp-schedule", "interleaved"], "needs --interleave 2 or more"),
         ([*TRAIN_64, "--dp", "64", "--sequence-parallel"], "--sequence-parallel splits the tensor-parallel group"),
         ([*TRAIN_64, "--tp", "8", "--tp-comm-overlap"], "give it with --tp 2 or more and --sequence-parallel"),
+        (
+            ["train", "estimate", "--model", "llama3-8b", "--hardware", "v5p", "--chips", "8", *TP4_SP_OVERLAP],
+            "--tp-comm-overlap is Transformer Engine's (GPUs); tpu-v5p is a tpu: drop it",
+        ),
         ([*TRAIN_64, "--attention-kernel", "fa3", "--no-flash-attention"], "drop --no-flash-attention"),
         ([*DISAGG, "--batch", "32", "--context", "8192"], "required: --chips"),
         ([*DISAGG, "--batch", "32", "--chips", "8"], "required: --context"),

@@ -66,15 +66,16 @@ def _command(argv: Sequence[str] | None) -> str | None:
 def _defer_inspect() -> None:
     """Load ``inspect`` on first use instead of at start-up, for the analytic commands (they never start JAX).
 
-    ``dataclasses`` imports ``inspect`` (and with it ``ast``, ``dis`` and ``tokenize``: about 8 ms, a sixth of an
-    analytic command's start-up) only to write a signature as the docstring of a dataclass that has none. A stand-in
-    module takes its place in ``sys.modules``; the first attribute anyone reads from it imports the real module and
-    copies its namespace into the stand-in, so a module that imported the stand-in sees the real functions from then
-    on. The analytic modules' dataclasses all have docstrings (tests/test_cli.py checks that nothing loads it).
+    On Python 3.11 ``dataclasses`` imports ``inspect`` (and with it ``ast``, ``dis`` and ``tokenize``: about 8 ms, a
+    sixth of an analytic command's start-up) only to write a signature as the docstring of a dataclass that has none.
+    A stand-in module takes its place in ``sys.modules``; the first attribute anyone reads from it imports the real
+    module and copies its namespace into the stand-in, so a module that imported the stand-in sees the real functions
+    from then on. The analytic modules' dataclasses all have docstrings (tests/test_cli.py checks that nothing loads
+    it). From 3.12 every dataclass reads its annotations through ``inspect``, so there is nothing to defer.
     """
     import types
 
-    if "inspect" in sys.modules:
+    if "inspect" in sys.modules or sys.version_info >= (3, 12):
         return
 
     class _Deferred(types.ModuleType):

@@ -79,7 +79,7 @@ def decode_kernel_overhead(chip: Chip, layers: int) -> float:
 # sweep after 10k warm-up iterations (G9, G11, G13) or the maximum sustainable matmul FLOPS (MSMF: the best shape held
 # steady for seconds at full power with the node's other GPUs busy; stas00/ml-engineering compute/accelerator/
 # README.md at 0359db8, 'Maximum Achievable and Sustainable Matmul FLOPS comparison table', torch 2.14+cu130). A
-# short best-shape burst (G1-G7, MAMF) runs at the boost clock and low power, 5-17% above these.
+# short best-shape burst (G1-G7, MAMF) runs at the boost clock and low power, 5-23% above these.
 MSMF_SOURCE = "stas00/ml-engineering compute/accelerator/README.md at 0359db8 (MSMF column)"
 GEMM_CEILING: dict[tuple[str, str], float] = {
     ("a100", "bf16"): 0.822,  # G9: 256.5 of 312 (fp16 16384^3, the same tensor-core peak); G1 best shape 0.869
@@ -94,7 +94,8 @@ GEMM_CEILING: dict[tuple[str, str], float] = {
     ("b200", "fp8"): 0.620,  # MSMF: 2788 of 4500 (burst G7: 3432.5)
 }
 GEMM_CEILING_TPU = 0.923  # G26: v5e jnp.matmul bf16 8192^3; no v4/v5p/v6e figure is published
-GEMM_CEILING_OTHER = {"gpu": 0.80, "tpu": GEMM_CEILING_TPU, "cpu": 1.0}  # a chip family with no measurement
+# a chip family with no measurement: a GPU takes Hopper's sustained bf16 rate (MSMF), not a burst's
+GEMM_CEILING_OTHER = {"gpu": 0.76, "tpu": GEMM_CEILING_TPU, "cpu": 1.0}
 TILE = {"gpu": 128.0, "tpu": 128.0, "cpu": 1.0}
 
 # Fused attention, forward and backward together, as a fraction of the bf16 peak (microbenchmarks.md §2).
@@ -149,7 +150,10 @@ def host_link_bandwidth(chip: Chip) -> float:
 
 
 def family(chip: Chip) -> str:
-    """The measured family a catalog chip belongs to (``a100-80gb`` -> ``a100``); its kind otherwise."""
+    """The measured family a catalog chip belongs to (``a100-80gb`` -> ``a100``); its kind otherwise. The figures
+    were measured on SXM parts (their power, HBM and NVSwitch): a PCIe card (``h100-pcie``) is not of the family."""
+    if "pcie" in chip.name:
+        return chip.kind
     for name in ("a100", "h100", "h200", "b200"):
         if chip.name.startswith(name):
             return name
@@ -282,8 +286,8 @@ RAMPED_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
 
 
 def _sweep_times(pts: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
-    """``(bytes, seconds per byte of bus traffic)`` of a sweep, the times made non-decreasing in size (a larger
-    message never takes less time: at 256 KiB-1 MiB the H100 sweep's times dip by 1%, its noise)."""
+    """``(bytes, seconds)`` of a sweep (each size over its bus bandwidth: the time up to the 2(n-1)/n factor), made
+    non-decreasing in size (a larger message never takes less time: at 256 KiB-1 MiB the H100 sweep's dips 1%)."""
     out, worst = [], 0.0
     for size, busbw in pts:
         worst = max(worst, size / (busbw * 1e9))
@@ -372,7 +376,9 @@ def comm_time(
     c = collective_on(chip, kind, nbytes, group, scope=scope, members_per_node=members_per_node, axes=axes)
     if c is None:
         return 0.0
-    t = c.time_s
+    frac = collective_fraction(chip, kind, group, scope, nbytes)
     if scope == "node":  # the bandwidth term at its size's share of the plateau (NVLINK_SWEEP)
-        t = max(t, c.bandwidth_s / nvlink_ramp(chip, c.kind, nbytes, group))
-    return t / collective_fraction(chip, kind, group, scope, nbytes)
+        return max(c.time_s, c.bandwidth_s / nvlink_ramp(chip, c.kind, nbytes, group)) / frac
+    if chip.kind == "gpu":  # across nodes the NIC's measured share (NIC_CURVE) is of its line rate: the bandwidth
+        return max(c.time_s, c.bandwidth_s / frac)  # term's, not the fixed latency's (0.125 of it would be 8x)
+    return c.time_s / frac

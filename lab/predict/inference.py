@@ -195,6 +195,7 @@ class InferEstimate:
             "kv": c.kv,
             "compute": c.compute,
             "ideal": not c.achievable,
+            "fp8_scaling": c.fp8_scaling,
             "param_bytes": self.param_bytes,
             "kv_bytes": self.kv_bytes,
             "total_bytes": self.total_bytes,

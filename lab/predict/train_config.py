@@ -225,6 +225,10 @@ def check_config(cfg: TrainConfig) -> None:
             "--tp-comm-overlap hides sequence parallelism's AllGathers and ReduceScatters under the GEMMs; give it "
             "with --tp 2 or more and --sequence-parallel"
         )
+    if cfg.tp_comm_overlap and cfg.chip.kind != "gpu":
+        raise UserError(
+            f"--tp-comm-overlap is Transformer Engine's (GPUs); {cfg.chip.name} is a {cfg.chip.kind}: drop it"
+        )
     remat_policy(cfg.remat)  # a classic or a named policy (lab.predict.remat), else the valid choices
     cf = cfg.capacity_factor
     if isinstance(cf, bool) or not isinstance(cf, int | float) or not 0 < cf <= 64:

@@ -186,6 +186,9 @@ class TrainEstimate:
             "dtype": c.dtype,
             "optimizer": c.optimizer,
             "flash_attention": c.flash_attention,
+            "attention_kernel": c.attention_kernel,
+            "elementwise": c.elementwise,
+            "tp_comm_overlap": c.tp_comm_overlap,
             "step_time_s": self.step_time_s,
             "breakdown": dict(self.breakdown),
             "tokens_per_s": self.tokens_per_s,
@@ -229,10 +232,11 @@ ROPE_BYTES = {"fused": 4.0, "eager": 20.0}
 SWIGLU_BYTES = {"fused": 6.0, "eager": 10.0}
 GELU_BYTES = 4.0
 # fp8 GEMMs on a GPU take fp8 operands in both layouts, so Transformer Engine casts around every Linear (its
-# cast_transpose kernels): in the forward the inputs' fp8 transposes for the weight gradients (2 bytes an element
-# where a norm or the activation already wrote the fp8 copy: the QKV and MLP-up inputs; 4, cast and transpose from
-# bf16, for the attention-out and MLP-down inputs), in the backward each output gradient cast and transposed from
-# bf16 (4 bytes an element). The measured fp8 GEMM rates (efficiency.GEMM_CEILING) time the GEMM alone.
+# cast_transpose kernels): in the forward each input's fp8 transpose for the weight gradient (2 bytes an element where
+# the kernel before already wrote the fp8 copy: the norms for the QKV and MLP-up inputs, the activation for the
+# MLP-down input; 4, a cast and a transpose from bf16, for the attention output going into its projection), in the
+# backward each output gradient cast and transposed from bf16 (4 bytes an element). The measured fp8 GEMM rates
+# (efficiency.GEMM_CEILING) time the GEMM alone.
 FP8_TRANSPOSE_BYTES = 2.0
 FP8_CAST_TRANSPOSE_BYTES = 4.0
 
@@ -281,18 +285,26 @@ def _compute_ops(cfg: TrainConfig) -> list[tuple[str, str, float, float, float, 
         mem("rope", tokens * rotated * ROPE_BYTES[cfg.elementwise])
     mm("out_proj", tokens, m.v_dim / t, d)
     _mlp_ops(cfg, tokens, ops, mm, mem)
-    if dt == "fp8" and chip.kind == "gpu":  # the casts around the four projections (FP8_CAST_TRANSPOSE_BYTES)
-        gate = 2 if m.gated_mlp else 1
-        ff = m.d_ff * (m.experts_per_token + m.shared_experts if m.is_moe else 1)
-        fwd_bytes = tokens * (2 * d * FP8_TRANSPOSE_BYTES + (m.v_dim + ff) / t * FP8_CAST_TRANSPOSE_BYTES)
-        outputs = (q + 2 * kv) * m.head_dim + gate * ff / t + 2 * d
-        bwd_bytes = tokens * outputs * FP8_CAST_TRANSPOSE_BYTES
-        fwd_s, bwd_s = eff.memory_time(chip, fwd_bytes), eff.memory_time(chip, bwd_bytes)
-        ops.append(("fp8.casts", "elementwise", fwd_s, bwd_s, 0.0, fwd_bytes + bwd_bytes))
+    if dt == "fp8" and chip.kind == "gpu":
+        qkv_flops = next(o[4] for o in ops if o[0] == "qkv")
+        ops.append(_fp8_casts(cfg, tokens, qkv_flops / (2.0 * tokens * d)))
     sp_div = t if lay.sequence_parallel else 1
     mem("norms", tokens / sp_div * d * 2 * NORM_BYTES[cfg.elementwise])  # two per layer
     mem("residuals", tokens / sp_div * d * (12.0 + (2.0 if m.dropout else 0.0)))  # two (bias-dropout-)adds
     return ops
+
+
+def _fp8_casts(cfg: TrainConfig, tokens: float, qkv_width: float) -> tuple[str, str, float, float, float, float]:
+    """Transformer Engine's casts around a layer's four projections in fp8 (FP8_CAST_TRANSPOSE_BYTES), for ``tokens``
+    on one TP rank; ``qkv_width``: the QKV projection's output per token on it. Its bytes are a third of forward and
+    backward together, as the op list counts an op's bytes (its backward moves twice its forward's)."""
+    m, t, d = cfg.model, cfg.layout.tp, cfg.model.d_model
+    ff = m.d_ff * ((m.experts_per_token + m.shared_experts) if m.is_moe else 1)  # an expert layer's, all its experts
+    gate = 2 if m.gated_mlp else 1
+    fwd = tokens * ((2 * d + ff / t) * FP8_TRANSPOSE_BYTES + m.v_dim / t * FP8_CAST_TRANSPOSE_BYTES)
+    bwd = tokens * (qkv_width + gate * ff / t + 2 * d) * FP8_CAST_TRANSPOSE_BYTES
+    chip = cfg.chip
+    return ("fp8.casts", "elementwise", eff.memory_time(chip, fwd), eff.memory_time(chip, bwd), 0.0, (fwd + bwd) / 3)
 
 
 def _mlp_ops(cfg: TrainConfig, tokens: float, ops: list, mm, mem) -> None:
@@ -489,6 +501,7 @@ def step_ops(est: TrainEstimate) -> list[dict[str, Any]]:
     )
     for c in collectives(cfg):
         n = calls_per_step(cfg, c)
+        hidden = c.hidden or ("gemm" if cfg.tp_comm_overlap and c.role == "tp" and c.per == "layer" else "")
         out.append(
             {
                 "name": c.what,
@@ -499,7 +512,7 @@ def step_ops(est: TrainEstimate) -> list[dict[str, Any]]:
                 "role": c.role,
                 "calls": n,
                 "dtype": c.dtype,
-                "hidden": c.hidden or None,
+                "hidden": hidden or None,  # gemm: under the GEMM it feeds or follows (tp_comm_overlap)
             }
         )
     return out

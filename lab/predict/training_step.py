@@ -90,7 +90,8 @@ def tp_overlapped(cfg: TrainConfig, ops: list, tp: list) -> float:
     """What a layer's TP collectives still cost with ``tp_comm_overlap``: each of the eight (four sites, forward and
     backward) at the overlap's cost under its own GEMM (efficiency.overlap_cost: what the GEMM does not cover is
     exposed, and the GEMM runs slower meanwhile); calls beyond those (a recomputed forward's) under the recomputed
-    GEMMs together. A layer without the four sites (an expert layer) hides them under all of its GEMMs together."""
+    GEMMs together. A layer without the four sites (an expert layer) hides them under all of its GEMMs together
+    (each one's forward and input-gradient half, as at the four sites)."""
     chip = cfg.chip
     calls = sum(c.calls for c, _ in tp)
     if not calls:
@@ -98,7 +99,7 @@ def tp_overlapped(cfg: TrainConfig, ops: list, tp: list) -> float:
     per_call = sum(c.calls * t for c, t in tp) / calls
     gemm = {o[0]: o for o in ops if o[1] == "matmul"}
     if cfg.model.is_moe or not all(s in gemm for s in _TP_SITES) or calls < 2 * len(_TP_SITES):
-        return eff.overlap_cost(chip, calls * per_call, sum(o[2] + o[3] for o in gemm.values()))
+        return eff.overlap_cost(chip, calls * per_call, sum(o[2] + o[3] / 2 for o in gemm.values()))
     out = 0.0
     for site in _TP_SITES:
         fwd, bwd = gemm[site][2], gemm[site][3]
