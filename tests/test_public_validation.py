@@ -26,6 +26,7 @@ def test_every_public_run_is_cited_and_either_predicted_or_counted_with_its_reas
     for row in public.rows:
         run = row.run
         assert run.source and run.grade in ("A", "B", "C") and run.measured > 0
+        assert run.context_at in ("mean", "end") and run.kv_dtype in (None, "bf16", "fp8", "int8", "int4")
         if run.expressible is None:
             assert row.error is not None and row.predicted is not None, row.detail
         else:
