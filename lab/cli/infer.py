@@ -30,6 +30,7 @@ from lab.cli.commands import help_of
 from lab.core.errors import UserError
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
+from lab.predict.efficiency import FP8_DECODE_TIME_VS_BF16, FP8_SCALINGS
 from lab.predict.inference import WEIGHT_DTYPES, InferConfig, estimate_inference
 
 TYPE_CHECKING = False  # typing is not imported at run time: annotations only
@@ -349,9 +350,10 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     ie.add_argument("--achievable", action="store_true", help="apply the efficiency model instead of ideal peaks")
     ie.add_argument(
         "--fp8-scaling",
-        choices=("dynamic", "static"),
+        choices=FP8_SCALINGS,
         help="with --weights fp8 --compute fp8 --achievable: activation scales computed each step (vLLM, SGLang, "
-        "TorchAO; fp8 GEMMs take 0.62 of bf16's time) or static ones fused before (0.5) (default dynamic)",
+        f"TorchAO; fp8 GEMMs take {FP8_DECODE_TIME_VS_BF16:g} of bf16's time) or static ones fused before (0.5) "
+        "(default dynamic)",
     )
     # the Plan's dtypes and pricing mode: priced as it is built
     plan_options(ie, "weights", "kv", "compute", "mfu", "achievable", "fp8_scaling")

@@ -374,9 +374,13 @@ def comm_time(
 ) -> float:
     """Achievable time of one collective (the collective model at the fabric's measured efficiency)."""
     c = collective_on(chip, kind, nbytes, group, scope=scope, members_per_node=members_per_node, axes=axes)
-    if c is None:
-        return 0.0
-    frac = collective_fraction(chip, kind, group, scope, nbytes)
+    return 0.0 if c is None else achievable_time(chip, c, group, scope)
+
+
+def achievable_time(chip: Chip, c, group: int, scope: str = "node") -> float:
+    """:func:`comm_time` of a collective the model already priced (``c``: its CollectiveCost over ``group`` chips)."""
+    nbytes = c.bytes
+    frac = collective_fraction(chip, c.kind, group, scope, nbytes)
     if scope == "node":  # the bandwidth term at its size's share of the plateau (NVLINK_SWEEP)
         return max(c.time_s, c.bandwidth_s / nvlink_ramp(chip, c.kind, nbytes, group)) / frac
     if chip.kind == "gpu":  # across nodes the NIC's measured share (NIC_CURVE) is of its line rate: the bandwidth

@@ -269,7 +269,7 @@ def _comm(chip: Chip, kind: str, nbytes: float, group: int, achievable: bool) ->
         return 0.0, False
     scope = "node" if chip.topology == "torus" or group <= (chip.node_size or group) else "cross-node"
     c = eff.collective_on(chip, kind, nbytes, group, scope=scope)
-    t = eff.comm_time(chip, kind, nbytes, group, scope=scope) if achievable else c.time_s  # as training prices it
+    t = eff.achievable_time(chip, c, group, scope) if achievable else c.time_s  # as training prices it
     return t, c.latency_bound
 
 
