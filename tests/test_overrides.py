@@ -48,6 +48,15 @@ def test_override_changes_and_records_each_flag():
     assert override(plan) == (plan, {})
 
 
+def test_sizes_named_like_the_experiments_own_are_accepted():
+    # decode's sizes have underscores (prompt_len); a name that is not one says which are
+    new, record = override(load_experiment(DECODE).plan, sizes="prompt_len=64,steps=2")
+    assert (new.sizes["prompt_len"], new.sizes["steps"], new.sizes["batch"]) == (64, 2, 16)
+    assert record == {"sizes": {"prompt_len": 64, "steps": 2}}
+    with pytest.raises(UserError, match=r"'prompt-len' is not a valid name; example: batch=16,prompt_len=1024"):
+        override(load_experiment(DECODE).plan, sizes="prompt-len=64")
+
+
 def test_override_is_validated():
     plan = load_experiment(TRAIN).plan
     with pytest.raises(UserError, match="batch"):

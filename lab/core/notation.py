@@ -280,8 +280,9 @@ def _fmt_mesh(mesh: Mapping[str, int]) -> str:
     return ",".join(f"{k}={v}" for k, v in mesh.items()) or "empty"
 
 
-def parse_assignments(text: str, what: str, example: str) -> dict[str, int]:
-    """``"X=2,Y=4"`` -> ``{"X": 2, "Y": 4}`` with positive-integer checks (``8k``, ``1M``, ``1e6`` ok)."""
+def parse_assignments(text: str, what: str, example: str, name: re.Pattern = AXIS_NAME) -> dict[str, int]:
+    """``"X=2,Y=4"`` -> ``{"X": 2, "Y": 4}`` with positive-integer checks (``8k``, ``1M``, ``1e6`` ok); each key
+    must match ``name``."""
     out: dict[str, int] = {}
     if not str(text).strip():
         raise UserError(f"{what} is empty; example: {example}")
@@ -290,7 +291,7 @@ def parse_assignments(text: str, what: str, example: str) -> dict[str, int]:
         if "=" not in part:
             raise UserError(f"{what}: {part!r} is not NAME=VALUE; example: {example}")
         key, val = (s.strip() for s in part.split("=", 1))
-        if not AXIS_NAME.fullmatch(key):
+        if not name.fullmatch(key):
             raise UserError(f"{what}: {key!r} is not a valid name; example: {example}")
         if key in out:
             raise UserError(f"{what}: {key!r} is given twice; example: {example}")
@@ -303,6 +304,9 @@ def parse_mesh(text: str) -> dict[str, int]:
     return parse_assignments(text, "--mesh", "X=2,Y=4")
 
 
-def parse_sizes(text: str) -> dict[str, int]:
-    """``"I=1024,J=8k,K=4096"`` -> dim sizes."""
-    return parse_assignments(text, "--sizes", "I=1024,J=8192,K=4096")
+SIZE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")  # an experiment's size: a dimension, or a word like prompt_len
+
+
+def parse_sizes(text: str, example: str = "I=1024,J=8192,K=4096") -> dict[str, int]:
+    """``"I=1024,J=8k,K=4096"`` -> dim sizes (an experiment's sizes may have underscores: ``prompt_len=64``)."""
+    return parse_assignments(text, "--sizes", example, SIZE_NAME)

@@ -64,7 +64,7 @@ def override(
         changes["mesh"] = make_mesh_axes(shape, slow)
         record["mesh"] = dict(shape)
     if sizes is not None:
-        new = parse_sizes(sizes)
+        new = parse_sizes(sizes, ",".join(f"{k}={v}" for k, v in plan.sizes.items()) or "batch=16")
         changes["sizes"] = dict(plan.sizes) | new
         record["sizes"] = new
     if dtype is not None:
