@@ -139,13 +139,31 @@ preset = "fsdp_tp"
 """
 
 
+def _audit_mid(folder: Path, topology: str, data: int) -> tuple[dict, str]:
+    """``shardlab audit --target`` of MID_MODEL over ``data`` x 4: its JSON and the compiled HLO's text."""
+    import contextlib
+    import io
+
+    exp, hlo, out = folder / f"mid{data}.toml", folder / f"mid{data}.hlo", io.StringIO()
+    exp.write_text(MID_MODEL.format(data=data))
+    with contextlib.redirect_stdout(out):
+        assert main(["audit", str(exp), "--target", topology, "--hlo", str(hlo), "--json"]) == 0
+    return json.loads(out.getvalue()), hlo.read_text()
+
+
+@pytest.fixture(scope="module")
+def mid_v5e(tmp_path_factory):
+    """MID_MODEL (data=2) compiled once for v5e:2x4 (10-20 s of libtpu on 2 cores), read by two tests."""
+    return _audit_mid(tmp_path_factory.mktemp("mid"), "v5e:2x4", 2)
+
+
 @needs_libtpu
 @pytest.mark.parametrize(("topology", "data"), [("v5e:2x4", 2), ("v5p:2x2x2", 2), ("v6e:4x4", 4)])
-def test_train_step_cross_compiles_with_every_predicted_collective(tmp_path, capsys, topology, data):
-    exp = tmp_path / "mid.toml"
-    exp.write_text(MID_MODEL.format(data=data))
-    assert main(["audit", str(exp), "--target", topology, "--json"]) == 0
-    d = json.loads(capsys.readouterr().out)
+def test_train_step_cross_compiles_with_every_predicted_collective(request, tmp_path, topology, data):
+    if topology == "v5e:2x4":
+        d, _ = request.getfixturevalue("mid_v5e")
+    else:
+        d, _ = _audit_mid(tmp_path, topology, data)
     kinds = {(e["kind"], tuple(e["axes"])) for e in d["entries"]}
     assert {("all-reduce", ("model",)), ("all-gather", ("data",)), ("reduce-scatter", ("data",))} <= kinds
     assert all(e["compiled_bytes"] > 0 for e in d["entries"]), d["entries"]
@@ -233,6 +251,8 @@ def test_real_size_train_step_memory_with_nothing_recomputed_on_v5e(capsys):
 def test_run_compile_only_for_a_topology_writes_xla_beside_the_predictions(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     argv = ["run", "experiments/llama3_8b_decode.toml", "--compile-only", "--target", "v5e:2x4"]
+    # the shipped decode at a shorter prompt and fewer steps (35 s of libtpu on 2 cores at its own sizes, 12 s here)
+    argv += ["--sizes", "batch=8,prompt_len=64,steps=2"]
     assert main([*argv, "--out", str(tmp_path), "--json", "--quiet"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["backend"] == "tpu" and r["emulated"] is False and r["devices"] == 8
@@ -256,19 +276,14 @@ def test_the_parallel_kernels_audit_all_match_on_tpu_too(capsys, name):
 
 
 @needs_libtpu
-def test_the_ledger_prices_the_collectives_inside_tpu_fusions(tmp_path, capsys):
+def test_the_ledger_prices_the_collectives_inside_tpu_fusions(mid_v5e):
     # libtpu wraps all-gathers in async collective fusions and fuses some with their matmuls: the ledger must
     # still price every collective byte and every matmul FLOP the audit's parser finds in the HLO
     from lab.compile.hlo import collectives, dots, parse_module
     from lab.core.hardware import get_chip
     from lab.report.ledger import predict_ops
 
-    exp = tmp_path / "mid.toml"
-    exp.write_text(MID_MODEL.format(data=2))
-    hlo = tmp_path / "tpu.hlo"
-    assert main(["audit", str(exp), "--target", "v5e:2x4", "--hlo", str(hlo), "--json"]) == 0
-    capsys.readouterr()
-    text = hlo.read_text()
+    _, text = mid_v5e
     module = parse_module(text)
     assert "async_collective_fusion" in text  # the case this test is about
     ops = predict_ops(text, get_chip("tpu-v5e"), {"data": 2, "model": 4})
