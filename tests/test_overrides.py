@@ -105,9 +105,28 @@ def test_run_overrides_are_recorded(tmp_path, capsys):
     assert r["plan"]["model"]["layers"] == 1 and r["sizes"]["batch"] == 16
 
 
+def test_warmup_and_repeats_replace_the_experiments_and_are_recorded(tmp_path, capsys):
+    exp = str(ROOT / "experiments" / "sharded_matmul_case2.toml")  # its [run]: the defaults, 10 and 5
+    assert main(["run", exp, "--out", str(tmp_path), "--json", "--quiet", "--warmup", "0", "--repeats", "2"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["overrides"] == {"warmup": 0, "repeats": 2}
+    assert (r["summary"]["warmup"], r["summary"]["repeats"]) == (0, 2)
+
+
+def test_warmup_and_repeats_help_states_the_experiments_defaults():
+    from lab.cli.main import build_parser
+    from lab.run.experiment import REPEATS, WARMUP
+
+    run = build_parser(["run", "--help"])._subparsers._group_actions[0].choices["run"]
+    helps = {a.dest: a.help for a in run._actions}
+    assert f"default {WARMUP})" in helps["warmup"] and f"default {REPEATS})" in helps["repeats"]
+
+
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
+        (["--warmup", "2", "--compile-only"], "--warmup with --compile-only: nothing is profiled"),
+        (["--repeats", "20000"], "--repeats 20000 is more calls than a profile can hold; give at most 10000"),
         (["--scale-to-host", "--target", "v5e:2x4", "--compile-only"], "drop --target"),
         (["--model", "layers=x"], "positive whole"),
         (["--mesh", "data=3,model=4"], "not divisible by mesh axis 'data'"),

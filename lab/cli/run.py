@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lab.cli.args import add_target, in_path, positive_int, text_arg
+from lab.cli.args import add_target, in_path, nonneg_int, positive_int, text_arg
 from lab.cli.commands import help_of
 from lab.core.errors import UserError
 
@@ -17,6 +17,10 @@ EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"  # the checkou
 
 def cmd_run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from lab.run.pipeline import run_experiment
+
+    given = [f"--{k}" for k in ("warmup", "repeats") if getattr(args, k) is not None]
+    if args.compile_only and given:
+        raise UserError(f"{given[0]} with --compile-only: nothing is profiled; drop one of them")
 
     result = run_experiment(
         args.experiment,
@@ -30,7 +34,14 @@ def cmd_run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         devices=args.devices,
         distributed=args.distributed,
         target=args.topology,
-        overrides={"mesh": args.mesh, "sizes": args.sizes, "dtype": args.dtype, "model": args.model},
+        overrides={
+            "mesh": args.mesh,
+            "sizes": args.sizes,
+            "dtype": args.dtype,
+            "model": args.model,
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+        },
         scale_to_host=args.scale_to_host,
     )
     r = result.report
@@ -311,6 +322,19 @@ def register(sub, common: argparse.ArgumentParser) -> None:
         "--model",
         metavar="FIELD=VALUE,...",
         help="change the experiment's model, e.g. layers=2,d_model=1024 (base=llama3-8b starts from a catalog model)",
+    )
+    r.add_argument(
+        "--warmup",
+        metavar="N",
+        type=nonneg_int("--warmup"),
+        help="untraced calls before the profiled ones, instead of the experiment's (its [run] warmup, default 10)",
+    )
+    r.add_argument(
+        "--repeats",
+        metavar="N",
+        type=positive_int("--repeats"),
+        help="profiled calls, instead of the experiment's (its [run] repeats, default 5): more for a steadier "
+        "median per op",
     )
     r.add_argument(
         "--scale-to-host",

@@ -29,7 +29,7 @@ from lab.core.table import dumps
 from lab.run import distributed as dist
 from lab.run import store
 from lab.run.environment import MAX_EMULATED, Progress, ensure_devices, environment, require_devices, resolve_hardware
-from lab.run.experiment import WARMUP, Experiment, load_experiment
+from lab.run.experiment import MAX_CALLS, WARMUP, Experiment, load_experiment
 from lab.run.point import LARGE_BYTES, estimate_or_refuse, host_bytes_per_device, run_point
 from lab.run.store import plain_name
 
@@ -147,21 +147,27 @@ def run_experiment(
     return _dispatch(ctx, base, name, points, resume)
 
 
-def _experiment(path: str, hardware: str | None, overrides: dict[str, str | None] | None):
+def _experiment(path: str, hardware: str | None, overrides: dict[str, Any] | None):
     """The experiment as the command line changes it (``--hardware``, ``--mesh``, ``--sizes``, ``--dtype``,
-    ``--model``), and the record of what changed."""
+    ``--model``, ``--warmup``, ``--repeats``), and the record of what changed."""
     exp = load_experiment(path)
     if hardware:
         exp = dataclasses.replace(exp, plan=dataclasses.replace(exp.plan, hardware=hardware))
-    if not overrides or all(v is None for v in overrides.values()):
-        return exp, {}
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    calls = {k: overrides.pop(k) for k in ("warmup", "repeats") if k in overrides}
+    for k, v in calls.items():
+        if v > MAX_CALLS:
+            raise UserError(f"--{k} {v} is more calls than a profile can hold; give at most {MAX_CALLS}")
+    exp = dataclasses.replace(exp, **calls)
+    if not overrides:
+        return exp, dict(calls)
     from lab.run.overrides import override
 
     try:
         plan, changed = override(exp.plan, **overrides)
     except UserError as exc:
         raise UserError(f"{exp.path}: {exc}") from None
-    return dataclasses.replace(exp, plan=plan), changed
+    return dataclasses.replace(exp, plan=plan), changed | calls
 
 
 def _check_devices(devices: int | None, exp: Experiment) -> None:
