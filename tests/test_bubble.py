@@ -52,7 +52,9 @@ def test_a_pipelined_run_reports_its_bubble_beside_the_schedules(jax_devices, tm
     from lab.run.pipeline import run_experiment
 
     path = os.path.join(REPO, "experiments", "pipeline_gpipe2.toml")
-    result = run_experiment(path, str(tmp_path / "runs"), quiet=True, hardware="cpu")
+    # one warm-up and two profiled steps: the bubble is read from each step's ops, whatever their number
+    overrides = {"warmup": 1, "repeats": 2}
+    result = run_experiment(path, str(tmp_path / "runs"), quiet=True, hardware="cpu", overrides=overrides)
     b = result.report["pipeline_bubble"]
     # pipeline_gpipe2: 2 stages, 8 microbatches: 9 steps, each stage idle in 1 of them
     assert (b["stages"], b["steps"], b["work_per_stage"]) == (2, 9, 8)
