@@ -331,6 +331,19 @@ def test_an_analytic_command_never_loads_inspect_and_inspect_still_works_after(a
     assert r.stdout.splitlines() == [first, "(x: int) -> None NoDoc(x: int) True inspect"]
 
 
+def test_a_dense_training_estimate_loads_neither_the_program_table_nor_numbers():
+    """Start-up: the program table (lab.core.programs, about 4 ms) is for MoE models and the lab's own programs,
+    ``numbers`` only for a byte count that is neither int nor float; a dense model's estimate needs neither."""
+    argv = ["train", "estimate", "--model", "llama3-8b", "--hardware", "h100", "--chips", "8"]
+    code = (
+        "import contextlib, io, sys\nfrom lab.cli.main import main\n"
+        f"with contextlib.redirect_stdout(io.StringIO()):\n    rc = main({argv!r})\n"
+        "print(rc, 'lab.core.programs' in sys.modules, 'numbers' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "0 False False", r.stderr
+
+
 def test_a_jax_command_loads_the_real_inspect():
     code = (
         "import sys\nfrom lab.cli.main import main\ntry:\n    main(['run', '--bogus'])\nexcept SystemExit:\n"

@@ -19,8 +19,6 @@ audit verifies is the formula a layout is ranked by.
 
 from __future__ import annotations
 
-from lab.core.programs import moe_capacity
-
 
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     """Fraction of a pipeline step each stage idles: ``(p - 1) / (v m + p - 1)``."""
@@ -36,6 +34,9 @@ def bubble_over_work(p: int, m: int, v: int = 1) -> float:
 def moe_slots(tokens: int, experts: int, k: int, capacity_factor: float) -> int:
     """Expert slots a fixed-capacity dispatch buffer holds on one device: ``E x ceil(k t c / E)`` (exact, as the
     lab's MoE kernel sizes it: :func:`lab.core.programs.moe_capacity`)."""
+    # imported here: building the program table costs every dense model's estimate about 4 ms of start-up
+    from lab.core.programs import moe_capacity
+
     return experts * moe_capacity(tokens, experts, k, capacity_factor)
 
 
