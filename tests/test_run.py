@@ -336,3 +336,44 @@ def test_the_compiled_programs_memory_is_checked_against_the_host(monkeypatch, c
     assert "shardlab: warning: exp: the compiled program needs 4 GiB" in capsys.readouterr().err
     monkeypatch.setattr(point, "host_bytes_per_device", lambda: None)  # on an accelerator: the chip's 80 GB
     point._check_compiled_memory(plan, compiled, get_chip("h100"), compile_only=False)
+
+
+def test_the_trace_starts_after_the_plots_import_has_finished(jax_devices, tmp_path, monkeypatch):
+    """JAX's profiler records every thread's Python calls: an import still running on the preload thread when the
+    trace starts filled tp_mlp's trace with 60,000 import events (12x its size, 10x its parse time)."""
+    import threading
+
+    from lab.measure import trace
+    from lab.report import plots
+
+    done, seen = threading.Event(), []
+
+    def slow_load():
+        time.sleep(0.5)  # an import slower than compiling this program
+        done.set()
+
+    real_record = trace.record
+
+    def record(*args, **kwargs):
+        seen.append(done.is_set())
+        return real_record(*args, **kwargs)
+
+    monkeypatch.setattr(plots, "_load", slow_load)
+    monkeypatch.setattr(trace, "record", record)
+    exp = str(Path(__file__).resolve().parent.parent / "experiments" / "sharded_matmul_case2.toml")
+    run_experiment(exp, str(tmp_path), quiet=True, hardware="cpu", overrides={"warmup": 0, "repeats": 1})
+    assert seen == [True]
+
+
+def test_a_command_line_run_draws_without_the_3d_toolkit_and_a_python_session_keeps_it():
+    """`shardlab run` imports matplotlib without mpl_toolkits.mplot3d (0.4 s of its import); the toolkit itself
+    still imports afterwards, and a Python session that did not ask keeps the "3d" projection."""
+    code = (
+        "import sys\nfrom lab.report import plots\n{call}plots._load()\n"
+        "import matplotlib.projections as p\nprint('mpl_toolkits.mplot3d' in sys.modules, '3d' in "
+        "p.get_projection_names())\nfrom mpl_toolkits.mplot3d import Axes3D\nprint(Axes3D.__name__)\n"
+    )
+    for call, first in (("plots.without_3d()\n", "False False"), ("", "True True")):
+        argv = [sys.executable, "-W", "error", "-c", code.format(call=call)]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.splitlines() == [first, "Axes3D"], r.stderr[-2000:]

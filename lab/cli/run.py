@@ -16,7 +16,10 @@ EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"  # the checkou
 
 
 def cmd_run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from lab.report.plots import without_3d
     from lab.run.pipeline import run_experiment
+
+    without_3d()  # this process draws the report's charts and nothing else
 
     given = [f"--{k}" for k in ("warmup", "repeats") if getattr(args, k) is not None]
     if args.compile_only and given:
@@ -256,7 +259,10 @@ def cmd_demo(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     report = run_demo(hardware=args.hardware, hardware_file=args.hardware_file)
     if args.analytic_only:
         return report.data, report.text
+    from lab.report.plots import without_3d
     from lab.run.pipeline import run_experiment
+
+    without_3d()  # as `shardlab run`: the report's charts are all this process draws
 
     experiment = EXPERIMENTS / "tp_mlp.toml"
     job = main_job()

@@ -29,8 +29,27 @@ COMM_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "colle
 COLORS = {"compute": "#4c72b0", "communication": "#dd8452", "other": "#8c8c8c", "idle": "#e5e5e5"}
 
 
+_WITHOUT_3D = False  # set by without_3d()
+
+
+def without_3d() -> None:
+    """For a process that draws only the lab's charts (the command line): import matplotlib without its 3-D toolkit.
+
+    matplotlib's import loads ``mpl_toolkits.mplot3d`` to register the ``"3d"`` projection, about 0.4 s of its 1 s
+    import on a 2-core host, and the preload's import competes with the trace's parse for the interpreter. In such
+    a process ``projection="3d"`` is then unknown; a Python session that never calls this keeps it."""
+    global _WITHOUT_3D
+    _WITHOUT_3D = True
+
+
 def _load() -> None:
     fresh = "matplotlib.figure" not in sys.modules
+    block = _WITHOUT_3D and "matplotlib.projections" not in sys.modules and "mpl_toolkits.mplot3d" not in sys.modules
+    if block:  # its import then raises ImportError, which matplotlib catches, warns of and goes on without 3-D
+        import warnings
+
+        warnings.filterwarnings("ignore", message="Unable to import Axes3D", category=UserWarning)
+        sys.modules["mpl_toolkits.mplot3d"] = None
     try:
         from matplotlib import font_manager
         from matplotlib.backends import backend_agg  # noqa: F401  (savefig's canvas)
@@ -39,6 +58,9 @@ def _load() -> None:
         font_manager.fontManager  # noqa: B018  (the font cache, read on the first text drawn)
     except Exception:  # the plots import it again and say what is wrong
         return
+    finally:
+        if block and sys.modules.get("mpl_toolkits.mplot3d", 0) is None:
+            del sys.modules["mpl_toolkits.mplot3d"]  # a later import of the toolkit itself works
     # what was imported lives as long as the process: out of the collector's sight, so that the trace's parse
     # (many short-lived objects) does not rescan matplotlib's hundred thousand at every full collection (once: a
     # process running many reports, a test session, freezes nothing more)
@@ -46,12 +68,24 @@ def _load() -> None:
         gc.freeze()
 
 
+_PRELOADING: list[threading.Thread] = []
+
+
 def preload() -> threading.Thread:
-    """Import matplotlib on a daemon thread while the devices compile and run (XLA releases the GIL), so the report
-    pays for drawing only: its import is about 0.3 s, half of writing the three plots."""
+    """Import matplotlib on a daemon thread while the devices compile (XLA releases the GIL), so the report pays for
+    drawing only: its import is about 1 s on a 2-core host, more than writing the three plots."""
     t = threading.Thread(target=_load, name="shardlab-preload-plots", daemon=True)
     t.start()
+    _PRELOADING.append(t)
     return t
+
+
+def preloaded() -> None:
+    """Wait for :func:`preload`'s import to finish. Before a trace starts: JAX's profiler records every Python call
+    of every thread, and an import running meanwhile made tp_mlp's trace 12x larger (1 MB of xplane, not 90 kB), its
+    parse 10x slower and its per-op times noisier."""
+    while _PRELOADING:
+        _PRELOADING.pop().join()
 
 
 def _figure(width: float, height: float, ncols: int = 1):
@@ -91,6 +125,12 @@ def _log_axes(ax, x_unit: str, y_unit: str) -> None:
         axis.set_minor_formatter(EngLog(unit, labelOnlyBase=False))
 
 
+def _title(ax, text: str) -> None:
+    """The title just above the axes. Placed there, not where matplotlib finds room for it: finding room measures
+    every tick label of the axes once more, a fifth of a chart's drawing time, and these axes have nothing above."""
+    ax.set_title(text, y=1.0)
+
+
 def _short(name: str, n: int = 22) -> str:
     return name if len(name) <= n else name[: n - 1] + "…"
 
@@ -109,7 +149,7 @@ def _roofline(report: dict[str, Any], tag: str):
     peak, dtype = roof(hw, report.get("dtype", "bf16"))
     bw = hw["hbm_bandwidth"]
     fig, (ax, cx) = _figure(11, 4.8, 2)
-    fig.subplots_adjust(left=0.1, right=0.98, top=0.88, bottom=0.12, wspace=0.3)
+    fig.subplots_adjust(left=0.12, right=0.98, top=0.9, bottom=0.12, wspace=0.33)
     ops = [r for r in report["ops"] if r["measured_s"] and r["flops"] > 0 and r["bytes"] > 0]
     crit = peak / bw
     lo = min([r["flops"] / r["bytes"] for r in ops] + [crit / 100]) / 2
@@ -135,8 +175,8 @@ def _roofline(report: dict[str, Any], tag: str):
     ax.set(
         xlabel="arithmetic intensity (FLOPs / byte)",
         ylabel="achieved FLOP/s",
-        title=f"Roofline: {report['experiment']}{tag}",
     )
+    _title(ax, f"Roofline: {report['experiment']}{tag}")
     ax.legend(fontsize=7, loc="lower right")
     _collectives(cx, report)
     return fig
@@ -162,8 +202,8 @@ def _collectives(ax, report: dict[str, Any]) -> None:
     ax.set(
         xlabel="message V (bytes)",
         ylabel="achieved V / time (B/s)",
-        title=f"Collectives ({len(comm)})" if comm else "Collectives (none in this program)",
     )
+    _title(ax, f"Collectives ({len(comm)})" if comm else "Collectives (none in this program)")
     ax.legend(fontsize=7, loc="lower right")
 
 
@@ -228,8 +268,8 @@ def _vs_measured(report: dict[str, Any], tag: str):
     ax.set(
         xlabel="predicted (roofline) or estimated (s)",
         ylabel="measured (s)",
-        title=f"Per op: predicted vs measured{tag}{note}",
     )
+    _title(ax, f"Per op: predicted vs measured{tag}{note}")
     return fig
 
 
@@ -266,7 +306,8 @@ def _breakdown(report: dict[str, Any], tag: str):
     from matplotlib.ticker import EngFormatter
 
     ax.xaxis.set_major_formatter(EngFormatter(unit="s", sep=" "))
-    ax.set(xlabel="per step", title=f"Step breakdown{tag}")
+    ax.set(xlabel="per step")
+    _title(ax, f"Step breakdown{tag}")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=4, frameon=False)
     return fig
 
@@ -291,4 +332,4 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
     return list(drawn)
 
 
-__all__ = ["BAND", "figures", "plots", "preload", "roof", "step_bars"]
+__all__ = ["BAND", "figures", "plots", "preload", "preloaded", "roof", "step_bars", "without_3d"]

@@ -28,6 +28,7 @@ from lab.core.table import dumps
 from lab.predict.program import ProgramEstimate, estimate_program, memory_warning
 from lab.report.plots import BAND
 from lab.report.plots import preload as preload_plots
+from lab.report.plots import preloaded as plots_preloaded
 from lab.run import distributed as dist
 from lab.run import store
 from lab.run.experiment import Experiment
@@ -213,6 +214,7 @@ def _measure(exp: Experiment, built, compiled, out_dir: Path, names: set[str], p
         last[:] = [run()]
         return last[0]
 
+    plots_preloaded()  # no import in the background while the profiler records every thread's Python calls
     with HostLoad() as load:
         files = trace.record(step, (), str(out_dir / "tensorboard"), warmup=exp.warmup, repeats=exp.repeats)
     clock.lap("profile_s")
