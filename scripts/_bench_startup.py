@@ -3,6 +3,8 @@
 import argparse
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -22,11 +24,45 @@ def wall(args: list[str]) -> float:
     return time.perf_counter() - t
 
 
+def instructions(args: list[str]) -> int:
+    """Instructions the command executes, counted by valgrind's callgrind: the same on a busy host as on an idle
+    one, where wall times on a shared 2-core machine move by half from one minute to the next."""
+    r = subprocess.run(
+        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        check=True,
+    )
+    return int(re.search(r"Collected : (\d+)", r.stderr).group(1))
+
+
+def count_instructions(as_json: bool) -> None:
+    for args in COMMANDS.values():  # write the bytecode caches first
+        wall(args)
+    counts = {name: instructions(args) for name, args in COMMANDS.items()}
+    base = counts["python -c pass"]
+    if as_json:
+        print(json.dumps({"instructions": counts, "ratio": {k: v / base for k, v in counts.items()}}, indent=2))
+        return
+    print("instructions executed (valgrind callgrind), against a bare interpreter start")
+    for name, n in counts.items():
+        print(f"{name:<18} {n / 1e6:>8.1f} M {n / base:>6.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--runs", type=int, default=15)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--instructions", action="store_true", help="count instructions with valgrind instead of timing (one run each)"
+    )
     a = ap.parse_args()
+    if a.instructions:
+        if shutil.which("valgrind") is None:
+            ap.error("--instructions needs valgrind on PATH (apt install valgrind); or time the commands without it")
+        count_instructions(a.json)
+        return
     for args in COMMANDS.values():  # write the bytecode caches first
         wall(args)
     times = {name: [] for name in COMMANDS}

@@ -122,6 +122,20 @@ def test_the_roofline_is_the_programs_dtype_and_every_op_with_flops_is_on_it():
     assert comm == 1 and max(cx.get_lines()[0].get_ydata()) == 1e11  # under the link's roof
 
 
+def test_log_axes_keep_minor_ticks_only_where_they_carry_the_labels():
+    """Past two decades every decade has a labelled major tick and matplotlib labels no minor one: none are laid
+    out (each cost as much as a labelled one). Narrower, the labelled minor ticks are what the axis reads by."""
+    fig = figures(_report(OPS))["roofline.png"]
+    fig.canvas.draw()
+    ax, cx = fig.axes
+    lo, hi = ax.get_xlim()
+    assert hi / lo > 100 and len(ax.xaxis.get_minorticklocs()) == 0
+    lo, hi = cx.get_ylim()  # one collective: its rate and the link's roof, under two decades apart
+    assert hi / lo <= 100 and len(cx.yaxis.get_minorticklocs()) > 0
+    labels = [t.get_text() for t in cx.get_yticklabels(minor=True) + cx.get_yticklabels()]
+    assert sum(1 for t in labels if t.endswith("B/s")) >= 2, labels
+
+
 def test_a_collective_only_run_is_not_an_empty_chart():
     only = [_op("all-gather.1", "all-gather", 1e-4, 2e-4, coll=4e6)]
     _, cx = figures(_report(only, estimated_ops=[]))["roofline.png"].axes

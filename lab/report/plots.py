@@ -116,12 +116,22 @@ def _log_axes(ax, x_unit: str, y_unit: str) -> None:
         def _num_to_string(self, x, vmin, vmax):
             return self.eng(x)
 
+    class Minor(LogLocator):
+        """Minor ticks only where the axis spans two decades or less: wider, every decade has a labelled major
+        tick, the formatter labels no minor one, and each unlabelled tick still costs as much to lay out."""
+
+        def tick_values(self, vmin, vmax):
+            lo, hi = sorted((vmin, vmax))
+            if lo > 0 and hi / lo > 100:
+                return []
+            return super().tick_values(vmin, vmax)
+
     ax.set(xscale="log", yscale="log")
     for axis, unit in ((ax.xaxis, x_unit), (ax.yaxis, y_unit)):
         axis.set_major_formatter(EngLog(unit))
         # minor ticks at 2 and 5 of each decade, not all eight: each tick is an object matplotlib lays out, and
         # the default's were a third of the drawing time
-        axis.set_minor_locator(LogLocator(base=10, subs=(2.0, 5.0)))
+        axis.set_minor_locator(Minor(base=10, subs=(2.0, 5.0)))
         axis.set_minor_formatter(EngLog(unit, labelOnlyBase=False))
 
 
