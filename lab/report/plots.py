@@ -82,8 +82,8 @@ def preload() -> threading.Thread:
 
 def preloaded() -> None:
     """Wait for :func:`preload`'s import to finish. Before a trace starts: JAX's profiler records every Python call
-    of every thread, and an import running meanwhile made tp_mlp's trace 12x larger (1 MB of xplane, not 90 kB), its
-    parse 10x slower and its per-op times noisier."""
+    of every thread, and an import running meanwhile made tp_mlp's trace 12x larger (1 MB of xplane, not 90 kB) and
+    its parse 10x slower."""
     while _PRELOADING:
         _PRELOADING.pop().join()
 
