@@ -53,8 +53,10 @@ def test_sizes_named_like_the_experiments_own_are_accepted():
     new, record = override(load_experiment(DECODE).plan, sizes="prompt_len=64,steps=2")
     assert (new.sizes["prompt_len"], new.sizes["steps"], new.sizes["batch"]) == (64, 2, 16)
     assert record == {"sizes": {"prompt_len": 64, "steps": 2}}
-    with pytest.raises(UserError, match=r"'prompt-len' is not a valid name; example: batch=16,prompt_len=1024"):
+    with pytest.raises(UserError, match=r"unknown size 'prompt-len'; its sizes are batch, prompt_len, steps"):
         override(load_experiment(DECODE).plan, sizes="prompt-len=64")
+    with pytest.raises(UserError, match=r"'2x' is not a valid name; example: batch=16,prompt_len=1024,steps=32"):
+        override(load_experiment(DECODE).plan, sizes="2x=64")
 
 
 def test_override_is_validated():
@@ -111,6 +113,44 @@ def test_warmup_and_repeats_replace_the_experiments_and_are_recorded(tmp_path, c
     r = json.loads(capsys.readouterr().out)
     assert r["overrides"] == {"warmup": 0, "repeats": 2}
     assert (r["summary"]["warmup"], r["summary"]["repeats"]) == (0, 2)
+
+
+def test_launch_refuses_bad_calls_before_starting_a_process(capsys):
+    for extra, said in (
+        (["--compile-only", "--warmup", "2"], "--warmup with --compile-only: nothing is profiled"),
+        (["--repeats", "10001"], "--repeats 10001 is more calls than a profile can hold; give at most 10000"),
+    ):
+        assert main(["launch", "--local-processes", "2", DECODE, *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert said in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [({"warmup": -1}, "--warmup -1 is not a whole number of calls >= 0"), ({"repeats": "3"}, "--repeats '3' is not")],
+)
+def test_the_python_api_checks_its_calls_too(tmp_path, overrides, said):
+    from lab.run.pipeline import run_experiment
+
+    with pytest.raises(UserError, match=said):
+        run_experiment(DECODE, str(tmp_path), overrides=overrides)
+
+
+def test_a_resume_with_other_options_than_the_start_is_refused(tmp_path):
+    """The points still to run would be profiled (or built) otherwise than those kept: refused, naming both."""
+    import shutil
+
+    from lab.run.pipeline import run_experiment
+
+    run = tmp_path / "llama3_8b_decode"
+    run.mkdir()
+    shutil.copyfile(DECODE, run / "experiment.toml")
+    (run / "env.json").write_text(json.dumps({"overrides": {"warmup": 1, "repeats": 2}}))
+    said = r"started with --warmup 1 --repeats 2; resume with the same options \(not none\)"
+    with pytest.raises(UserError, match=said):
+        run_experiment(DECODE, str(tmp_path), resume=True, run_id=run.name)
+    with pytest.raises(UserError, match=r"\(not --warmup 1\)"):
+        run_experiment(DECODE, str(tmp_path), resume=True, run_id=run.name, overrides={"warmup": 1})
 
 
 def test_warmup_and_repeats_help_states_the_experiments_defaults():

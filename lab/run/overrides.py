@@ -47,6 +47,16 @@ def parse_model(text: str) -> dict[str, Any]:
     return out
 
 
+def override_flags(record: dict[str, Any]) -> str:
+    """The command-line flags that make ``record`` (what :func:`override` and ``--warmup``/``--repeats`` recorded):
+    ``--mesh data=4,model=2 --warmup 1``."""
+    out = []
+    for k, v in record.items():
+        value = ",".join(f"{a}={b}" for a, b in v.items()) if isinstance(v, dict) else str(v)
+        out.append(f"--{k} {value}")
+    return " ".join(out)
+
+
 def override(
     plan: Plan,
     *,
@@ -137,4 +147,4 @@ def describe(record: dict[str, Any]) -> str:
     return f"scaled down by 1/{record['factor']} to fit this host: " + ", ".join(parts)
 
 
-__all__ = ["describe", "override", "parse_model", "scale_to_host"]
+__all__ = ["describe", "override", "override_flags", "parse_model", "scale_to_host"]

@@ -30,6 +30,7 @@ from lab.run import distributed as dist
 from lab.run import store
 from lab.run.environment import MAX_EMULATED, Progress, ensure_devices, environment, require_devices, resolve_hardware
 from lab.run.experiment import MAX_CALLS, WARMUP, Experiment, load_experiment
+from lab.run.overrides import override_flags
 from lab.run.point import LARGE_BYTES, estimate_or_refuse, host_bytes_per_device, run_point
 from lab.run.store import plain_name
 
@@ -75,7 +76,7 @@ def run_experiment(
     devices: int | None = None,
     distributed: bool = False,
     target: str | None = None,
-    overrides: dict[str, str | None] | None = None,
+    overrides: dict[str, Any] | None = None,
     scale_to_host: bool = False,
 ) -> RunResult:
     """Run one experiment file (every sweep point) and write its reports; nothing half-written is left behind.
@@ -106,7 +107,7 @@ def run_experiment(
             raise UserError(f"{exp.path}: {label + ': ' if label else ''}{exc}") from None
     base = Path(out)
     if resume:
-        _check_resumable(base, name, path, bool(exp.sweep))
+        _check_resumable(base, name, path, bool(exp.sweep), changed)
     _check_devices(devices, exp)
     store.check_out(base)  # before JAX starts or the host is calibrated
     if target is not None:
@@ -154,8 +155,13 @@ def _experiment(path: str, hardware: str | None, overrides: dict[str, Any] | Non
     if hardware:
         exp = dataclasses.replace(exp, plan=dataclasses.replace(exp.plan, hardware=hardware))
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
-    calls = {k: overrides.pop(k) for k in ("warmup", "repeats") if k in overrides}
-    for k, v in calls.items():
+    calls: dict[str, int] = {}
+    for k, least in (("warmup", 0), ("repeats", 1)):
+        if k not in overrides:
+            continue
+        v = calls[k] = overrides.pop(k)
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            raise UserError(f"--{k} {v!r} is not a whole number of calls >= {least}; e.g. --{k} {max(least, 2)}")
         if v > MAX_CALLS:
             raise UserError(f"--{k} {v} is more calls than a profile can hold; give at most {MAX_CALLS}")
     exp = dataclasses.replace(exp, **calls)
@@ -307,7 +313,7 @@ class _Context:
         return chosen if self.rank == 0 else f"{chosen}.rank{self.rank}"
 
 
-def _check_resumable(base: Path, name: str, path: str, sweep: bool) -> None:
+def _check_resumable(base: Path, name: str, path: str, sweep: bool, changed: dict[str, Any]) -> None:
     run_dir = base / name
     if not run_dir.is_dir():
         raise UserError(f"no run {name!r} under {str(base)!r} to resume; start it without --resume (or pass --run-id)")
@@ -316,6 +322,14 @@ def _check_resumable(base: Path, name: str, path: str, sweep: bool) -> None:
         raise UserError(
             f"run {str(run_dir)!r} was started from another version of {path}; resume with the same file, or start "
             "a new run without --resume"
+        )
+    env = run_dir / "env.json"
+    started = json.loads(env.read_text()).get("overrides", {}) if env.is_file() else changed
+    if started != changed:  # the points still to run would be another program, or profiled otherwise
+        was, now = override_flags(started) or "no changes", override_flags(changed) or "none"
+        raise UserError(
+            f"run {str(run_dir)!r} was started with {was}; resume with the same options (not {now}), or start a new "
+            "run without --resume"
         )
     if not sweep and not store.is_complete(run_dir):
         raise UserError(f"{str(run_dir)!r} is not a finished run of {path}; start it again without --resume")
@@ -439,9 +453,11 @@ def _run_sweep(ctx: _Context, base: Path, name: str, points, resume: bool) -> Ru
             )
             store.write_atomic(run_dir / "sweep.json", dumps(summary))
     except KeyboardInterrupt:
+        flags = override_flags(ctx.env.get("overrides", {}))
         raise Interrupted(
             f"{len(reports)} of {len(points)} points are complete in {run_dir}; continue with "
-            f"`shardlab run {ctx.path} --resume --run-id {run_dir.name}` (with the same --out)"
+            f"`shardlab run {ctx.path} --resume --run-id {run_dir.name}{' ' + flags if flags else ''}` (with the "
+            "same --out)"
         ) from None
     except UserError:
         if created and not reports:  # a run that fails before any point finished leaves nothing behind
