@@ -124,7 +124,7 @@ def test_the_roofline_is_the_programs_dtype_and_every_op_with_flops_is_on_it():
 
 def test_log_axes_keep_minor_ticks_only_where_they_carry_the_labels():
     """Past two decades every decade has a labelled major tick and matplotlib labels no minor one: none are laid
-    out (each cost as much as a labelled one). Narrower, the labelled minor ticks are what the axis reads by."""
+    out (each cost as much as a labelled one). A narrower axis keeps them, and is still read by its labels."""
     fig = figures(_report(OPS))["roofline.png"]
     fig.canvas.draw()
     ax, cx = fig.axes

@@ -349,13 +349,14 @@ def test_the_trace_starts_after_the_plots_import_has_finished(jax_devices, tmp_p
     done, seen = threading.Event(), []
 
     def slow_load():
-        time.sleep(0.5)  # an import slower than compiling this program
+        time.sleep(2.0)  # an import slower than compiling this program
         done.set()
 
     real_record = trace.record
 
     def record(*args, **kwargs):
-        seen.append(done.is_set())
+        loading = any(t.name == "shardlab-preload-plots" and t.is_alive() for t in threading.enumerate())
+        seen.append(done.is_set() and not loading)
         return real_record(*args, **kwargs)
 
     monkeypatch.setattr(plots, "_load", slow_load)

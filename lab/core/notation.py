@@ -304,7 +304,7 @@ def parse_mesh(text: str) -> dict[str, int]:
     return parse_assignments(text, "--mesh", "X=2,Y=4")
 
 
-SIZE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")  # an experiment's size: a dimension, or a word like prompt_len
+SIZE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")  # an experiment's size: a dimension, or a word like prompt_len
 
 
 def parse_sizes(text: str, example: str = "I=1024,J=8192,K=4096") -> dict[str, int]:

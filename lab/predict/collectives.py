@@ -314,7 +314,7 @@ def _priced(parts: _Parts) -> dict[str, Any]:
     )
 
 
-def _real(x) -> bool:
+def _is_real_number(x) -> bool:
     """A real number: int and float at once, ``numbers.Real`` (numpy's scalars) only for anything else (importing
     ``numbers`` costs every command that prices a collective about 1 ms of start-up)."""
     if isinstance(x, (int, float)):
@@ -353,7 +353,7 @@ def collective_time(
     kind = canonical_kind(kind)
     if scope not in SCOPES:
         raise UserError(f"unknown scope {scope!r}; valid: {', '.join(SCOPES)}")
-    if not (_real(nbytes) and math.isfinite(nbytes) and nbytes > 0):
+    if not (_is_real_number(nbytes) and math.isfinite(nbytes) and nbytes > 0):
         raise UserError(f"--bytes must be a positive number, got {nbytes!r}")
     sizes = _axis_sizes(axis_sizes)
     wraps = _wraparound(wraparound, sizes, chip)

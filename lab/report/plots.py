@@ -36,8 +36,9 @@ def without_3d() -> None:
     """For a process that draws only the lab's charts (the command line): import matplotlib without its 3-D toolkit.
 
     matplotlib's import loads ``mpl_toolkits.mplot3d`` to register the ``"3d"`` projection, about 0.4 s of its 1 s
-    import on a 2-core host, and the preload's import competes with the trace's parse for the interpreter. In such
-    a process ``projection="3d"`` is then unknown; a Python session that never calls this keeps it."""
+    import on a 2-core host. Where matplotlib is imported after this, ``projection="3d"`` is unknown for the rest of
+    the process; ``shardlab run`` and ``demo`` call it (in-process too, through ``lab.cli.main.main``), the Python
+    API (``lab.run.pipeline.run_experiment``) does not."""
     global _WITHOUT_3D
     _WITHOUT_3D = True
 
@@ -45,11 +46,12 @@ def without_3d() -> None:
 def _load() -> None:
     fresh = "matplotlib.figure" not in sys.modules
     block = _WITHOUT_3D and "matplotlib.projections" not in sys.modules and "mpl_toolkits.mplot3d" not in sys.modules
-    if block:  # its import then raises ImportError, which matplotlib catches, warns of and goes on without 3-D
-        import warnings
+    if block:  # a stand-in whose Axes3D is None: matplotlib then registers no "3d" projection, and says nothing
+        import types
 
-        warnings.filterwarnings("ignore", message="Unable to import Axes3D", category=UserWarning)
-        sys.modules["mpl_toolkits.mplot3d"] = None
+        stand_in = types.ModuleType("mpl_toolkits.mplot3d", "not loaded: this process draws no 3-D axes")
+        stand_in.Axes3D = None
+        sys.modules["mpl_toolkits.mplot3d"] = stand_in
     try:
         from matplotlib import font_manager
         from matplotlib.backends import backend_agg  # noqa: F401  (savefig's canvas)
@@ -59,7 +61,7 @@ def _load() -> None:
     except Exception:  # the plots import it again and say what is wrong
         return
     finally:
-        if block and sys.modules.get("mpl_toolkits.mplot3d", 0) is None:
+        if block and sys.modules.get("mpl_toolkits.mplot3d") is stand_in:
             del sys.modules["mpl_toolkits.mplot3d"]  # a later import of the toolkit itself works
     # what was imported lives as long as the process: out of the collector's sight, so that the trace's parse
     # (many short-lived objects) does not rescan matplotlib's hundred thousand at every full collection (once: a
@@ -123,7 +125,9 @@ def _log_axes(ax, x_unit: str, y_unit: str) -> None:
         def tick_values(self, vmin, vmax):
             lo, hi = sorted((vmin, vmax))
             if lo > 0 and hi / lo > 100:
-                return []
+                import numpy as np
+
+                return np.array([])
             return super().tick_values(vmin, vmax)
 
     ax.set(xscale="log", yscale="log")
