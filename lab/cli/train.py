@@ -39,7 +39,7 @@ from lab.core.table import render
 from lab.core.units import canonical_dtype, fmt_bytes, fmt_count, fmt_seconds
 from lab.predict.remat import ALL as REMAT_ALL
 from lab.predict.train_config import ELEMENTWISE, MAX_CHECKPOINTS_PER_LAYER
-from lab.predict.training import OPTIMIZERS, SCHEDULES, Layout, TrainConfig, estimate, limits
+from lab.predict.training import OPTIMIZERS, SCHEDULES, Layout, TrainConfig, estimate
 
 TYPE_CHECKING = False  # typing is not imported at run time: annotations only
 if TYPE_CHECKING:
@@ -435,6 +435,8 @@ def cmd_train_limits(args: argparse.Namespace, chip) -> tuple[dict[str, Any], st
             )
         if args.chips > MAX_CHIPS:
             raise UserError(f"--chips {args.chips} is more chips than any machine has; give at most {MAX_CHIPS}")
+    from lab.predict.limits import limits
+
     lim = limits(
         chip,
         d_ff,

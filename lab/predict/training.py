@@ -37,7 +37,6 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from lab.predict import efficiency as eff
-from lab.predict.limits import Limits, limits
 from lab.predict.remat import policy as remat_policy
 from lab.predict.remat import recomputed as remat_recomputed
 from lab.predict.remat import saved_elements
@@ -547,7 +546,6 @@ __all__ = [
     "WEIGHT_BYTES",
     "LayerCost",
     "Layout",
-    "Limits",
     "Memory",
     "TrainConfig",
     "TrainEstimate",
@@ -558,7 +556,6 @@ __all__ = [
     "layer_cost",
     "layer_key",
     "layer_params_local",
-    "limits",
     "local_params",
     "memory_per_chip",
     "min_chips",
@@ -566,3 +563,14 @@ __all__ = [
     "step_ops",
     "step_terms",
 ]
+
+
+def __getattr__(name: str):
+    """``Limits`` and ``limits`` (the book's thresholds, :mod:`lab.predict.limits`, whose ``__all__`` lists them) are
+    read from here on first use: an estimate does not need them, and importing them cost every estimate's start-up
+    a frozen dataclass."""
+    if name in ("Limits", "limits"):
+        from lab.predict import limits as module
+
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
