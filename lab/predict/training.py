@@ -363,9 +363,8 @@ def layer_cost(cfg: TrainConfig, compute: tuple | None = None) -> LayerCost:
     bwd = sum(o[3] for o in ops)
     per_layer = collectives(cfg, roles=("tp", "ep", "cp"), per="layer")
     times = list(zip(per_layer, prices(cfg.chip, cfg.layout, per_layer), strict=True))
-    tp = sum(c.calls * t for c, t in times if c.role == "tp" and not c.hidden)
-    if cfg.tp_comm_overlap:
-        tp = tp_overlapped(cfg, ops, [(c, t) for c, t in times if c.role == "tp" and not c.hidden])
+    tp_times = [(c, t) for c, t in times if c.role == "tp" and not c.hidden]
+    tp = tp_overlapped(cfg, ops, tp_times) if cfg.tp_comm_overlap else sum(c.calls * t for c, t in tp_times)
     ep = sum(c.calls * t for c, t in times if c.role == "ep")
     cp_exposed = 0.0
     for c, t in times:

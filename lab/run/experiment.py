@@ -113,6 +113,7 @@ SECTIONS = ("experiment", "mesh", "sizes", "model", "rules", "options", "run", "
 WARMUP = 10
 REPEATS = 5
 MAX_CALLS = 10_000  # warm-up or profiled calls of one run: more would take hours and a trace too large to parse
+CALLS_AT_LEAST = {"warmup": 0, "repeats": 1}
 MAX_DEVICES = 2**20  # the largest mesh: a million chips is past any machine built
 MAX_POINTS = 256  # sweep points of one experiment: each compiles and runs, and 256 already take hours on a host
 
@@ -463,4 +464,19 @@ def _options(r: _Reader, opt: dict[str, Any]) -> Options:
         raise UserError(f"{r.where('options')(None)}: [options] {exc}") from None
 
 
-__all__ = ["MAX_POINTS", "Experiment", "line_of", "load_experiment"]
+def check_calls(calls: dict[str, Any], compile_only: bool = False) -> dict[str, int]:
+    """``--warmup`` / ``--repeats`` given to a run (``None``: not given): whole numbers of calls within
+    CALLS_AT_LEAST and MAX_CALLS, and only where something is profiled. The given ones, checked."""
+    given = {k: v for k, v in calls.items() if v is not None}
+    if compile_only and given:
+        raise UserError(f"--{next(iter(given))} with --compile-only: nothing is profiled; drop one of them")
+    for k, v in given.items():
+        least = CALLS_AT_LEAST[k]
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            raise UserError(f"--{k} {v!r} is not a whole number of calls >= {least}; e.g. --{k} {max(least, 2)}")
+        if v > MAX_CALLS:
+            raise UserError(f"--{k} {v} is more calls than a profile can hold; give at most {MAX_CALLS}")
+    return given
+
+
+__all__ = ["MAX_POINTS", "Experiment", "check_calls", "line_of", "load_experiment"]

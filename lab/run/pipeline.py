@@ -29,8 +29,8 @@ from lab.core.table import dumps
 from lab.run import distributed as dist
 from lab.run import store
 from lab.run.environment import MAX_EMULATED, Progress, ensure_devices, environment, require_devices, resolve_hardware
-from lab.run.experiment import MAX_CALLS, WARMUP, Experiment, load_experiment
-from lab.run.overrides import override_flags
+from lab.run.experiment import CALLS_AT_LEAST, WARMUP, Experiment, check_calls, load_experiment
+from lab.run.overrides import describe, override, override_flags, scale_to_host
 from lab.run.point import LARGE_BYTES, estimate_or_refuse, host_bytes_per_device, run_point
 from lab.run.store import plain_name
 
@@ -90,7 +90,7 @@ def run_experiment(
         Interrupted: Ctrl-C, saying what was kept and how to resume.
     """
     progress = Progress(quiet)
-    exp, changed = _experiment(path, hardware, overrides)
+    exp, changed = _experiment(path, hardware, overrides, compile_only)
     if scale_to_host and (exp.sweep or target is not None):
         why = (
             "drop --target (a cross-compiled run needs no host memory)"
@@ -148,27 +148,17 @@ def run_experiment(
     return _dispatch(ctx, base, name, points, resume)
 
 
-def _experiment(path: str, hardware: str | None, overrides: dict[str, Any] | None):
+def _experiment(path: str, hardware: str | None, overrides: dict[str, Any] | None, compile_only: bool):
     """The experiment as the command line changes it (``--hardware``, ``--mesh``, ``--sizes``, ``--dtype``,
     ``--model``, ``--warmup``, ``--repeats``), and the record of what changed."""
     exp = load_experiment(path)
     if hardware:
         exp = dataclasses.replace(exp, plan=dataclasses.replace(exp.plan, hardware=hardware))
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
-    calls: dict[str, int] = {}
-    for k, least in (("warmup", 0), ("repeats", 1)):
-        if k not in overrides:
-            continue
-        v = calls[k] = overrides.pop(k)
-        if isinstance(v, bool) or not isinstance(v, int) or v < least:
-            raise UserError(f"--{k} {v!r} is not a whole number of calls >= {least}; e.g. --{k} {max(least, 2)}")
-        if v > MAX_CALLS:
-            raise UserError(f"--{k} {v} is more calls than a profile can hold; give at most {MAX_CALLS}")
+    calls = check_calls({k: overrides.pop(k) for k in CALLS_AT_LEAST if k in overrides}, compile_only)
     exp = dataclasses.replace(exp, **calls)
     if not overrides:
         return exp, dict(calls)
-    from lab.run.overrides import override
-
     try:
         plan, changed = override(exp.plan, **overrides)
     except UserError as exc:
@@ -258,7 +248,6 @@ def _scale_to_host(exp: Experiment, chip: Chip, host: float | None, backend: str
     import sys
 
     from lab.predict.program import estimate_program
-    from lab.run.overrides import describe, scale_to_host
 
     if backend != "cpu" or host is None:
         raise UserError(f"--scale-to-host scales a Plan down for emulated CPU devices; this run is on {backend}")
