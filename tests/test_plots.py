@@ -11,9 +11,10 @@ from lab.report.plots import BAND, figures, step_bars
 PEAKS = {"fp32": 4.0e13, "bf16": 1.6e14, "int8": 3.2e14}  # the int8 roof is the highest: an fp32 run must not use it
 
 
-def _op(name, kind, predicted, measured, flops=0.0, nbytes=1e6, coll=0.0, spread=1.2, estimate=None):
+def _op(name, kind, predicted, measured, flops=0.0, nbytes=1e6, coll=0.0, spread=1.2, estimate=None, axes=None):
     ratio = measured / predicted if measured and predicted else None
     return {
+        **({"axes": axes} if axes else {}),
         "name": name,
         "kind": kind,
         "predicted_s": predicted,
@@ -100,7 +101,7 @@ def _report(ops, **extra):
 OPS = [
     _op("dot.1", "matmul", 2e-3, 3e-3, flops=1e9, nbytes=4e6, estimate="mlp/up"),
     _op("dot.2", "matmul", 1e-3, 1.2e-3, flops=5e8, nbytes=2e6),
-    _op("all-reduce.1", "all-reduce", 5e-4, 6e-4, coll=1e6, estimate="all-reduce over Y"),
+    _op("all-reduce.1", "all-reduce", 5e-4, 6e-4, coll=1e6, estimate="all-reduce over Y", axes=["Y"]),
     _op("fusion.1", "elementwise", 1e-5, 5e-5, nbytes=1e4),  # 5x its roofline
     _op("copy.1", "elementwise", 1e-8, 5e-7, nbytes=10.0),  # under 1 us: left out of the per-op chart
 ]
@@ -118,8 +119,31 @@ def test_the_roofline_is_the_programs_dtype_and_every_op_with_flops_is_on_it():
     assert any(t.endswith("FLOP/s") for t in ticks) and not any("$" in t for t in ticks), ticks
     points = sum(len(c.get_offsets()) for c in ax.collections if isinstance(c, PathCollection))
     assert points == 2  # the two ops with FLOPs and a measured time
-    comm = sum(len(c.get_offsets()) for c in cx.collections if isinstance(c, PathCollection))
-    assert comm == 1 and max(cx.get_lines()[0].get_ydata()) == 1e11  # under the link's roof
+    measured, predicted = (c for c in cx.collections if isinstance(c, PathCollection) and len(c.get_offsets()))
+    assert len(measured.get_offsets()) == 1 and len(predicted.get_offsets()) == 1
+    assert max(cx.get_lines()[0].get_ydata()) == 1e11  # the link's roof
+
+
+def test_collectives_are_drawn_at_their_bus_bandwidth_measured_and_predicted():
+    """An AllReduce of 1 MB over Y (4 devices) moves 2 (4 - 1) / 4 = 1.5 MB over each link: in 0.6 ms measured
+    that is 2.5 GB/s, in 0.5 ms predicted 3 GB/s (nccl-tests' bus bandwidth, comparable with the link's)."""
+    _, cx = figures(_report(OPS))["roofline.png"].axes
+    measured, predicted = (c for c in cx.collections if isinstance(c, PathCollection) and len(c.get_offsets()))
+    assert measured.get_offsets()[0][0] == 1e6 and measured.get_offsets()[0][1] == pytest.approx(2.5e9)
+    assert predicted.get_offsets()[0][1] == pytest.approx(3e9)
+    assert predicted.get_facecolors().size == 0 or predicted.get_facecolors()[0][3] == 0  # hollow: a prediction
+    assert cx.get_ylim()[1] >= 6 * 3e9  # room above the highest point for the legend
+    labels = [t.get_text() for t in cx.get_legend().get_texts()]
+    assert labels[0] == "host link fit (AllGather) 100 GB/s" and "predicted" in labels  # an emulated run's "link"
+
+
+def test_a_collective_whose_group_is_unknown_is_drawn_at_v_over_time_and_counted():
+    only = [_op("all-gather.1", "all-gather", 1e-4, 2e-4, coll=4e6)]  # no mesh axes recorded
+    _, cx = figures(_report(only, estimated_ops=[], emulated=False))["roofline.png"].axes
+    measured = next(c for c in cx.collections if isinstance(c, PathCollection) and len(c.get_offsets()))
+    assert measured.get_offsets()[0][1] == pytest.approx(4e6 / 2e-4)
+    assert cx.get_title() == "Collectives (1); 1 at V / time (group unknown)"
+    assert cx.get_legend().get_texts()[0].get_text() == "link, one way 100 GB/s"
 
 
 def test_log_axes_keep_minor_ticks_only_where_they_carry_the_labels():
@@ -130,16 +154,24 @@ def test_log_axes_keep_minor_ticks_only_where_they_carry_the_labels():
     ax, cx = fig.axes
     lo, hi = ax.get_xlim()
     assert hi / lo > 100 and len(ax.xaxis.get_minorticklocs()) == 0
-    lo, hi = cx.get_ylim()  # one collective: its rate and the link's roof, under two decades apart
+    near = _report(OPS)
+    near["hardware"] = near["hardware"] | {"link_bandwidth": 4e9}  # the roof near the collective's 2.5-3 GB/s
+    fig = figures(near)["roofline.png"]
+    fig.canvas.draw()
+    cx = fig.axes[1]
+    lo, hi = cx.get_ylim()  # one collective: its rates and the link's roof, under two decades apart
     assert hi / lo <= 100 and len(cx.yaxis.get_minorticklocs()) > 0
     labels = [t.get_text() for t in cx.get_yticklabels(minor=True) + cx.get_yticklabels()]
     assert sum(1 for t in labels if t.endswith("B/s")) >= 2, labels
+    shown = [t for t in cx.get_yticklabels(minor=True) if lo <= t.get_position()[1] <= hi]
+    assert shown and all(t.get_text() for t in shown), [t.get_text() for t in shown]  # no minor tick left bare
 
 
 def test_a_collective_only_run_is_not_an_empty_chart():
-    only = [_op("all-gather.1", "all-gather", 1e-4, 2e-4, coll=4e6)]
+    only = [_op("all-gather.1", "all-gather", 1e-4, 2e-4, coll=4e6, axes=["X"])]
     _, cx = figures(_report(only, estimated_ops=[]))["roofline.png"].axes
-    assert sum(len(c.get_offsets()) for c in cx.collections if isinstance(c, PathCollection)) == 1
+    drawn = [len(c.get_offsets()) for c in cx.collections if isinstance(c, PathCollection)]
+    assert drawn == [1, 1, 0]  # measured, predicted, and the legend's "predicted" ring
     assert cx.get_title() == "Collectives (1)"
 
 

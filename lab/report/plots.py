@@ -4,8 +4,9 @@
 drawing), so a test can read what they show; :func:`plots` saves them as PNG.
 
 * ``roofline.png``: the roof of the program's dtype on the chip it was priced for (peak, HBM bandwidth and the
-  ridge labelled), every op with FLOPs at its measured rate, the heaviest named; beside it the collectives:
-  achieved bandwidth against message size under the link's roof (a collective-only run is not an empty chart).
+  ridge labelled), every op with FLOPs at its measured rate, the heaviest named; beside it the collectives: their
+  bus bandwidth (nccl-tests' convention, :func:`bus_factor`), measured and predicted, against message size under
+  the link's roof (a collective-only run is not an empty chart).
 * ``predicted_vs_measured.png``: each HLO op's roofline prediction (dots, by kind, sized by measured time) and each
   of the estimator's named ops (crosses) against measured, the [0.67, 1.5] band drawn, the heaviest named, ops
   under 1 us left out and counted in the title.
@@ -136,7 +137,9 @@ def _log_axes(ax, x_unit: str, y_unit: str) -> None:
         # minor ticks at 2 and 5 of each decade, not all eight: each tick is an object matplotlib lays out, and
         # the default's were a third of the drawing time
         axis.set_minor_locator(Minor(base=10, subs=(2.0, 5.0)))
-        axis.set_minor_formatter(EngLog(unit, labelOnlyBase=False))
+        # every minor tick labelled where there are any (two decades or less), not a subset of them: matplotlib's
+        # default left a tick at 500 MB/s bare beside a labelled 1 GB/s
+        axis.set_minor_formatter(EngLog(unit, labelOnlyBase=False, minor_thresholds=(2, 2)))
 
 
 def _title(ax, text: str) -> None:
@@ -196,29 +199,60 @@ def _roofline(report: dict[str, Any], tag: str):
     return fig
 
 
+def bus_factor(kind: str, group: int) -> float:
+    """What a collective of ``V`` bytes moves over each chip's link, per ``V`` (nccl-tests' bus bandwidth: a ring
+    AllReduce sends ``2 (n - 1) / n V``, an AllGather, ReduceScatter or AllToAll ``(n - 1) / n V``, a permute ``V``),
+    so that its achieved rate compares with the link's."""
+    if group <= 1:
+        return 1.0
+    if kind == "all-reduce":
+        return 2.0 * (group - 1) / group
+    if kind in ("all-gather", "reduce-scatter", "all-to-all"):
+        return (group - 1) / group
+    return 1.0
+
+
+def _group(report: dict[str, Any], r: dict[str, Any]) -> int | None:
+    """The devices a collective's group spans: the product of its mesh axes; None where the row names none."""
+    mesh, axes = report.get("mesh") or {}, r.get("axes")
+    if not axes or any(a not in mesh for a in axes):
+        return None
+    return math.prod(int(mesh[a]) for a in axes)
+
+
 def _collectives(ax, report: dict[str, Any]) -> None:
-    """Achieved bandwidth of each collective against its message size, under the link's (one way) roof."""
+    """Each collective's bus bandwidth (measured: dots; its prediction: rings) against its message size, under the
+    link's one-way roof. A collective whose group is not known is drawn at ``V / time`` (and counted in the
+    title)."""
     hw = report["hardware"]
     comm = [r for r in report["ops"] if r["measured_s"] and r["kind"] in COMM_KINDS and r["collective_bytes"] > 0]
     link = hw.get("link_bandwidth") or hw["hbm_bandwidth"]
     sizes = [r["collective_bytes"] for r in comm] or [1e3, 1e7]
     xs = [min(sizes) / 2, max(sizes) * 2]
-    ax.plot(xs, [link, link], color="black", lw=1.5, label=f"link {_eng(link, 'B/s')}")
-    for kind in sorted({r["kind"] for r in comm}):
+    # on emulated devices a collective is copies in host memory, and the "link" the calibration's fit to AllGather
+    what = "host link fit (AllGather)" if report.get("emulated") else "link, one way"
+    ax.plot(xs, [link, link], color="black", lw=1.5, label=f"{what} {_eng(link, 'B/s')}")
+    unknown, ys = 0, [link]
+    for i, kind in enumerate(sorted({r["kind"] for r in comm})):
         sel = [r for r in comm if r["kind"] == kind]
-        ax.scatter(
-            [r["collective_bytes"] for r in sel],
-            [r["collective_bytes"] / r["measured_s"] for r in sel],
-            s=24,
-            label=kind,
-        )
+        groups = [_group(report, r) for r in sel]
+        unknown += sum(g is None for g in groups)
+        moved = [r["collective_bytes"] * bus_factor(kind, g or 1) for r, g in zip(sel, groups, strict=True)]
+        color, v = f"C{i}", [r["collective_bytes"] for r in sel]
+        measured = [b / r["measured_s"] for b, r in zip(moved, sel, strict=True)]
+        ax.scatter(v, measured, s=24, color=color, label=kind)
+        priced = [(x, b / r["predicted_s"]) for x, b, r in zip(v, moved, sel, strict=True) if r.get("predicted_s")]
+        if priced:
+            ax.scatter(*zip(*priced, strict=True), s=40, facecolors="none", edgecolors=color, lw=1.0)
+        ys += measured + [y for _, y in priced]
+    if comm:  # one legend entry for every kind's rings
+        ax.scatter([], [], s=40, facecolors="none", edgecolors="gray", lw=1.0, label="predicted")
     _log_axes(ax, "B", "B/s")
-    ax.set(
-        xlabel="message V (bytes)",
-        ylabel="achieved V / time (B/s)",
-    )
-    _title(ax, f"Collectives ({len(comm)})" if comm else "Collectives (none in this program)")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.set(xlabel="message V (bytes)", ylabel="bus bandwidth (B/s)")
+    title = f"Collectives ({len(comm)})" if comm else "Collectives (none in this program)"
+    _title(ax, title + (f"; {unknown} at V / time (group unknown)" if unknown else ""))
+    ax.set_ylim(min(ys) / 2, max(ys) * 6)  # room above the highest point for the legend: nothing drawn under it
+    ax.legend(fontsize=7, loc="upper left")
 
 
 def _vs_measured(report: dict[str, Any], tag: str):
