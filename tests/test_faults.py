@@ -115,10 +115,11 @@ def _complete(run_dir: Path) -> list[str]:
 @pytest.mark.parametrize(
     ("fault", "where", "rc"),
     [
-        ("SIGINT", "start", 130),
-        ("SIGINT", "plots", 130),
+        # a SIGINT in the finalizer and a SIGKILL at the start by default; the rest under -m slow (5-7 s each)
+        pytest.param("SIGINT", "start", 130, marks=pytest.mark.slow),
+        pytest.param("SIGINT", "plots", 130, marks=pytest.mark.slow),
         ("SIGINT", "finalizer", 130),
-        ("SIGKILL", "plots", -9),
+        pytest.param("SIGKILL", "plots", -9, marks=pytest.mark.slow),
         ("SIGKILL", "start", -9),
     ],
 )

@@ -50,7 +50,10 @@ def test_chunks_stack_round_robin_and_unstack_in_model_order():
     assert np.asarray(unstack_chunks(stacked)).tolist() == layers.tolist()
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# V = 3 over data x pipe (15 s from a fresh clone) under -m slow; V = 2 and V = 1 in the default suite.
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c == "data4_pipe2_V3_M6" else c for c in CASES]
+)
 def test_loss_and_gradients_match_the_single_device_reference(jax_devices, case):
     import jax
     from jax.sharding import NamedSharding

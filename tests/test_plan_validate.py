@@ -38,6 +38,7 @@ def test_the_best_layouts_compile_and_run_on_this_host(tmp_path, capsys):
     assert est == sorted(est)  # the planner's order
 
 
+@pytest.mark.slow  # 18 s of libtpu from a fresh clone; the next test validates with --target by default
 def test_the_best_layouts_cross_compiled_for_a_tpu(capsys):
     assert main([*SMALL, "--hardware", "tpu-v5e", "--validate", "2", "--target", "v5e:2x4", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)["validation"]

@@ -28,8 +28,18 @@ def train_plan(rules: str, mesh: dict[str, int], remat: str = "none", batch: int
     )
 
 
-@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"{m['data']}x{m['model']}")
-@pytest.mark.parametrize("rules", RULES)
+# Every preset on 2 x 4; on 4 x 2 tensor parallelism alone by default, every preset under -m slow (5-8 s each from
+# a fresh clone).
+@pytest.mark.parametrize(
+    ("rules", "mesh"),
+    [
+        pytest.param(
+            r, m, id=f"{r}-{m['data']}x{m['model']}", marks=() if m is MESHES[0] or r == "tp" else pytest.mark.slow
+        )
+        for r in RULES
+        for m in MESHES
+    ],
+)
 def test_train_step_matches_the_training_estimator(jax_devices, rules, mesh):
     from lab.compile.audit import audit_plan
 

@@ -158,7 +158,12 @@ def mid_v5e(tmp_path_factory):
 
 
 @needs_libtpu
-@pytest.mark.parametrize(("topology", "data"), [("v5e:2x4", 2), ("v5p:2x2x2", 2), ("v6e:4x4", 4)])
+# v5e by default (it shares the mid_v5e compile); the 3-D torus and v6e's padded lanes under -m slow (7-10 s each
+# of libtpu from a fresh clone)
+@pytest.mark.parametrize(
+    ("topology", "data"),
+    [("v5e:2x4", 2), *(pytest.param(t, d, marks=pytest.mark.slow) for t, d in (("v5p:2x2x2", 2), ("v6e:4x4", 4)))],
+)
 def test_train_step_cross_compiles_with_every_predicted_collective(request, tmp_path, topology, data):
     if topology == "v5e:2x4":
         d, _ = request.getfixturevalue("mid_v5e")
@@ -191,7 +196,7 @@ def test_train_step_cross_compiles_with_every_predicted_collective(request, tmp_
 
 
 @needs_libtpu
-@pytest.mark.parametrize("remat", ["selective", "full"])
+@pytest.mark.parametrize("remat", ["selective", pytest.param("full", marks=pytest.mark.slow)])  # 13 s of libtpu each
 def test_recomputed_train_steps_on_tpu(tmp_path, capsys, remat):
     exp = tmp_path / "mid.toml"
     exp.write_text(MID_MODEL.format(data=2) + f'[options]\nremat = "{remat}"\n')

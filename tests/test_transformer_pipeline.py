@@ -45,9 +45,10 @@ def _reference(cfg, params, tokens):
     return jax.value_and_grad(loss_fn)(host, np.asarray(tokens), cfg)
 
 
-# Two meshes in the default suite, all four under -m slow (the suite's 10 minutes on two cores).
+# pipe x data x model in the default suite (16 s cold), all four under -m slow (the suite's 10 minutes on two
+# cores, from a fresh clone).
 @pytest.mark.parametrize(
-    "case", [c if c in list(CASES)[:2] else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
+    "case", [c if c in list(CASES)[:1] else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
 )
 def test_loss_and_grads_match_one_device(jax_devices, case):
     import jax
