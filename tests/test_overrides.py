@@ -153,6 +153,27 @@ def test_a_resume_with_other_options_than_the_start_is_refused(tmp_path):
         run_experiment(DECODE, str(tmp_path), resume=True, run_id=run.name, overrides={"warmup": 1})
 
 
+def test_a_resume_for_another_chip_than_the_start_is_refused(tmp_path):
+    """A sweep started with --hardware h100 and resumed without it (or for another chip) would price its remaining
+    points for another chip than its first: refused, naming both. A run recorded before the chip was (no
+    chip_flags in env.json) is not held to it."""
+    import shutil
+
+    from lab.run.pipeline import run_experiment
+
+    run = tmp_path / "llama3_8b_decode"
+    run.mkdir()
+    shutil.copyfile(DECODE, run / "experiment.toml")
+    (run / "env.json").write_text(json.dumps({"chip_flags": {"hardware": "h100"}}))
+    with pytest.raises(UserError, match=r"started with --hardware h100; resume with the same options \(not none\)"):
+        run_experiment(DECODE, str(tmp_path), resume=True, run_id=run.name)
+    with pytest.raises(UserError, match=r"\(not --hardware a100\)"):
+        run_experiment(DECODE, str(tmp_path), resume=True, run_id=run.name, hardware="a100")
+    (run / "env.json").write_text(json.dumps({}))  # recorded before chip_flags: the options' check passes, the
+    with pytest.raises(UserError, match="is not a finished run"):  # run's own state decides
+        run_experiment(DECODE, str(tmp_path), resume=True, run_id=run.name, hardware="a100")
+
+
 def test_warmup_and_repeats_help_states_the_experiments_defaults():
     from lab.cli.main import build_parser
     from lab.run.experiment import REPEATS, WARMUP

@@ -106,8 +106,10 @@ def run_experiment(
         except UserError as exc:
             raise UserError(f"{exp.path}: {label + ': ' if label else ''}{exc}") from None
     base = Path(out)
+    # the chip a run is priced for is the command line's too: a sweep resumed for another would mix two in one table
+    chip_flags = {k: v for k, v in (("hardware", hardware), ("hardware-file", hardware_file)) if v}
     if resume:
-        _check_resumable(base, name, path, bool(exp.sweep), changed)
+        _check_resumable(base, name, path, bool(exp.sweep), changed, chip_flags)
     _check_devices(devices, exp)
     store.check_out(base)  # before JAX starts or the host is calibrated
     if target is not None:
@@ -133,6 +135,7 @@ def run_experiment(
         env.get("device_memory_bytes"),
     )
     host = host_bytes_per_device()
+    env["chip_flags"] = chip_flags
     if changed:
         env["overrides"] = changed
     if scale_to_host:
@@ -302,7 +305,9 @@ class _Context:
         return chosen if self.rank == 0 else f"{chosen}.rank{self.rank}"
 
 
-def _check_resumable(base: Path, name: str, path: str, sweep: bool, changed: dict[str, Any]) -> None:
+def _check_resumable(
+    base: Path, name: str, path: str, sweep: bool, changed: dict[str, Any], chip_flags: dict[str, str]
+) -> None:
     run_dir = base / name
     if not run_dir.is_dir():
         raise UserError(f"no run {name!r} under {str(base)!r} to resume; start it without --resume (or pass --run-id)")
@@ -312,10 +317,13 @@ def _check_resumable(base: Path, name: str, path: str, sweep: bool, changed: dic
             f"run {str(run_dir)!r} was started from another version of {path}; resume with the same file, or start "
             "a new run without --resume"
         )
-    env = run_dir / "env.json"
-    started = json.loads(env.read_text()).get("overrides", {}) if env.is_file() else changed
-    if started != changed:  # the points still to run would be another program, or profiled otherwise
-        was, now = override_flags(started) or "no changes", override_flags(changed) or "none"
+    env = json.loads((run_dir / "env.json").read_text()) if (run_dir / "env.json").is_file() else {}
+    started = env.get("overrides", {}) if env else changed
+    # chip_flags: recorded since 2026-12-01; a run from before is not checked for them
+    started_chip = env.get("chip_flags", chip_flags) if env else chip_flags
+    if (started_chip, started) != (chip_flags, changed):  # the points still to run: another program or chip
+        was = override_flags(started_chip | started) or "no changes"
+        now = override_flags(chip_flags | changed) or "none"
         raise UserError(
             f"run {str(run_dir)!r} was started with {was}; resume with the same options (not {now}), or start a new "
             "run without --resume"
@@ -442,7 +450,7 @@ def _run_sweep(ctx: _Context, base: Path, name: str, points, resume: bool) -> Ru
             )
             store.write_atomic(run_dir / "sweep.json", dumps(summary))
     except KeyboardInterrupt:
-        flags = override_flags(ctx.env.get("overrides", {}))
+        flags = override_flags(ctx.env.get("chip_flags", {}) | ctx.env.get("overrides", {}))
         raise Interrupted(
             f"{len(reports)} of {len(points)} points are complete in {run_dir}; continue with "
             f"`shardlab run {ctx.path} --resume --run-id {run_dir.name}{' ' + flags if flags else ''}` (with the "
