@@ -217,6 +217,14 @@ def test_the_markdown_report_says_what_a_reader_needs():
     assert "\n- trust: other processes held 5% of the host's CPU time" in writer.markdown(no_spread)
 
 
+def test_the_ledger_states_each_ops_spread_and_marks_one_wider_than_the_band():
+    ops = [*OPS[:2], _op("all-reduce.1", "all-reduce", 5e-4, 6e-4, coll=1e6, spread=3.0)]  # 3x > 1.5 / 0.67
+    lines = {line.split()[0]: line for line in writer.ledger_table(ops).splitlines()[2:]}
+    assert lines["all-reduce.1"].split()[-3:-2] == ["!"] and "3.00x !" in lines["all-reduce.1"]
+    assert "1.20x" in lines["dot.1"] and "!" not in lines["dot.1"]
+    assert "`!` past 2.24x" in writer.markdown(_report(ops))
+
+
 def test_the_markdown_report_lists_the_processes_of_a_multi_process_run():
     procs = [
         {"rank": r, "host": f"h{r}", "local_devices": 4, "step_time_measured_s": t, "tensorboard": f"runs/x{r}/tb"}

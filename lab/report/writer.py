@@ -59,11 +59,20 @@ def ledger_table(rows: list[dict[str, Any]], limit: int = 25) -> str:
             _s(r["predicted_s"]),
             _s(r["measured_s"]),
             f"{r['ratio']:.2f}" if r["ratio"] is not None else "-",
+            _spread(r.get("spread")) if r["measured_s"] else "-",
             fmt_bytes(r["collective_bytes"] or r["bytes"]) if (r["collective_bytes"] or r["bytes"]) else "-",
         ]
         for r in shown
     ]
-    return render(["op", "kind", "predicted", "measured", "measured/predicted", "bytes"], body)
+    return render(["op", "kind", "predicted", "measured", "measured/predicted", "spread", "bytes"], body)
+
+
+def _spread(x: float | None) -> str:
+    """An op's spread over the repeats (its slowest over its fastest), marked ``!`` past the band's width: its own
+    times then differ more than the ratio is judged by."""
+    if x is None:
+        return "-"
+    return f"{x:.2f}x" + (" !" if x > BAND_WIDTH else "")
 
 
 def named_table(named: list[dict[str, Any]], limit: int = 25) -> str:
@@ -247,7 +256,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         "## Ledger (HLO ops)",
         "",
-        "Measured: each op's own time (rendezvous waits excluded) on its slowest device, median over the repeats"
+        "Measured: each op's own time (rendezvous waits excluded) on its slowest device, median over the repeats; "
+        f"spread: its slowest repeat over its fastest, `!` past {BAND_WIDTH:.2f}x (the band's width: its own times "
+        "then differ more than its ratio is judged by)"
         + (
             f"; the {shown} heaviest of {len(report['ops'])} ops, all in `ops.csv`."
             if shown < len(report["ops"])
