@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.collections import PathCollection, PolyCollection
+from matplotlib.text import Text
 
 from lab.report import writer
-from lab.report.plots import BAND, figures, step_bars
+from lab.report.plots import BAND, bus_factor, figures, step_bars
 
 PEAKS = {"fp32": 4.0e13, "bf16": 1.6e14, "int8": 3.2e14}  # the int8 roof is the highest: an fp32 run must not use it
 
@@ -69,6 +71,7 @@ def _report(ops, **extra):
         "dtype": "fp32",
         "hardware": {
             "name": "chip",
+            "kind": "cpu",
             "peak_flops": PEAKS,
             "hbm_bandwidth": 1e12,
             "link_bandwidth": 1e11,
@@ -137,13 +140,66 @@ def test_collectives_are_drawn_at_their_bus_bandwidth_measured_and_predicted():
     assert labels[0] == "host link fit (AllGather) 100 GB/s" and "predicted" in labels  # an emulated run's "link"
 
 
+@pytest.mark.parametrize(
+    ("kind", "group", "factor"),
+    [
+        ("all-reduce", 4, 1.5),  # 2 (n - 1) / n
+        ("all-gather", 8, 0.875),  # (n - 1) / n
+        ("reduce-scatter", 2, 0.5),
+        ("all-to-all", 4, 0.1875),  # each device's V / 4, three quarters of it sent: 3 / 16 of the whole V
+        ("collective-permute", 8, 1.0),
+        ("all-reduce", 1, 1.0),  # no group: nothing moves, drawn at V / time
+    ],
+)
+def test_bus_factors_are_nccl_tests_on_the_labs_v(kind, group, factor):
+    assert bus_factor(kind, group) == factor
+
+
+def test_a_collective_over_two_axes_is_priced_over_both_and_a_torus_gets_its_both_ways_roof():
+    """An AllGather of 4 MB over X and Y (2 x 4 = 8 devices) in 0.2 ms moves 7/8 of it out of each device:
+    17.5 GB/s. On a torus chip the roof is drawn one way and, dashed, both ways."""
+    only = [_op("all-gather.1", "all-gather", 1e-4, 2e-4, coll=4e6, axes=["X", "Y"])]
+    hw = _report(OPS)["hardware"] | {"kind": "tpu", "topology": "torus"}
+    _, cx = figures(_report(only, estimated_ops=[], hardware=hw, emulated=False))["roofline.png"].axes
+    measured = next(c for c in cx.collections if isinstance(c, PathCollection) and len(c.get_offsets()))
+    assert measured.get_offsets()[0][1] == pytest.approx(4e6 * 7 / 8 / 2e-4)
+    roofs = [(line.get_label(), max(line.get_ydata())) for line in cx.get_lines()]
+    assert roofs == [("link, one way 100 GB/s", 1e11), ("link, both ways", 2e11)]
+
+
 def test_a_collective_whose_group_is_unknown_is_drawn_at_v_over_time_and_counted():
     only = [_op("all-gather.1", "all-gather", 1e-4, 2e-4, coll=4e6)]  # no mesh axes recorded
-    _, cx = figures(_report(only, estimated_ops=[], emulated=False))["roofline.png"].axes
+    hw = _report(OPS)["hardware"] | {"kind": "gpu"}
+    _, cx = figures(_report(only, estimated_ops=[], hardware=hw, emulated=False))["roofline.png"].axes
     measured = next(c for c in cx.collections if isinstance(c, PathCollection) and len(c.get_offsets()))
     assert measured.get_offsets()[0][1] == pytest.approx(4e6 / 2e-4)
     assert cx.get_title() == "Collectives (1); 1 at V / time (group unknown)"
     assert cx.get_legend().get_texts()[0].get_text() == "link, one way 100 GB/s"
+
+
+def test_the_heaviest_ops_labels_do_not_cover_one_another_or_the_peak():
+    """Five heavy matmuls in a cluster (a train step's): each named, no two names (nor the peak's label) overlap,
+    and a name moved off its point has a line back to it."""
+    cluster = [
+        _op(f"dot.{i}", "matmul", 1e-3, 1e-3 * (1 + i / 50), flops=1e9, nbytes=1e7, estimate=f"layer/op{i}")
+        for i in range(5)
+    ]
+    fig = figures(_report(cluster, estimated_ops=[]))["roofline.png"]
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    ax = fig.axes[0]
+    names = [t for t in ax.texts if t.get_text().startswith(("layer/op", "peak"))]
+    assert len(names) == 6
+    boxes = [Text.get_window_extent(t, renderer).frozen() for t in names]  # the text alone, not its line
+    overlaps = [
+        (a.get_text(), b.get_text())
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+        if boxes[names.index(a)].overlaps(boxes[names.index(b)])
+    ]
+    assert not overlaps, overlaps
+    moved = [t for t in names if t.get_text().startswith("layer/op") and t.arrow_patch is not None]
+    assert moved  # some had to move, and kept a line to their point
 
 
 def test_log_axes_keep_minor_ticks_only_where_they_carry_the_labels():
@@ -244,3 +300,4 @@ def test_ops_csv_quotes_names_with_commas(tmp_path):
     with open(tmp_path / "ops.csv", newline="") as f:
         (back,) = list(csv.DictReader(f))
     assert back["estimate_op"] == 'TP AllReduces: 2 fwd, 5 bwd + "x"'
+    assert float(back["spread"]) == 1.2  # each op's spread over its repeats, as in the ledger

@@ -148,6 +148,60 @@ def _title(ax, text: str) -> None:
     ax.set_title(text, y=1.0)
 
 
+LABEL_STEP = 0.04  # a 7-point label's height, as a share of a chart's axes (about 3.7 in tall), and some room
+
+
+def _label(ax, items: list[tuple[str, float, float]], left_of: float | None = None, taken=()) -> None:
+    """Name the points ``(text, x, y)`` (on log-log axes), heaviest first, each label beside its point or, where
+    an earlier one already sits there, at the nearest free place above or below (below first), with a line back
+    to its point: a cluster of heavy ops (a train step's matmuls) gets readable names, not a pile of them.
+    ``left_of``: points right of this x get their label on their left. ``taken``: labels already drawn,
+    ``(text, x, y)`` right-aligned at ``x`` and standing on ``y``, that none may cover."""
+    ax.autoscale_view()
+    (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+    width_in = ax.get_position().width * ax.figure.get_figwidth()
+    placed: list[tuple[float, float, float, float]] = []  # (left, right, bottom, top), axes fractions
+
+    def frac(v: float, lo: float, hi: float) -> float:
+        return (math.log10(v) - math.log10(lo)) / (math.log10(hi) - math.log10(lo))
+
+    def wide(text: str, points: float = 7) -> float:  # a character is about 0.55 of its size wide
+        return len(text) * points * 0.55 / 72 / width_in
+
+    for text, x, y in taken:
+        fx, fy = frac(x, x0, x1), frac(y, y0, y1)
+        placed.append((fx - wide(text, 8), fx, fy, fy + LABEL_STEP))
+    for text, x, y in items:
+        fx, fy = frac(x, x0, x1), frac(y, y0, y1)
+        left = left_of is not None and x > left_of
+        box_x = (fx - 0.01 - wide(text), fx - 0.01) if left else (fx + 0.01, fx + 0.01 + wide(text))
+        ty = next((t for t in _places(fy) if _free(placed, box_x, t)), fy)
+        placed.append((*box_x, ty - LABEL_STEP / 2, ty + LABEL_STEP / 2))
+        ax.annotate(
+            text,
+            (x, y),
+            xytext=(box_x[1] if left else box_x[0], ty),
+            textcoords="axes fraction",
+            fontsize=7,
+            ha="right" if left else "left",
+            va="center",
+            arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "gray"} if ty != fy else None,
+        )
+
+
+def _places(fy: float) -> list[float]:
+    """Where a label of a point at height ``fy`` (axes fraction) may go, nearest first: beside it, then one label's
+    height below, above, two below, ... inside the axes."""
+    steps = [0] + [sign * k for k in range(1, int(1 / LABEL_STEP) + 1) for sign in (-1, 1)]
+    return [fy + k * LABEL_STEP for k in steps if 0.0 <= fy + k * LABEL_STEP <= 1.0]
+
+
+def _free(placed: list[tuple[float, ...]], box_x: tuple[float, float], ty: float) -> bool:
+    """Whether a label spanning ``box_x`` centred at ``ty`` covers none of ``placed``."""
+    lo, hi = ty - LABEL_STEP / 2, ty + LABEL_STEP / 2
+    return not any(box_x[0] < b[1] and b[0] < box_x[1] and lo < b[3] and b[2] < hi for b in placed)
+
+
 def _short(name: str, n: int = 22) -> str:
     return name if len(name) <= n else name[: n - 1] + "…"
 
@@ -173,42 +227,55 @@ def _roofline(report: dict[str, Any], tag: str):
     hi = max([r["flops"] / r["bytes"] for r in ops] + [crit * 10]) * 2
     ax.plot([lo, crit, hi], [lo * bw, peak, peak], color="black", lw=1.5, label=f"{hw['name']} {dtype} roof")
     ax.axvline(crit, color="gray", lw=0.8, ls=":")
-    ax.annotate(f"peak {_eng(peak, 'FLOP/s')} ({dtype})", (hi, peak), ha="right", va="bottom", fontsize=8)
+    peak_text = f"peak {_eng(peak, 'FLOP/s')} ({dtype})"
+    ax.annotate(peak_text, (hi, peak), ha="right", va="bottom", fontsize=8)
     ax.annotate(f"HBM {_eng(bw, 'B/s')}", (lo * 2, lo * 2 * bw), ha="left", va="bottom", fontsize=8, rotation=30)
-    ax.annotate(f"ridge {crit:.3g} FLOP/B", (crit, peak / 3), ha="left", fontsize=8, color="gray")
+    # the ridge named at the foot of its line, below the HBM roof, where no op can be
+    ax.annotate(
+        f"ridge {crit:.3g} FLOP/B",
+        (crit, 0.0),
+        xycoords=("data", "axes fraction"),
+        xytext=(3, 4),
+        textcoords="offset points",
+        ha="left",
+        fontsize=8,
+        color="gray",
+    )
     for kind in sorted({r["kind"] for r in ops}):
         sel = [r for r in ops if r["kind"] == kind]
         ax.scatter(
             [r["flops"] / r["bytes"] for r in sel], [r["flops"] / r["measured_s"] for r in sel], s=24, label=kind
         )
-    labelled: set[str] = set()
+    heavy: dict[str, tuple[str, float, float]] = {}
     for r in sorted(ops, key=lambda r: -r["measured_s"]):  # the heaviest ops, one label per name
         label = r.get("estimate_op") or r["name"]
-        if label not in labelled and len(labelled) < LABELLED:
-            labelled.add(label)
-            xy = (r["flops"] / r["bytes"], r["flops"] / r["measured_s"])
-            ax.annotate(_short(label), xy, fontsize=7, xytext=(4, -8), textcoords="offset points")
+        if label not in heavy and len(heavy) < LABELLED:
+            heavy[label] = (_short(label), r["flops"] / r["bytes"], r["flops"] / r["measured_s"])
     _log_axes(ax, "", "FLOP/s")
+    _label(ax, list(heavy.values()), taken=[(peak_text, hi, peak)])
     ax.set(
         xlabel="arithmetic intensity (FLOPs / byte)",
         ylabel="achieved FLOP/s",
     )
     _title(ax, f"Roofline: {report['experiment']}{tag}")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left")  # above the HBM roof: where no op can be
     _collectives(cx, report)
     return fig
 
 
 def bus_factor(kind: str, group: int) -> float:
-    """What a collective of ``V`` bytes moves over each chip's link, per ``V`` (nccl-tests' bus bandwidth: a ring
-    AllReduce sends ``2 (n - 1) / n V``, an AllGather, ReduceScatter or AllToAll ``(n - 1) / n V``, a permute ``V``),
-    so that its achieved rate compares with the link's."""
+    """What a collective of ``V`` bytes (the lab's V: lab.predict.collectives) moves out of each chip, per ``V``:
+    nccl-tests' bus bandwidth, so that its achieved rate compares with the link's. A ring AllReduce sends
+    ``2 (n - 1) / n V``, an AllGather or ReduceScatter ``(n - 1) / n V``, a permute ``V``; an AllToAll's V is the
+    whole array, each device holding ``V / n`` and sending ``(n - 1) / n`` of that."""
     if group <= 1:
         return 1.0
     if kind == "all-reduce":
         return 2.0 * (group - 1) / group
-    if kind in ("all-gather", "reduce-scatter", "all-to-all"):
+    if kind in ("all-gather", "reduce-scatter"):
         return (group - 1) / group
+    if kind == "all-to-all":
+        return (group - 1) / group**2
     return 1.0
 
 
@@ -229,14 +296,20 @@ def _collectives(ax, report: dict[str, Any]) -> None:
     link = hw.get("link_bandwidth") or hw["hbm_bandwidth"]
     sizes = [r["collective_bytes"] for r in comm] or [1e3, 1e7]
     xs = [min(sizes) / 2, max(sizes) * 2]
-    # on emulated devices a collective is copies in host memory, and the "link" the calibration's fit to AllGather
-    what = "host link fit (AllGather)" if report.get("emulated") else "link, one way"
+    # priced for the host, a collective is copies in its memory, and the "link" the calibration's fit to AllGather
+    if hw.get("kind") == "cpu":
+        what = "host link fit (AllGather)" if hw.get("calibrated") else "host link (not calibrated)"
+    else:
+        what = "link, one way"
     ax.plot(xs, [link, link], color="black", lw=1.5, label=f"{what} {_eng(link, 'B/s')}")
-    unknown, ys = 0, [link]
+    if hw.get("topology") == "torus":  # a ring of a torus runs both ways (and a group over k axes uses k rings)
+        ax.plot(xs, [2 * link, 2 * link], color="black", lw=1.0, ls="--", label="link, both ways")
+    unknown, ys = 0, [link] + ([2 * link] if hw.get("topology") == "torus" else [])
     for i, kind in enumerate(sorted({r["kind"] for r in comm})):
         sel = [r for r in comm if r["kind"] == kind]
         groups = [_group(report, r) for r in sel]
-        unknown += sum(g is None for g in groups)
+        if kind not in ("collective-permute", "permute"):  # a send's factor is 1 whatever its group
+            unknown += sum(g is None for g in groups)
         moved = [r["collective_bytes"] * bus_factor(kind, g or 1) for r, g in zip(sel, groups, strict=True)]
         color, v = f"C{i}", [r["collective_bytes"] for r in sel]
         measured = [b / r["measured_s"] for b, r in zip(moved, sel, strict=True)]
@@ -299,18 +372,10 @@ def _vs_measured(report: dict[str, Any], tag: str):
         # name the heaviest: the estimator's ops where there are some (one label each), else the HLO ops
         heavy = [(n["name"], n["estimated_s"], n["measured_s"]) for n in named]
         heavy = heavy or [(r["name"], r["predicted_s"], r["measured_s"]) for r in pts]
-        right = math.sqrt(lo * hi)  # points right of the middle get their label on their left
-        for label, x, y in sorted(heavy, key=lambda h: -h[2])[:LABELLED]:
-            left = x > right
-            ax.annotate(
-                _short(label),
-                (x, y),
-                fontsize=7,
-                xytext=(-6 if left else 6, 3),
-                textcoords="offset points",
-                ha="right" if left else "left",
-            )
         _log_axes(ax, "s", "s")
+        heaviest = sorted(heavy, key=lambda h: -h[2])[:LABELLED]
+        # points right of the middle get their label on their left
+        _label(ax, [(_short(t), x, y) for t, x, y in heaviest], left_of=math.sqrt(lo * hi))
         ax.legend(fontsize=7, loc="upper left")
     note = f"; {hidden} ops under 1 us left out" if hidden else ""
     ax.set(

@@ -26,6 +26,7 @@ CSV_KEYS = (
     "predicted_s",
     "measured_s",
     "ratio",
+    "spread",
     "flops",
     "bytes",
     "collective_bytes",
