@@ -169,9 +169,20 @@ def test_a_resume_for_another_chip_than_the_start_is_refused(tmp_path):
         run_experiment(DECODE, str(tmp_path), resume=True, run_id=run.name)
     with pytest.raises(UserError, match=r"\(not --hardware a100\)"):
         run_experiment(DECODE, str(tmp_path), resume=True, run_id=run.name, hardware="a100")
-    (run / "env.json").write_text(json.dumps({}))  # recorded before chip_flags: the options' check passes, the
-    with pytest.raises(UserError, match="is not a finished run"):  # run's own state decides
+    # recorded before chip_flags (an env.json of its day): the options' check passes, the run's own state decides
+    (run / "env.json").write_text(json.dumps({"jax": "0.4.30", "backend": "cpu"}))
+    with pytest.raises(UserError, match="is not a finished run"):
         run_experiment(DECODE, str(tmp_path), resume=True, run_id=run.name, hardware="a100")
+
+
+def test_a_run_records_the_chip_flags_it_was_priced_with(tmp_path):
+    from lab.run.pipeline import run_experiment
+
+    matmul = str(ROOT / "experiments" / "sharded_matmul_case2.toml")
+    plain = run_experiment(matmul, str(tmp_path), compile_only=True, quiet=True, run_id="plain")
+    chosen = run_experiment(matmul, str(tmp_path), compile_only=True, quiet=True, run_id="cpu", hardware="cpu")
+    assert json.loads((plain.run_dir / "env.json").read_text())["chip_flags"] == {}
+    assert json.loads((chosen.run_dir / "env.json").read_text())["chip_flags"] == {"hardware": "cpu"}
 
 
 def test_warmup_and_repeats_help_states_the_experiments_defaults():
