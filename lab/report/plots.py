@@ -149,6 +149,7 @@ def _title(ax, text: str) -> None:
 
 
 LABEL_STEP = 0.04  # a 7-point label's height, as a share of a chart's axes (about 3.7 in tall), and some room
+LABEL_GAP = 0.025  # between a point and its label, as a share of the axes' width: clear of the largest marker
 
 
 def _label(ax, items: list[tuple[str, float, float]], left_of: float | None = None, taken=()) -> None:
@@ -174,7 +175,7 @@ def _label(ax, items: list[tuple[str, float, float]], left_of: float | None = No
     for text, x, y in items:
         fx, fy = frac(x, x0, x1), frac(y, y0, y1)
         left = left_of is not None and x > left_of
-        box_x = (fx - 0.01 - wide(text), fx - 0.01) if left else (fx + 0.01, fx + 0.01 + wide(text))
+        box_x = (fx - LABEL_GAP - wide(text), fx - LABEL_GAP) if left else (fx + LABEL_GAP, fx + LABEL_GAP + wide(text))
         ty = next((t for t in _places(fy) if _free(placed, box_x, t)), fy)
         placed.append((*box_x, ty - LABEL_STEP / 2, ty + LABEL_STEP / 2))
         ax.annotate(
