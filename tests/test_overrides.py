@@ -167,8 +167,10 @@ def test_a_resume_for_another_chip_than_the_start_is_refused(tmp_path):
     (run / "env.json").write_text(json.dumps({"chip_flags": {"hardware": "h100"}}))
     with pytest.raises(UserError, match=r"started with --hardware h100; resume with the same options \(not none\)"):
         run_experiment(DECODE, str(tmp_path), resume=True, run_id=run.name)
-    with pytest.raises(UserError, match=r"\(not --hardware a100\)"):
+    with pytest.raises(UserError, match=r"\(not --hardware a100-80gb\)"):  # as the catalog names it
         run_experiment(DECODE, str(tmp_path), resume=True, run_id=run.name, hardware="a100")
+    with pytest.raises(UserError, match="is not a finished run"):  # the same chip by another spelling: accepted
+        run_experiment(DECODE, str(tmp_path), resume=True, run_id=run.name, hardware="H100")
     # recorded before chip_flags (an env.json of its day): the options' check passes, the run's own state decides
     (run / "env.json").write_text(json.dumps({"jax": "0.4.30", "backend": "cpu"}))
     with pytest.raises(UserError, match="is not a finished run"):

@@ -106,8 +106,7 @@ def run_experiment(
         except UserError as exc:
             raise UserError(f"{exp.path}: {label + ': ' if label else ''}{exc}") from None
     base = Path(out)
-    # the chip a run is priced for is the command line's too: a sweep resumed for another would mix two in one table
-    chip_flags = {k: v for k, v in (("hardware", hardware), ("hardware-file", hardware_file)) if v}
+    chip_flags = _chip_flags(hardware, hardware_file)
     if resume:
         _check_resumable(base, name, path, bool(exp.sweep), changed, chip_flags)
     _check_devices(devices, exp)
@@ -303,6 +302,23 @@ class _Context:
         if self.processes > 1:
             chosen = dist.agree(chosen)
         return chosen if self.rank == 0 else f"{chosen}.rank{self.rank}"
+
+
+def _chip_flags(hardware: str | None, hardware_file: str | None) -> dict[str, str]:
+    """The chip a run is priced for, as the command line chose it: a sweep resumed for another would mix two in one
+    table. A catalog name or alias as the catalog names it (``H100``, ``h100-sxm``: ``h100``), a file by its whole
+    path; a name the catalog does not know as given (refused later, where the chip is looked up)."""
+    flags: dict[str, str] = {}
+    if hardware:
+        from lab.core.hardware import default_catalog
+
+        try:
+            flags["hardware"] = default_catalog(hardware_file).resolve(hardware)
+        except UserError:
+            flags["hardware"] = hardware
+    if hardware_file:
+        flags["hardware-file"] = str(Path(hardware_file).resolve())
+    return flags
 
 
 def _check_resumable(
