@@ -202,6 +202,14 @@ def test_the_heaviest_ops_labels_do_not_cover_one_another_or_the_peak():
     assert moved  # some had to move, and kept a line to their point
 
 
+def test_ops_faster_than_their_roof_are_counted_in_the_title():
+    """1 GFLOP over 1 GB (intensity 1: roof 1 TB/s x 1 = 1 TFLOP/s) in 0.1 ms is 10 TFLOP/s: above its roof."""
+    fast = _op("dot.9", "matmul", 1e-3, 1e-4, flops=1e9, nbytes=1e9)
+    assert figures(_report(OPS))["roofline.png"].axes[0].get_title() == "Roofline: exp (emulated)"
+    ax = figures(_report([*OPS, fast]))["roofline.png"].axes[0]
+    assert ax.get_title() == "Roofline: exp (emulated); 1 op above the roof"
+
+
 def test_log_axes_keep_minor_ticks_only_where_they_carry_the_labels():
     """Past two decades every decade has a labelled major tick and matplotlib labels no minor one: none are laid
     out (each cost as much as a labelled one). A narrower axis keeps them, and is still read by its labels."""
