@@ -53,8 +53,9 @@ def main() -> None:
         + ", ".join(f"{r:.3f}" for r in ratios)
     )
     print(
-        f"other processes' share of the host while profiling: {data['host_load_median']}; 1-min load "
-        f"{data['loadavg_1min']:.2f}"
+        "other processes' share of the host while profiling: "
+        + (f"{100 * data['host_load_median']:.1f}%" if data["host_load_median"] is not None else "not measured")
+        + f"; 1-min load {data['loadavg_1min']:.2f}"
     )
 
 
