@@ -306,10 +306,12 @@ def _collectives(ax, report: dict[str, Any]) -> None:
         what = "host link fit (AllGather)" if hw.get("calibrated") else "host link (not calibrated)"
     else:
         what = "link, one way"
-    ax.plot(xs, [link, link], color="black", lw=1.5, label=f"{what} {_eng(link, 'B/s')}")
+    roofs = [(link, f"{what} {_eng(link, 'B/s')}", "-", 1.5)]
     if hw.get("topology") == "torus":  # a ring of a torus runs both ways (and a group over k axes uses k rings)
-        ax.plot(xs, [2 * link, 2 * link], color="black", lw=1.0, ls="--", label="link, both ways")
-    unknown, ys = 0, [link] + ([2 * link] if hw.get("topology") == "torus" else [])
+        roofs.append((2 * link, "link, both ways", "--", 1.0))
+    for y, label, style, width in roofs:
+        ax.plot(xs, [y, y], color="black", lw=width, ls=style, label=label)
+    unknown, ys = 0, [y for y, *_ in roofs]
     for i, kind in enumerate(sorted({r["kind"] for r in comm})):
         sel = [r for r in comm if r["kind"] == kind]
         groups = [_group(report, r) for r in sel]

@@ -321,6 +321,11 @@ def _chip_flags(hardware: str | None, hardware_file: str | None) -> dict[str, st
     return flags
 
 
+def _run_flags(chip_flags: dict[str, str], changed: dict[str, Any]) -> str:
+    """The options a run was started with, as flags (what a resume must repeat): the chip's, then the Plan's."""
+    return override_flags(chip_flags | changed)
+
+
 def _check_resumable(
     base: Path, name: str, path: str, sweep: bool, changed: dict[str, Any], chip_flags: dict[str, str]
 ) -> None:
@@ -338,8 +343,8 @@ def _check_resumable(
     # chip_flags: recorded since 2026-12-01; a run from before is not checked for them
     started_chip = env.get("chip_flags", chip_flags) if env else chip_flags
     if (started_chip, started) != (chip_flags, changed):  # the points still to run: another program or chip
-        was = override_flags(started_chip | started) or "no changes"
-        now = override_flags(chip_flags | changed) or "none"
+        was = _run_flags(started_chip, started) or "no changes"
+        now = _run_flags(chip_flags, changed) or "none"
         raise UserError(
             f"run {str(run_dir)!r} was started with {was}; resume with the same options (not {now}), or start a new "
             "run without --resume"
@@ -466,7 +471,7 @@ def _run_sweep(ctx: _Context, base: Path, name: str, points, resume: bool) -> Ru
             )
             store.write_atomic(run_dir / "sweep.json", dumps(summary))
     except KeyboardInterrupt:
-        flags = override_flags(ctx.env.get("chip_flags", {}) | ctx.env.get("overrides", {}))
+        flags = _run_flags(ctx.env.get("chip_flags", {}), ctx.env.get("overrides", {}))
         raise Interrupted(
             f"{len(reports)} of {len(points)} points are complete in {run_dir}; continue with "
             f"`shardlab run {ctx.path} --resume --run-id {run_dir.name}{' ' + flags if flags else ''}` (with the "
