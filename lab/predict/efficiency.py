@@ -323,7 +323,20 @@ def nvlink_ramp(chip: Chip, kind: str, nbytes: float, group: int = SWEEP_GPUS) -
 def overlap_cost(chip: Chip, comm_s: float, compute_s: float) -> float:
     """What a collective hidden behind ``compute_s`` of computation still costs: the overlapped part of the
     computation runs OVERLAP_SLOWDOWN slower (GPUs), and whatever the computation does not cover is exposed."""
-    return max(0.0, comm_s - compute_s) + OVERLAP_SLOWDOWN.get(chip.kind, 0.0) * min(comm_s, compute_s)
+    return overlapped(OVERLAP_SLOWDOWN.get(chip.kind, 0.0), comm_s, compute_s)
+
+
+def overlap_slowdown(chip: Chip) -> float:
+    """How much slower computation runs while a collective overlaps it (OVERLAP_SLOWDOWN; 0 off GPUs)."""
+    return OVERLAP_SLOWDOWN.get(chip.kind, 0.0)
+
+
+def overlapped(slowdown: float, comm_s: float, compute_s: float) -> float:
+    """:func:`overlap_cost` at a chip's :func:`overlap_slowdown` (a step formula looks it up once, not per term):
+    the uncovered communication, plus the slowdown of the computation it overlaps."""
+    if comm_s > compute_s:
+        return comm_s - compute_s + slowdown * compute_s
+    return slowdown * comm_s
 
 
 def collective_fraction(chip: Chip, kind: str, group: int, scope: str, nbytes: float | None = None) -> float:

@@ -7,8 +7,9 @@ thousands of points (layout x microbatch x recomputation policy) that share most
 being the search's own: :func:`lab.predict.training.layer_key` (the layer's ops and cost),
 :func:`lab.predict.training_memory.activation_key` (one layer's activations), and for the collectives
 :func:`lab.predict.training_comm.content_key` (which, their bytes and calls) and ``layout_group`` (where their group
-sits). Nothing outlives the search. The fastest points that fit come back as full :func:`estimate` results of the
-same parts.
+sits); the layouts that split their replicas between dp and fsdp differently share each microbatch size's parts
+(:func:`shape_key`). Nothing outlives the search. The fastest points that fit come back as full :func:`estimate`
+results of the same parts.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from lab.predict.training_memory import (
     activation_key,
     activation_terms,
     activations,
+    layer_params_key,
+    layer_params_local,
     state_bytes,
 )
 from lab.predict.training_step import (
@@ -60,6 +63,26 @@ def _where(lay: Layout, role: str, content: tuple) -> tuple | None:
     return None if content[1] is None else layout_group(lay, role)
 
 
+def shape_key(lay: Layout) -> tuple:
+    """A layout less its split of the replicas between dp and fsdp (and so its ZeRO stage): what a microbatch size's
+    parts read of it (the microbatch count, the activations, the pipeline's and TP's microbatch terms, the layer
+    cost: none reads dp, fsdp or zero but through their product). tests/test_planner.py holds the planner's points to
+    direct estimates of each, which a key missing a field fails."""
+    return (
+        lay.tp,
+        lay.pp,
+        lay.cp,
+        lay.ep,
+        lay.sequence_parallel,
+        lay.pp_schedule,
+        lay.interleave,
+        lay.cross_node,
+        lay.pp_embedding_slots,
+        lay.stage_split,
+        lay.dp * lay.fsdp,
+    )
+
+
 class Search:
     """One search (module docstring): :meth:`search` each layout of the space, then take the :meth:`best`."""
 
@@ -78,6 +101,10 @@ class Search:
         self.comms: dict[tuple, tuple] = {}  # role_comms by content key
         self.priced: dict[tuple, Any] = {}  # priced terms by content key and group
         self.last: TrainConfig | None = None  # the point whose cache misses are being priced
+        # By shape_key, then microbatch size: [microbatches, activation terms, activations by policy, microbatch
+        # terms, layer costs by policy, the ops' key], shared by the layouts that differ in dp and fsdp alone.
+        self.shapes: dict[tuple, dict[int, list]] = {}
+        self.layer_params: dict[tuple, float] = {}  # one layer's parameters on a rank, by layer_params_key
 
     def config(self, lay: Layout, mb: int, remat: str) -> TrainConfig:
         """The point as a TrainConfig (built once per point whose parts miss the caches)."""
@@ -161,19 +188,29 @@ class Search:
         j, remats, screen = self.job, self.remats, self.screen
         model, chip, hbm = j.model, j.chip, j.chip.hbm_bytes
         self.screened += len(mbs) * len(remats)
-        params, grads, opt, _, local = state_bytes(model, lay, j.weight_bytes, j.optimizer_bytes)
+        layer = self.layer_params.get(layer_params_key(lay))
+        if layer is None:
+            layer = self.layer_params[layer_params_key(lay)] = layer_params_local(model, lay)
+        params, grads, opt, _, local = state_bytes(model, lay, j.weight_bytes, j.optimizer_bytes, layer=layer)
         held = params + grads + opt
         # The state depends on the layout alone: if it overflows, so does every microbatch and policy of it.
         if screen and held > hbm:
             return
         per_replica = j.global_batch // (lay.dp * lay.fsdp)
+        key = shape_key(lay)
+        shape = self.shapes.get(key)
+        if shape is None:
+            shape = self.shapes[key] = {}
         heap = self.heap
         lt = keys = None
         fsdp: dict[str, FsdpTerms | None] = {}  # by policy
         for mb in mbs:
-            n_mb = per_replica // mb  # TrainConfig.microbatches
-            terms = activation_terms(model, lay, j.seq_len, mb, n_mb)
-            acts, mt = self.activations_of(lay, mb), None
+            part = shape.get(mb)
+            if part is None:  # the first layout of this shape and microbatch size
+                n_mb = per_replica // mb  # TrainConfig.microbatches
+                terms = activation_terms(model, lay, j.seq_len, mb, n_mb)
+                part = shape[mb] = [n_mb, terms, self.activations_of(lay, mb), None, None, None]
+            n_mb, terms, acts, mt, lcs, ops_key = part
             for remat in remats:
                 per_layer = acts.get(remat)
                 if per_layer is None:
@@ -183,10 +220,10 @@ class Search:
                     continue
                 if lt is None:
                     lt = self.layout_terms(lay, mb, remat, local)
-                    keys = self.microbatch_keys(lay, remat)
-                if mt is None:  # the first point of this microbatch size priced
-                    mt = self.microbatch_terms(lay, mb, remat, n_mb, keys)
-                    lcs, ops_key = self.layers_of(lay, mb)
+                if mt is None:  # the first point of this shape and microbatch size priced
+                    keys = keys or self.microbatch_keys(lay, remat)
+                    mt = part[3] = self.microbatch_terms(lay, mb, remat, n_mb, keys)
+                    lcs, ops_key = part[4], part[5] = self.layers_of(lay, mb)
                 ft = fsdp.get(remat, _NONE)
                 if ft is _NONE:
                     ft = fsdp[remat] = self.fsdp(lay, mb, remat)

@@ -109,6 +109,11 @@ def activation_key(lay: Layout, microbatch: int) -> tuple:
     return (lay.tp, lay.cp, lay.sequence_parallel, microbatch)
 
 
+def layer_params_key(lay: Layout) -> tuple[int, int]:
+    """What :func:`layer_params_local` reads of a layout (the model held fixed): a search's cache key."""
+    return lay.tp, lay.ep
+
+
 def layer_params_local(m: ModelConfig, lay: Layout) -> float:
     """One layer's parameters on one tensor/expert-parallel rank (what FSDP gathers for that layer).
 
@@ -170,11 +175,17 @@ def end_params(m: ModelConfig, lay: Layout) -> float:
 
 
 def state_bytes(
-    m: ModelConfig, lay: Layout, weight_bytes: float, optimizer_bytes: float, ends_on_every_stage: bool = False
+    m: ModelConfig,
+    lay: Layout,
+    weight_bytes: float,
+    optimizer_bytes: float,
+    ends_on_every_stage: bool = False,
+    layer: float | None = None,
 ) -> tuple[float, ...]:
     """``(params, grads, optimizer, gathered, local)`` per chip: the state, which depends on the layout alone
-    (``gathered``: of ``params``, the layers FSDP holds gathered whole; ``local``: :func:`local_params`)."""
-    layer = layer_params_local(m, lay)
+    (``gathered``: of ``params``, the layers FSDP holds gathered whole; ``local``: :func:`local_params`; ``layer``:
+    the layout's :func:`layer_params_local`, when at hand)."""
+    layer = layer_params_local(m, lay) if layer is None else layer
     local = local_params(m, lay, layer, ends_on_every_stage)
     f = lay.fsdp_eff
     zero_group = lay.dp * lay.fsdp

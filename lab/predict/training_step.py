@@ -198,9 +198,13 @@ def microbatch_terms(lay: Layout, n_mb: int, pp: float, tp: float) -> Microbatch
 def fsdp_exposed(chip: Chip, ft: FsdpTerms, lc: LayerCost, layers: float) -> float:
     """FSDP per microbatch: each layer's gathers and scatter beyond the same layer's compute, the embeddings'
     beyond the logits'. Hidden is not free: the overlapped compute runs slower on a GPU (efficiency.overlap_cost)."""
-    per_layer = eff.overlap_cost(chip, ft.fwd, lc.fwd) + eff.overlap_cost(chip, ft.bwd, lc.bwd + lc.recompute)
-    exposed = layers * per_layer
-    return exposed + eff.overlap_cost(chip, ft.rest, lc.logits) if ft.rest else exposed
+    return _fsdp_exposed(eff.overlap_slowdown(chip), ft, lc, layers)
+
+
+def _fsdp_exposed(slowdown: float, ft: FsdpTerms, lc: LayerCost, layers: float) -> float:
+    hide = eff.overlapped
+    exposed = layers * (hide(slowdown, ft.fwd, lc.fwd) + hide(slowdown, ft.bwd, lc.bwd + lc.recompute))
+    return exposed + hide(slowdown, ft.rest, lc.logits) if ft.rest else exposed
 
 
 def step_parts(
@@ -221,12 +225,13 @@ def step_parts(
     ep_mb = layers * lc.ep_comm
     cp_mb = layers * lc.cp_exposed
     pp_mb = mt.pp  # once per chunk boundary, both ways
-    fsdp_mb = 0.0 if ft is None else fsdp_exposed(chip, ft, lc, layers)
+    slowdown = eff.overlap_slowdown(chip)
+    fsdp_mb = 0.0 if ft is None else _fsdp_exposed(slowdown, ft, lc, layers)
     offload_mb = layers * lc.offload
     t_mb = compute_mb + tp_mb + ep_mb + cp_mb + pp_mb + fsdp_mb + offload_mb
     bubble = mt.bubble * n_mb * t_mb  # (p - 1) / v microbatch times (axis_costs)
     # Data parallelism: one gradient reduction per step, behind the last microbatch's backward; the loss mean.
-    dp_exposed = eff.overlap_cost(chip, lt.dp, layers * (lc.bwd + lc.recompute)) + lt.loss
+    dp_exposed = eff.overlapped(slowdown, lt.dp, layers * (lc.bwd + lc.recompute)) + lt.loss
     fsdp_step = 0.0 if ft is None else ft.step
     step = n_mb * t_mb + bubble + dp_exposed + fsdp_step + lt.optimizer
     return step, compute_mb, tp_mb, ep_mb, cp_mb, pp_mb, fsdp_mb, offload_mb, bubble, dp_exposed, fsdp_step
