@@ -8,7 +8,7 @@ from matplotlib.collections import PathCollection, PolyCollection
 from matplotlib.text import Text
 
 from lab.report import writer
-from lab.report.plots import BAND, bus_factor, figures, step_bars
+from lab.report.plots import BAND, FAST_TEXT, bus_factor, figures, plots, step_bars
 
 PEAKS = {"fp32": 4.0e13, "bf16": 1.6e14, "int8": 3.2e14}  # the int8 roof is the highest: an fp32 run must not use it
 
@@ -229,6 +229,18 @@ def test_log_axes_keep_minor_ticks_only_where_they_carry_the_labels():
     assert sum(1 for t in labels if t.endswith("B/s")) >= 2, labels
     shown = [t for t in cx.get_yticklabels(minor=True) if lo <= t.get_position()[1] <= hi]
     assert shown and all(t.get_text() for t in shown), [t.get_text() for t in shown]  # no minor tick left bare
+
+
+def test_the_plots_are_written_with_fast_text_and_leave_the_sessions_settings_alone(tmp_path):
+    """A report draws its text unhinted (FAST_TEXT: most of the drawing time) without changing the rcParams of the
+    Python session that called it."""
+    import matplotlib
+
+    before = {k: matplotlib.rcParams[k] for k in FAST_TEXT}
+    assert before != FAST_TEXT  # matplotlib's own defaults, which a session keeps
+    assert plots(_report(OPS), tmp_path) == ["roofline.png", "predicted_vs_measured.png", "breakdown.png"]
+    assert all((tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for name in ("roofline.png", "breakdown.png"))
+    assert {k: matplotlib.rcParams[k] for k in FAST_TEXT} == before
 
 
 def test_a_collective_only_run_is_not_an_empty_chart():

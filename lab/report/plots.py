@@ -442,13 +442,22 @@ def figures(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# Glyphs rasterised as their outlines give them, without FreeType's hinting to the pixel grid (matplotlib's default):
+# laying out and drawing the charts' text is most of their time, and without the hinting tp_mlp's three charts cost
+# 14% fewer instructions (1.62 G -> 1.39 G, matplotlib 3.11), to the eye alike at their size.
+FAST_TEXT = {"text.hinting": "no_hinting"}
+
+
 def plots(report: dict[str, Any], out: Path) -> list[str]:
     """Save :func:`figures` under ``out`` (nothing for a compile-only report)."""
     if report.get("compile_only"):
         return []
-    drawn = figures(report)
-    for name, fig in drawn.items():
-        fig.savefig(out / name, pil_kwargs={"compress_level": 1})  # zlib at its fastest: a third of the drawing time
+    import matplotlib
+
+    with matplotlib.rc_context(FAST_TEXT):
+        drawn = figures(report)
+        for name, fig in drawn.items():
+            fig.savefig(out / name, pil_kwargs={"compress_level": 1})  # zlib at its fastest: a third of the drawing
     return list(drawn)
 
 
