@@ -230,7 +230,6 @@ def _roofline(report: dict[str, Any], tag: str):
     ax.axvline(crit, color="gray", lw=0.8, ls=":")
     peak_text = f"peak {_eng(peak, 'FLOP/s')} ({dtype})"
     ax.annotate(peak_text, (hi, peak), ha="right", va="bottom", fontsize=8)
-    ax.annotate(f"HBM {_eng(bw, 'B/s')}", (lo * 2, lo * 2 * bw), ha="left", va="bottom", fontsize=8, rotation=30)
     # the ridge named at the foot of its line, below the HBM roof, where no op can be
     ax.annotate(
         f"ridge {crit:.3g} FLOP/B",
@@ -264,8 +263,20 @@ def _roofline(report: dict[str, Any], tag: str):
     note = f"; {above} op{'s' if above != 1 else ''} above the roof" if above else ""
     _title(ax, f"Roofline: {report['experiment']}{tag}{note}")
     ax.legend(fontsize=7, loc="upper left")  # above the HBM roof: where no op can be
+    hbm = ax.annotate(f"HBM {_eng(bw, 'B/s')}", (lo * 2, lo * 2 * bw), xytext=(0, 3), textcoords="offset points")
+    hbm.set(ha="left", va="bottom", fontsize=8, rotation=_decade_angle(ax), rotation_mode="anchor")
     _collectives(cx, report)
     return fig
+
+
+def _decade_angle(ax) -> float:
+    """The angle on the page, in degrees, of a line rising a decade per decade on log-log axes (a bandwidth roof),
+    once the axes' limits are final: a label set at it runs along the roof at any aspect and range."""
+    (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+    box, (w, h) = ax.get_position(), ax.figure.get_size_inches()
+    per_x = box.width * w / math.log10(x1 / x0)  # inches per decade
+    per_y = box.height * h / math.log10(y1 / y0)
+    return math.degrees(math.atan2(per_y, per_x))
 
 
 def bus_factor(kind: str, group: int) -> float:
