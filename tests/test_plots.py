@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.collections import PathCollection, PolyCollection
@@ -125,6 +127,23 @@ def test_the_roofline_is_the_programs_dtype_and_every_op_with_flops_is_on_it():
     measured, predicted = (c for c in cx.collections if isinstance(c, PathCollection) and len(c.get_offsets()))
     assert len(measured.get_offsets()) == 1 and len(predicted.get_offsets()) == 1
     assert max(cx.get_lines()[0].get_ydata()) == 1e11  # the link's roof
+
+
+def test_the_bandwidth_roofs_label_runs_along_the_roof_on_the_page():
+    """The HBM label is drawn at the roof's own angle on the page (which depends on the axes' ranges), measured here
+    from the drawn roof's two ends in display coordinates."""
+    angles = []
+    for ops in (OPS, [_op("dot.9", "matmul", 1e-3, 1e-3, flops=1e12, nbytes=1e4)]):
+        fig = figures(_report(ops))["roofline.png"]
+        ax = fig.axes[0]
+        FigureCanvasAgg(fig).draw()
+        (label,) = [t for t in ax.texts if t.get_text().startswith("HBM")]
+        xs, ys = ax.get_lines()[0].get_data()
+        (x0, y0), (x1, y1) = ax.transData.transform([(xs[0], ys[0]), (xs[1], ys[1])])
+        drawn = math.degrees(math.atan2(y1 - y0, x1 - x0))
+        assert label.get_rotation() == pytest.approx(drawn, abs=0.5)
+        angles.append(drawn)
+    assert abs(angles[0] - angles[1]) > 5  # two ranges, two angles: not one fixed rotation
 
 
 def test_collectives_are_drawn_at_their_bus_bandwidth_measured_and_predicted():
