@@ -323,7 +323,7 @@ def nvlink_ramp(chip: Chip, kind: str, nbytes: float, group: int = SWEEP_GPUS) -
 def overlap_cost(chip: Chip, comm_s: float, compute_s: float) -> float:
     """What a collective hidden behind ``compute_s`` of computation still costs: the overlapped part of the
     computation runs OVERLAP_SLOWDOWN slower (GPUs), and whatever the computation does not cover is exposed."""
-    return overlapped(OVERLAP_SLOWDOWN.get(chip.kind, 0.0), comm_s, compute_s)
+    return overlapped(overlap_slowdown(chip), comm_s, compute_s)
 
 
 def overlap_slowdown(chip: Chip) -> float:

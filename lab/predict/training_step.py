@@ -195,13 +195,10 @@ def microbatch_terms(lay: Layout, n_mb: int, pp: float, tp: float) -> Microbatch
     return MicrobatchTerms(n_mb, pp, tp, bubble_over_work(lay.pp, n_mb, lay.v))
 
 
-def fsdp_exposed(chip: Chip, ft: FsdpTerms, lc: LayerCost, layers: float) -> float:
+def fsdp_exposed(slowdown: float, ft: FsdpTerms, lc: LayerCost, layers: float) -> float:
     """FSDP per microbatch: each layer's gathers and scatter beyond the same layer's compute, the embeddings'
-    beyond the logits'. Hidden is not free: the overlapped compute runs slower on a GPU (efficiency.overlap_cost)."""
-    return _fsdp_exposed(eff.overlap_slowdown(chip), ft, lc, layers)
-
-
-def _fsdp_exposed(slowdown: float, ft: FsdpTerms, lc: LayerCost, layers: float) -> float:
+    beyond the logits'. Hidden is not free: the overlapped compute runs ``slowdown`` slower on a GPU
+    (efficiency.overlap_slowdown, efficiency.overlapped)."""
     hide = eff.overlapped
     exposed = layers * (hide(slowdown, ft.fwd, lc.fwd) + hide(slowdown, ft.bwd, lc.bwd + lc.recompute))
     return exposed + hide(slowdown, ft.rest, lc.logits) if ft.rest else exposed
@@ -226,7 +223,7 @@ def step_parts(
     cp_mb = layers * lc.cp_exposed
     pp_mb = mt.pp  # once per chunk boundary, both ways
     slowdown = eff.overlap_slowdown(chip)
-    fsdp_mb = 0.0 if ft is None else _fsdp_exposed(slowdown, ft, lc, layers)
+    fsdp_mb = 0.0 if ft is None else fsdp_exposed(slowdown, ft, lc, layers)
     offload_mb = layers * lc.offload
     t_mb = compute_mb + tp_mb + ep_mb + cp_mb + pp_mb + fsdp_mb + offload_mb
     bubble = mt.bubble * n_mb * t_mb  # (p - 1) / v microbatch times (axis_costs)

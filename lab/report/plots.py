@@ -160,7 +160,7 @@ def _label(ax, items: list[tuple[str, float, float]], left_of: float | None = No
     ``(text, x, y)`` right-aligned at ``x`` and standing on ``y``, that none may cover."""
     ax.autoscale_view()
     (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
-    width_in = ax.get_position().width * ax.figure.get_figwidth()
+    width_in, _ = _inches(ax)
     placed: list[tuple[float, float, float, float]] = []  # (left, right, bottom, top), axes fractions
 
     def frac(v: float, lo: float, hi: float) -> float:
@@ -273,10 +273,15 @@ def _decade_angle(ax) -> float:
     """The angle on the page, in degrees, of a line rising a decade per decade on log-log axes (a bandwidth roof),
     once the axes' limits are final: a label set at it runs along the roof at any aspect and range."""
     (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
-    box, (w, h) = ax.get_position(), ax.figure.get_size_inches()
-    per_x = box.width * w / math.log10(x1 / x0)  # inches per decade
-    per_y = box.height * h / math.log10(y1 / y0)
+    w, h = _inches(ax)
+    per_x, per_y = w / math.log10(x1 / x0), h / math.log10(y1 / y0)  # inches per decade
     return math.degrees(math.atan2(per_y, per_x))
+
+
+def _inches(ax) -> tuple[float, float]:
+    """The axes' width and height on the page, in inches."""
+    box, (w, h) = ax.get_position(), ax.figure.get_size_inches()
+    return box.width * w, box.height * h
 
 
 def bus_factor(kind: str, group: int) -> float:
