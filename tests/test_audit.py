@@ -97,8 +97,26 @@ def test_bf16_collectives_on_cpu_are_named_not_hidden(jax_devices):
     assert r.all_match
 
 
+SHIPPED = sorted(p for p in os.listdir(os.path.join(REPO, "experiments")) if p.endswith(".toml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED)
+def test_shipped_experiments_load_and_say_what_they_answer(path):
+    exp = load_experiment(os.path.join(REPO, "experiments", path))
+    assert exp.name == path.removesuffix(".toml") and exp.devices <= 8
+    with open(os.path.join(REPO, "experiments", path)) as f:
+        assert f.readline().startswith("# ")  # each file says in a comment what question it answers
+
+
+# Three pipelines are audited by default in tests/test_transformer_pipeline.py, with their sends counted by hand
+# as well (test_experiment_audit_matches_the_estimator_with_hand_counted_sends, ..._audits_the_busiest_stage and
+# test_the_circular_experiment_audits_with_hand_counted_sends): here they run under -m slow (10-20 s each).
+AUDITED_WITH_HAND_COUNTS = {"train_pipe_dp_tp.toml", "train_pipe_uneven.toml", "train_pipe_interleaved.toml"}
+
+
 @pytest.mark.parametrize(
-    "path", sorted(p for p in os.listdir(os.path.join(REPO, "experiments")) if p.endswith(".toml"))
+    "path",
+    [pytest.param(p, marks=pytest.mark.slow) if p in AUDITED_WITH_HAND_COUNTS else p for p in SHIPPED],
 )
 def test_shipped_experiments_load_and_match(jax_devices, path):
     """Every shipped experiment, the Transformer's train steps and decode included, compiles to exactly the
@@ -107,9 +125,6 @@ def test_shipped_experiments_load_and_match(jax_devices, path):
     from lab.core.hardware import get_chip
 
     exp = load_experiment(os.path.join(REPO, "experiments", path))
-    assert exp.name == path.removesuffix(".toml") and exp.devices <= 8
-    with open(os.path.join(REPO, "experiments", path)) as f:
-        assert f.readline().startswith("# ")  # each file says in a comment what question it answers
     if exp.plan.spec.family == "user":  # no estimator describes a user model: what it compiled to
         from lab.compile.audit import inventory
 

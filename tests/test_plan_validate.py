@@ -26,8 +26,12 @@ def test_rank_correlations_on_hand_made_rankings():
     assert spearman([1.0], [2.0]) is None and kendall([1.0], [2.0]) is None
 
 
+# Run on this host, a quarter of SMALL's batch: 8 measured steps a layout, 2.3x faster to profile than at 4,096
+HOST = [*SMALL[:-4], "--batch-tokens", "1024", "--seq-len", "128"]
+
+
 def test_the_best_layouts_compile_and_run_on_this_host(tmp_path, capsys):
-    assert main([*SMALL, "--hardware", "cpu", "--validate", "2", "--out", str(tmp_path), "--json"]) == 0
+    assert main([*HOST, "--hardware", "cpu", "--validate", "2", "--out", str(tmp_path), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)["validation"]
     assert len(d["layouts"]) == 2 and d["compiled_for"] is None
     for r in d["layouts"]:

@@ -76,8 +76,17 @@ def test_remat_policies_order_memory_in_the_estimator_and_the_compiler(jax_devic
     assert temp[0] > temp[2] and temp[0] >= temp[1] >= temp[2]
 
 
-@pytest.mark.parametrize("remat", ["selective", "full"])
-@pytest.mark.parametrize("rules", ["tp_sp", "fsdp_tp"])
+# By default one layout per policy: full recomputation under fsdp_tp (the third gather of the norm scales is
+# FSDP's) and selective under tp_sp; the other two pairs under -m slow (6-7 s of XLA each on 2 cores).
+@pytest.mark.parametrize(
+    ("rules", "remat"),
+    [
+        ("fsdp_tp", "full"),
+        ("tp_sp", "selective"),
+        pytest.param("fsdp_tp", "selective", marks=pytest.mark.slow),
+        pytest.param("tp_sp", "full", marks=pytest.mark.slow),
+    ],
+)
 def test_recomputed_train_steps_match_too(jax_devices, rules, remat):
     """jax.checkpoint as XLA compiles it: full recomputation leaves the layer's last projection (its matmul and its
     row-parallel collective) out of the recomputed forward, and FSDP gathers the norm scales a third time."""

@@ -252,12 +252,19 @@ def test_real_size_train_step_memory_with_nothing_recomputed_on_v5e(capsys):
     assert TRAIN_MEMORY[0] <= d["memory"]["ratio"] <= TRAIN_MEMORY[1], d["memory"]
 
 
+# The run path's files for a topology: by default for the smallest experiment (about 1 s of libtpu); the shipped
+# decode, at a shorter prompt and fewer steps, takes 12-23 s of libtpu on 2 cores (35 s at its own sizes).
+COMPILE_ONLY_RUNS = {
+    "tp_mlp": ["experiments/tp_mlp.toml", "--dtype", "bf16"],
+    "llama3_8b_decode": ["experiments/llama3_8b_decode.toml", "--sizes", "batch=8,prompt_len=64,steps=2"],
+}
+
+
 @needs_libtpu
-def test_run_compile_only_for_a_topology_writes_xla_beside_the_predictions(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("name", ["tp_mlp", pytest.param("llama3_8b_decode", marks=pytest.mark.slow)])
+def test_run_compile_only_for_a_topology_writes_xla_beside_the_predictions(tmp_path, capsys, monkeypatch, name):
     monkeypatch.chdir(ROOT)
-    argv = ["run", "experiments/llama3_8b_decode.toml", "--compile-only", "--target", "v5e:2x4"]
-    # the shipped decode at a shorter prompt and fewer steps (35 s of libtpu on 2 cores at its own sizes, 12 s here)
-    argv += ["--sizes", "batch=8,prompt_len=64,steps=2"]
+    argv = ["run", *COMPILE_ONLY_RUNS[name], "--compile-only", "--target", "v5e:2x4"]
     assert main([*argv, "--out", str(tmp_path), "--json", "--quiet"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["backend"] == "tpu" and r["emulated"] is False and r["devices"] == 8

@@ -87,8 +87,17 @@ def test_experiment_audit_matches_the_estimator_with_hand_counted_gathers(jax_de
     assert "CP: K and V gathered over the context shards, forward and again backward" in names
 
 
-@pytest.mark.parametrize("remat", ["selective", "full"])
-@pytest.mark.parametrize("path", ["train_cp_dp_tp.toml", "train_pipe_dp_tp.toml"])
+# By default each experiment under one policy (the pipeline fully recomputed, the context shards selectively);
+# the other two pairs under -m slow (5-10 s of XLA each on 2 cores).
+@pytest.mark.parametrize(
+    ("path", "remat"),
+    [
+        ("train_pipe_dp_tp.toml", "full"),
+        ("train_cp_dp_tp.toml", "selective"),
+        pytest.param("train_pipe_dp_tp.toml", "selective", marks=pytest.mark.slow),
+        pytest.param("train_cp_dp_tp.toml", "full", marks=pytest.mark.slow),
+    ],
+)
 def test_recomputed_context_and_pipeline_steps_still_audit_whole(jax_devices, path, remat):
     """Under recomputation the context shards' gathers stay four a layer (the recomputed forward's serve the
     backward) and the pipeline's collectives are unchanged: every collective and the FLOPs still match."""
