@@ -188,19 +188,17 @@ class Search:
         j, remats, screen = self.job, self.remats, self.screen
         model, chip, hbm = j.model, j.chip, j.chip.hbm_bytes
         self.screened += len(mbs) * len(remats)
-        layer = self.layer_params.get(layer_params_key(lay))
+        layer_key = layer_params_key(lay)
+        layer = self.layer_params.get(layer_key)
         if layer is None:
-            layer = self.layer_params[layer_params_key(lay)] = layer_params_local(model, lay)
+            layer = self.layer_params[layer_key] = layer_params_local(model, lay)
         params, grads, opt, _, local = state_bytes(model, lay, j.weight_bytes, j.optimizer_bytes, layer=layer)
         held = params + grads + opt
         # The state depends on the layout alone: if it overflows, so does every microbatch and policy of it.
         if screen and held > hbm:
             return
         per_replica = j.global_batch // (lay.dp * lay.fsdp)
-        key = shape_key(lay)
-        shape = self.shapes.get(key)
-        if shape is None:
-            shape = self.shapes[key] = {}
+        shape = self.shapes.setdefault(shape_key(lay), {})
         heap = self.heap
         lt = keys = None
         fsdp: dict[str, FsdpTerms | None] = {}  # by policy
