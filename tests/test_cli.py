@@ -282,7 +282,7 @@ def test_a_command_imports_only_its_own_group():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stderr.strip().splitlines()[-1] == str(
-        ["lab.cli.analytic", "lab.cli.args", "lab.cli.commands", "lab.cli.main"]
+        ["lab.cli.analytic", "lab.cli.args", "lab.cli.commands", "lab.cli.fast_start", "lab.cli.main"]
     )
 
 

@@ -63,43 +63,24 @@ def _command(argv: Sequence[str] | None) -> str | None:
     return None
 
 
-def _defer_inspect() -> None:
-    """Load ``inspect`` on first use instead of at start-up, for the analytic commands (they never start JAX).
-
-    On Python 3.11 ``dataclasses`` imports ``inspect`` (and with it ``ast``, ``dis`` and ``tokenize``: about 8 ms, a
-    sixth of an analytic command's start-up) only to write a signature as the docstring of a dataclass that has none.
-    A stand-in module takes its place in ``sys.modules``; the first attribute anyone reads from it imports the real
-    module and copies its namespace into the stand-in, so a module that imported the stand-in sees the real functions
-    from then on. The analytic modules' dataclasses all have docstrings (tests/test_cli.py checks that nothing loads
-    it). From 3.12 every dataclass reads its annotations through ``inspect``, so there is nothing to defer.
-    """
-    import types
-
-    if "inspect" in sys.modules or sys.version_info >= (3, 12):
-        return
-
-    class _Deferred(types.ModuleType):
-        def __getattr__(self, name: str):
-            import importlib
-
-            if sys.modules.get("inspect") is self:
-                del sys.modules["inspect"]
-            real = importlib.import_module("inspect")
-            self.__dict__.update(real.__dict__)
-            return getattr(real, name)
-
-    sys.modules["inspect"] = _Deferred("inspect")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command: exit 0, 2 for a user mistake, 130 on Ctrl-C, 1 for a bug (traceback with --debug)."""
+    """Run one command: exit 0, 2 for a user mistake, 130 on Ctrl-C, 1 for a bug (traceback with --debug).
+
+    Called without ``argv`` (the ``shardlab`` script, ``python -m lab``) the process is the command's own, and an
+    analytic command also skips what Python would spend on every start and exit (:mod:`lab.cli.fast_start`)."""
+    whole_process = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     sys.unraisablehook = keep_interrupts  # a Ctrl-C inside a finalizer is kept, not printed and lost
     argv = [a for a in argv if a != "--debug"]
     chosen = _command(argv)
-    if chosen not in JAX_COMMANDS | {None}:
-        _defer_inspect()
+    analytic = chosen not in JAX_COMMANDS | {None}
+    if analytic:
+        from lab.cli import fast_start
+
+        fast_start.defer_inspect()
+        if whole_process:
+            fast_start.cache_dataclass_methods()
     if "jax" not in sys.modules and chosen in JAX_COMMANDS | {None}:  # libtpu on a host without TPUs: no screen
         from lab.compile.target import quiet_absent_tpu  # of its warnings (analytic commands never start JAX)
 
@@ -107,6 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser(argv).parse_args(argv)
         data, text = args.func(args)
+        if analytic and whole_process:
+            fast_start.skip_collection_at_exit()
         if args.json:
             from lab.core.table import dumps
 
