@@ -105,8 +105,8 @@ def test_cached_methods_behave_as_the_compiled_ones_and_are_compiled_once(tmp_pa
     # the generated annotations are the classes' own strings, not ``from __future__`` of the caching module
     assert plain["init_annotations"][0] == "{'name': 'str', 'peaks': 'tuple', 'links': 'int', 'return': None}"
     # every class's __init__, __repr__ and __eq__, the frozen ones' __hash__, __setattr__ and __delattr__, and
-    # the ordered one's four comparisons
-    assert len(marshal.loads(written[0])) == 3 * 3 + 2 * 3 + 4
+    # the ordered one's four comparisons: one text each (from 3.13 dataclasses writes a class's methods as one)
+    assert len(marshal.loads(written[0])) == (3 * 3 + 2 * 3 + 4 if sys.version_info < (3, 13) else 3)
     # the second run found every method in the table: nothing missed, so nothing was written again
     assert (table.read_bytes(), table.stat().st_mtime_ns) == written
 
