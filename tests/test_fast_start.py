@@ -50,8 +50,10 @@ class Opts:
 
 DRIVER = """
 import dataclasses, inspect, json, sys
+from lab.cli.fast_start import cache_dataclass_methods
 if sys.argv[1] == "cached":
-    from lab.cli.fast_start import cache_dataclass_methods
+    cache_dataclass_methods(packages=("records",))
+elif sys.argv[1] == "lab-only":
     cache_dataclass_methods()
 sys.path.insert(0, sys.argv[2])
 import records as r
@@ -125,7 +127,8 @@ def test_a_changed_class_compiles_anew_and_drops_its_old_methods(tmp_path):
     (tmp_path / "records.py").write_text(RECORDS.replace("links: int = 4", "links: int = 4\n    ports: int = 2"))
     before = marshal.loads(table_of(tmp_path).read_bytes())
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    code = "from lab.cli.fast_start import cache_dataclass_methods\ncache_dataclass_methods()\nimport records\n"
+    code = "from lab.cli.fast_start import cache_dataclass_methods\ncache_dataclass_methods(('records',))\n"
+    code += "import records\n"
     code += "print(records.Chip('x'))"
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert r.stdout.strip() == "Chip(name='x', peaks=(), links=4, ports=2)", r.stderr
@@ -133,10 +136,12 @@ def test_a_changed_class_compiles_anew_and_drops_its_old_methods(tmp_path):
     assert len(after) == len(before) and after.keys() != before.keys()  # the old __init__ is gone, not kept
 
 
-def test_nothing_is_written_where_python_writes_no_bytecode(tmp_path):
-    cached = run_records(tmp_path, "cached", write=False)
+def test_nothing_is_written_where_python_writes_no_bytecode_or_beside_another_package(tmp_path):
+    plain = run_records(tmp_path, "plain", write=False)
+    assert run_records(tmp_path, "cached", write=False) == plain
     assert table_of(tmp_path) is None
-    assert cached == run_records(tmp_path, "plain", write=False)
+    assert run_records(tmp_path, "lab-only") == plain  # the lab's classes only: records is someone else's
+    assert table_of(tmp_path) is None and (tmp_path / "__pycache__").is_dir()
 
 
 ESTIMATE = ["train", "estimate", "--model", "llama3-8b", "--hardware", "h100", "--chips", "8", "--json"]

@@ -100,7 +100,7 @@ class _Methods:
                 os.unlink(tmp)
 
 
-def cache_dataclass_methods() -> None:
+def cache_dataclass_methods(packages: tuple[str, ...] = ("lab",)) -> None:
     """Compile each method ``dataclasses`` generates once, not on every start.
 
     ``dataclasses`` turns each generated method's text into a function with the builtin ``exec``, looked up as a
@@ -108,7 +108,9 @@ def cache_dataclass_methods() -> None:
     first (compiling and adding it when absent) gives the class the same functions: the same text compiled by the
     same interpreter, as ``exec`` compiles it. Each module's table is read once, beside its ``.pyc`` (and under
     ``PYTHONPYCACHEPREFIX`` when set), and written back at exit when it missed; not at all where Python writes no
-    bytecode (``PYTHONDONTWRITEBYTECODE``). Call it only where the process is the command's own: it lasts until exit.
+    bytecode (``PYTHONDONTWRITEBYTECODE``). Only the classes of ``packages`` (the lab's own) are cached: nothing is
+    written beside another package's bytecode. Call it only where the process is the command's own: it lasts until
+    exit.
     """
     import dataclasses
 
@@ -117,9 +119,11 @@ def cache_dataclass_methods() -> None:
     tables: dict[str, _Methods] = {}
 
     def cached_exec(source, globals=None, locals=None, /):
-        file = globals.get("__file__") if isinstance(source, str) and isinstance(globals, dict) else None
-        if not isinstance(file, str) or not file.endswith(".py"):
-            return exec(source, globals, locals)
+        ours = isinstance(source, str) and isinstance(globals, dict) and _in(globals.get("__name__"), packages)
+        file = globals.get("__file__") if ours else None
+        if not isinstance(file, str) or not file.endswith(".py"):  # compiled as always (not with our __future__)
+            code = compile(source, "<string>", "exec", dont_inherit=True) if isinstance(source, str) else source
+            return exec(code, globals, locals)
         if file not in tables:
             tables[file] = _Methods(file)
         return exec(tables[file].code(source), globals, locals)
@@ -129,6 +133,10 @@ def cache_dataclass_methods() -> None:
         import atexit
 
         atexit.register(lambda: [t.write() for t in tables.values()])
+
+
+def _in(module: object, packages: tuple[str, ...]) -> bool:
+    return isinstance(module, str) and any(module == p or module.startswith(p + ".") for p in packages)
 
 
 def skip_collection_at_exit() -> None:
