@@ -13,7 +13,7 @@ changing what any class or module is:
 
 A third is Python's own exit: its last garbage collection walks every object the imports made, which live until the
 process ends anyway (:func:`skip_collection_at_exit`). The cache and the frozen collector took ``train estimate``
-from 236.9 M to 164.0 M instructions (2.68x a bare ``python -c pass`` to 1.85x), ``hardware list`` from 1.75x to
+from 236.9 M to 164.5 M instructions (2.68x a bare ``python -c pass`` to 1.86x), ``hardware list`` from 1.75x to
 1.50x.
 """
 
