@@ -346,13 +346,15 @@ def test_a_dense_training_estimate_loads_neither_the_program_table_nor_numbers()
     assert r.stdout.splitlines() == ["0 False False False", "lab.predict.limits lab.predict.limits"], r.stderr
 
 
-def test_a_jax_command_loads_the_real_inspect():
+def test_a_jax_command_loads_the_real_inspect_and_compiles_dataclasses_as_python_does():
+    """Run as the process's own command (``main()``), a JAX command keeps none of lab.cli.fast_start's shortcuts."""
     code = (
-        "import sys\nfrom lab.cli.main import main\ntry:\n    main(['run', '--bogus'])\nexcept SystemExit:\n"
-        "    pass\nimport inspect\nprint(type(sys.modules['inspect']).__name__, inspect.signature(len))"
+        "import dataclasses, sys\nfrom lab.cli.main import main\nsys.argv = ['shardlab', 'run', '--bogus']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\nimport inspect\n"
+        "print(type(sys.modules['inspect']).__name__, inspect.signature(len), 'exec' in vars(dataclasses))"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert r.stdout.strip() == "module (obj, /)", r.stderr
+    assert r.stdout.strip() == "module (obj, /) False", r.stderr
 
 
 @pytest.mark.parametrize(
