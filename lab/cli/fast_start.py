@@ -128,11 +128,15 @@ def cache_dataclass_methods(packages: tuple[str, ...] = ("lab",)) -> None:
             tables[file] = _Methods(file)
         return exec(tables[file].code(source), globals, locals)
 
+    def write_all() -> None:
+        for table in tables.values():
+            table.write()
+
     dataclasses.exec = cached_exec
     if not sys.dont_write_bytecode:
         import atexit
 
-        atexit.register(lambda: [t.write() for t in tables.values()])
+        atexit.register(write_all)
 
 
 def _in(module: object, packages: tuple[str, ...]) -> bool:
