@@ -125,6 +125,21 @@ def test_the_runtimes_chatter_inside_process_zeros_json_report_is_cut_out():
         json_report("[rank 0] no report\n")
 
 
+def test_a_gloo_message_cut_in_two_by_another_leaves_no_stray_count():
+    """Two of gloo's threads writing at once: one message cut after "is : ", its count on a line of its own after
+    the other's (seen on a loaded host as a stray "[rank 1] 1" under a launch's error line)."""
+    import io
+
+    from lab.run.launch import _forward, _Proc
+
+    msg = "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : "
+    stream = io.StringIO(f"{msg}{msg}1\n1\nshardlab: error: unknown hardware 'x'\n7\nstep 3 of 5\n")
+    proc, written = _Proc(1, None), []
+    _forward(proc, stream, False, written.append, {"failed": None})
+    assert proc.last_error == "unknown hardware 'x'"
+    assert written == ["[rank 1] 7\n", "[rank 1] step 3 of 5\n"]  # a count not after a cut message is output
+
+
 def test_free_port_picks_one_or_refuses_a_port_in_use():
     port = free_port(None)
     assert 1024 <= port < 65536

@@ -36,6 +36,8 @@ NOISE = re.compile(r"\[Gloo\]|connected peer ranks|^\s*$")
 GLOO_MESSAGE = re.compile(
     r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\.\s*Expected number of connected peer ranks is : \d+\n?"
 )
+# the count that ends a message another thread's message cut in two: alone on the line after the noise
+GLOO_TAIL = re.compile(r"^\s*\d+\s*$")
 # a process's last words: `shardlab: error: ...`, `shardlab run: error: ...`, an internal error, Ctrl-C
 ERROR = re.compile(r"^shardlab[^:]*: (?:error: |(?=internal error: |interrupted: ))")
 FORCED = re.compile(r"--xla_force_host_platform_device_count=\S+")
@@ -96,12 +98,15 @@ class _Proc:
 def _forward(proc: _Proc, stream, keep: bool, write: Callable[[str], None], state: dict) -> None:
     """Copy one stream of one process, line by line, with its rank in front (``keep``: hold stdout instead).
     Once a process has failed, the others' output is their reaction to it and is not copied."""
+    cut = False  # the last line held a gloo message without its count (seen on a loaded host: "[rank 1] 1")
     for line in iter(stream.readline, ""):
         if keep:  # process 0's report: kept whole (json_report cuts the chatter out of it)
             proc.stdout.append(line)
             continue
-        if NOISE.search(line):
+        if NOISE.search(line) or (cut and GLOO_TAIL.match(line)):
+            cut = line.count("[Gloo]") > len(GLOO_MESSAGE.findall(line))
             continue
+        cut = False
         if ERROR.match(line):  # said once, in the launcher's own line naming the process
             proc.last_error = ERROR.sub("", line.strip())
             continue
