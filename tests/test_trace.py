@@ -71,7 +71,31 @@ def test_logdir_has_what_tensorboard_and_perfetto_read(recorded, key):
     with gzip.open(files.perfetto) as f:
         doc = json.load(f)
     assert isinstance(doc["traceEvents"], list) and doc["traceEvents"]
-    assert glob.glob(os.path.join(files.run_dir, "*.trace.json.gz"))  # the JSON the Perfetto copy is made from
+    (source,) = glob.glob(os.path.join(files.run_dir, "*.trace.json.gz"))  # the JSON the Perfetto copy is made from
+    with gzip.open(source) as f:
+        whole = json.load(f)
+    assert "metadata" in whole and "metadata" not in doc
+    assert doc == {k: v for k, v in whole.items() if k != "metadata"}  # the same events, nothing else changed
+
+
+@pytest.mark.parametrize(
+    ("text", "rest"),
+    [
+        # XLA's layout: the small members first, the events last (cut out of the text, nothing decoded but them)
+        ('{"displayTimeUnit":"ns","metadata":{"highres-ticks":true},"traceEvents":[{"ph":"X"},{}]}',
+         '{"displayTimeUnit":"ns","traceEvents":[{"ph":"X"},{}]}'),
+        (' { "metadata" : {"x": [1, {"y": "}"}]} , "traceEvents" : [] } ', ' { "traceEvents" : [] } '),
+        ('{"a":"x","metadata":{"h":1}}', '{"a":"x"}'),  # the last member: its comma goes too
+        # the events ahead of it, or no such member: decoded and encoded whole
+        ('{"traceEvents":[{"a":1}],"metadata":{"h":1}}', '{"traceEvents": [{"a": 1}]}'),
+        ('{"a":1}', '{"a": 1}'),
+        ('{"metadata":{}}', "{}"),
+    ],
+)  # fmt: skip
+def test_the_perfetto_copy_cuts_the_metadata_member_out(text, rest):
+    from lab.measure.trace import without_member
+
+    assert without_member(text, "metadata") == rest
 
 
 # ----- events --------------------------------------------------------------------------------------------------
