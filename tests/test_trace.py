@@ -81,7 +81,7 @@ def test_logdir_has_what_tensorboard_and_perfetto_read(recorded, key):
 @pytest.mark.parametrize(
     ("text", "rest"),
     [
-        # XLA's layout: the small members first, the events last (cut out of the text, nothing decoded but them)
+        # XLA's layout, the events last: cut out of the text, only the small members ahead of it decoded
         ('{"displayTimeUnit":"ns","metadata":{"highres-ticks":true},"traceEvents":[{"ph":"X"},{}]}',
          '{"displayTimeUnit":"ns","traceEvents":[{"ph":"X"},{}]}'),
         (' { "metadata" : {"x": [1, {"y": "}"}]} , "traceEvents" : [] } ', ' { "traceEvents" : [] } '),
