@@ -123,6 +123,30 @@ def _assert_tree_close(got, want, rtol, atol):
         np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
 
 
+def test_parameters_drawn_on_one_cpu_device_are_the_sharded_draws(tr, jax_devices):
+    """On emulated CPU devices init_params draws on one device and then places the arrays: the same values and
+    shardings as JAX's sharded draw, and one program for every layout of a model."""
+    import jax
+
+    info = tr.param_info(tr.TINY)
+    flat, treedef = jax.tree.flatten(info, is_leaf=lambda x: isinstance(x, tr.ArrayInfo))
+
+    def draw(key):  # what init_params compiled for every layout before
+        keys = jax.random.split(key, len(flat))
+        return treedef.unflatten([i.init(k, i.shape, i.dtype) for i, k in zip(flat, keys, strict=True)])
+
+    r, m = tr.get_rules("fsdp_tp"), tr.transformer_mesh(_mesh("d2m4"))
+    want = jax.jit(draw, out_shardings=tr.shardings(info, r, m))(jax.random.key(5))
+    tr.model._HOST_INIT.clear()
+    for rules, mesh in (("fsdp_tp", "d2m4"), ("tp_sp", "d4m2")):  # the values do not depend on the layout
+        r, m = tr.get_rules(rules), tr.transformer_mesh(_mesh(mesh))
+        got, placed = tr.init_params(tr.TINY, r, m, jax.random.key(5)), tr.shardings(info, r, m)
+        for a, b, s in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(placed), strict=True):
+            assert a.sharding == s
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert len(tr.model._HOST_INIT) == 1
+
+
 # ----- config and rules ---------------------------------------------------------------------------------------
 
 

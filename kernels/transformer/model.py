@@ -268,10 +268,16 @@ def param_bytes_per_device(cfg: ModelConfig, rules: ShardingRules, mesh_sizes: M
     return sum(i.bytes_per_device(rules, mesh_sizes) for _, i in _named(param_info(cfg)))
 
 
+_HOST_INIT: dict[tuple, Callable] = {}  # the one-device init of each parameter layout (emulated CPU devices)
+
+
 def init_params(cfg: ModelConfig, rules: ShardingRules, mesh: Mesh, key: jax.Array) -> Params:
     """Allocate every parameter directly with its ``NamedSharding`` (never a full copy on one device).
 
-    Values depend on ``key`` only, not on the rules or mesh (JAX's random bits are sharding-invariant).
+    Values depend on ``key`` only, not on the rules or mesh (JAX's random bits are sharding-invariant). On CPU
+    devices of one process, which share the host's memory, the parameters are drawn on one device and then placed:
+    one program per model, whatever the layout, where XLA:CPU compiles the sharded draw again for every layout
+    (0.6 s a layout of the tests' tiny models, with their compile flags).
     """
     info = param_info(cfg)
     validate(cfg, rules, mesh)
@@ -281,7 +287,15 @@ def init_params(cfg: ModelConfig, rules: ShardingRules, mesh: Mesh, key: jax.Arr
         keys = jax.random.split(key, len(flat))
         return treedef.unflatten([i.init(k, i.shape, i.dtype) for i, k in zip(flat, keys, strict=True)])
 
-    return jax.jit(init, out_shardings=shardings(info, rules, mesh))(key)
+    placed = shardings(info, rules, mesh)
+    if jax.process_count() == 1 and all(d.platform == "cpu" for d in mesh.devices.flat):
+        # the names and shapes choose every initializer (_param_init): the same layout draws the same values
+        layout = (treedef, tuple((i.shape, i.dtype) for i in flat))
+        draw = _HOST_INIT.get(layout)
+        if draw is None:
+            draw = _HOST_INIT[layout] = jax.jit(init)
+        return jax.device_put(draw(key), placed)
+    return jax.jit(init, out_shardings=placed)(key)
 
 
 def synthetic_tokens(cfg: ModelConfig, batch: int, seq: int, seed: int = 0) -> np.ndarray:
