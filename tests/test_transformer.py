@@ -123,20 +123,21 @@ def _assert_tree_close(got, want, rtol, atol):
         np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
 
 
-def test_parameters_drawn_on_one_cpu_device_are_the_sharded_draws(tr, jax_devices):
-    """On emulated CPU devices init_params draws on one device and then places the arrays: the same values and
-    shardings as JAX's sharded draw, and one program for every layout of a model."""
+def test_parameters_drawn_on_one_cpu_device_are_the_sharded_draws(tr, jax_devices, monkeypatch):
+    """On emulated CPU devices init_params draws a small model on one device and then places the arrays: the same
+    values and shardings as JAX's sharded draw, and one program for every layout of a model; a larger one is drawn
+    sharded."""
     import jax
 
     info = tr.param_info(tr.TINY)
     flat, treedef = jax.tree.flatten(info, is_leaf=lambda x: isinstance(x, tr.ArrayInfo))
 
-    def draw(key):  # what init_params compiled for every layout before
+    def init(key):  # what init_params compiles for every layout of a large model (its name: the same program)
         keys = jax.random.split(key, len(flat))
         return treedef.unflatten([i.init(k, i.shape, i.dtype) for i, k in zip(flat, keys, strict=True)])
 
     r, m = tr.get_rules("fsdp_tp"), tr.transformer_mesh(_mesh("d2m4"))
-    want = jax.jit(draw, out_shardings=tr.shardings(info, r, m))(jax.random.key(5))
+    want = jax.jit(init, out_shardings=tr.shardings(info, r, m))(jax.random.key(5))
     tr.model._HOST_INIT.clear()
     for rules, mesh in (("fsdp_tp", "d2m4"), ("tp_sp", "d4m2")):  # the values do not depend on the layout
         r, m = tr.get_rules(rules), tr.transformer_mesh(_mesh(mesh))
@@ -145,6 +146,14 @@ def test_parameters_drawn_on_one_cpu_device_are_the_sharded_draws(tr, jax_device
             assert a.sharding == s
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert len(tr.model._HOST_INIT) == 1
+    tr.model._HOST_INIT.clear()
+    monkeypatch.setattr(tr.model, "HOST_INIT_MAX_BYTES", 4 * tr.TINY.params - 1)  # one byte too many
+    r, m = tr.get_rules("fsdp_tp"), tr.transformer_mesh(_mesh("d2m4"))
+    got = tr.init_params(tr.TINY, r, m, jax.random.key(5))
+    assert not tr.model._HOST_INIT
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # ----- config and rules ---------------------------------------------------------------------------------------

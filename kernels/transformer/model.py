@@ -269,15 +269,16 @@ def param_bytes_per_device(cfg: ModelConfig, rules: ShardingRules, mesh_sizes: M
 
 
 _HOST_INIT: dict[tuple, Callable] = {}  # the one-device init of each parameter layout (emulated CPU devices)
+HOST_INIT_MAX_BYTES = 2**28  # drawn on one device up to this size: the full copy is held for a moment beside the shards
 
 
 def init_params(cfg: ModelConfig, rules: ShardingRules, mesh: Mesh, key: jax.Array) -> Params:
-    """Allocate every parameter directly with its ``NamedSharding`` (never a full copy on one device).
+    """Every parameter with its ``NamedSharding``, allocated so directly (never a full copy on one device).
 
     Values depend on ``key`` only, not on the rules or mesh (JAX's random bits are sharding-invariant). On CPU
-    devices of one process, which share the host's memory, the parameters are drawn on one device and then placed:
-    one program per model, whatever the layout, where XLA:CPU compiles the sharded draw again for every layout
-    (0.6 s a layout of the tests' tiny models, with their compile flags).
+    devices of one process, which share the host's memory, parameters of up to ``HOST_INIT_MAX_BYTES`` are drawn
+    on one device and then placed: one program per model, whatever the layout, where XLA:CPU compiles the sharded
+    draw again for every layout (0.6 s a layout of the tests' tiny models, with their compile flags).
     """
     info = param_info(cfg)
     validate(cfg, rules, mesh)
@@ -288,11 +289,14 @@ def init_params(cfg: ModelConfig, rules: ShardingRules, mesh: Mesh, key: jax.Arr
         return treedef.unflatten([i.init(k, i.shape, i.dtype) for i, k in zip(flat, keys, strict=True)])
 
     placed = shardings(info, rules, mesh)
-    if jax.process_count() == 1 and all(d.platform == "cpu" for d in mesh.devices.flat):
+    size = sum(math.prod(i.shape) * np.dtype(i.dtype).itemsize for i in flat)
+    if size <= HOST_INIT_MAX_BYTES and jax.process_count() == 1 and all(d.platform == "cpu" for d in mesh.devices.flat):
         # the names and shapes choose every initializer (_param_init): the same layout draws the same values
         layout = (treedef, tuple((i.shape, i.dtype) for i in flat))
         draw = _HOST_INIT.get(layout)
         if draw is None:
+            if len(_HOST_INIT) >= 16:  # a sweep over model sizes keeps only the latest few
+                _HOST_INIT.clear()
             draw = _HOST_INIT[layout] = jax.jit(init)
         return jax.device_put(draw(key), placed)
     return jax.jit(init, out_shardings=placed)(key)
