@@ -89,15 +89,11 @@ class _Methods:
         atomically: a process writing the same file at the same time leaves one whole table or the other."""
         if not self.missed or self.path is None:
             return
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        try:
+        from lab.core.files import write_atomic  # at exit, and only after a miss
+
+        with contextlib.suppress(OSError):  # a read-only install: every start compiles, as it would without the cache
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            with open(tmp, "wb") as f:
-                marshal.dump(self.used, f)
-            os.replace(tmp, self.path)
-        except OSError:  # a read-only install: every start compiles, as it would without the cache
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            write_atomic(self.path, marshal.dumps(self.used))
 
 
 def cache_dataclass_methods(packages: tuple[str, ...] = ("lab",)) -> None:

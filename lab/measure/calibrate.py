@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.core.errors import UserError
+from lab.core.files import write_atomic
 from lab.core.hardware import SPECS_DIR_ENV, Catalog, Chip, specs_dir
 from lab.core.table import render
 from lab.measure import fit
@@ -634,9 +635,7 @@ def write_spec(cal: Calibration, path: str | os.PathLike | None = None) -> Path:
     reader sees the old spec or the new one, never half of one."""
     p = check_writable(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.parent / f".{p.name}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(cal.chip.fields(), indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, p)
+    write_atomic(p, json.dumps(cal.chip.fields(), indent=2, allow_nan=False) + "\n")
     return p
 
 

@@ -35,6 +35,7 @@ from typing import Any
 
 from lab.core.devices import chip_for_device, spec_name
 from lab.core.errors import UserError
+from lab.core.files import write_atomic
 from lab.core.hardware import Chip, default_catalog, specs_dir
 from lab.measure import fit
 from lab.measure import microbench as mb
@@ -218,9 +219,7 @@ def write_device_spec(chip: Chip, path: str | os.PathLike | None = None) -> Path
     prov = chip.calibration["provenance"]
     p = Path(path) if path is not None else specs_dir() / spec_name(prov["backend"], prov["device_kind"])
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.parent / f".{p.name}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(chip.fields(), indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, p)
+    write_atomic(p, json.dumps(chip.fields(), indent=2, allow_nan=False) + "\n")
     return p
 
 

@@ -55,6 +55,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from lab.core.errors import UserError
+from lab.core.files import write_atomic
 
 # The profile plugin (xprof), when installed, logs at INFO on import that TensorFlow is absent; the lab
 # never uses TensorFlow, so that line is noise on every run.
@@ -238,16 +239,9 @@ def _write_perfetto(run_dir: str) -> None:
     found = glob.glob(os.path.join(run_dir, "*.trace.json.gz"))
     if len(found) != 1:
         return
-    target = os.path.join(run_dir, "perfetto_trace.json.gz")
-    tmp = f"{target}.{os.getpid()}.tmp"  # the final name only once complete
-    try:
+    with contextlib.suppress(OSError, ValueError):  # a convenience copy (and UnicodeDecodeError a ValueError)
         text = without_member(_open_text(found[0]), "metadata")
-        with open(tmp, "wb") as raw, gzip.GzipFile("perfetto_trace.json", "wb", 1, raw) as f:
-            f.write(text.encode("utf-8"))
-        os.replace(tmp, target)
-    except (OSError, ValueError):  # a convenience copy (UnicodeDecodeError is a ValueError): the trace is there
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
+        write_atomic(os.path.join(run_dir, "perfetto_trace.json.gz"), gzip.compress(text.encode("utf-8"), 1))
 
 
 def _files_in(logdir: str, run_dir: str) -> TraceFiles:

@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 
 from lab.core.errors import UserError
+from lab.core.files import write_atomic
 
 MARKER = ".complete"
 LOCK = ".lock"
@@ -55,13 +56,6 @@ def check_out(base: Path) -> None:
     else:
         return
     raise UserError(f"--out {str(base)!r}: cannot write runs there ({why}); pass --out DIR")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: readers see the old or the new file."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def is_complete(directory: Path) -> bool:
