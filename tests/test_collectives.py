@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from lab.core.errors import UserError
@@ -162,3 +164,63 @@ def test_a_collective_hidden_behind_gpu_compute_slows_the_compute():
     assert eff.overlap_cost(h100, 2.0, 10.0) == pytest.approx(0.189 * 2.0)  # hidden: 18.9% of the overlapped compute
     assert eff.overlap_cost(h100, 10.0, 2.0) == pytest.approx(8.0 + 0.189 * 2.0)  # exposed beyond the compute
     assert eff.overlap_cost(v5p, 2.0, 10.0) == 0.0  # TPUs: DMA engines, no assumed interference
+
+
+def _calibrated_cpu():
+    import dataclasses
+
+    factors = {"collective_factor": {"all-gather": 1.7}, "collective_factor_by_group": {"all-reduce": {"4": 2.5}}}
+    return dataclasses.replace(get_chip("cpu"), calibration=factors)
+
+
+@pytest.mark.parametrize("chip", ["h100", "a100", "tpu-v5e", "tpu-v4", "cpu", "calibrated-cpu"])
+def test_comm_time_prices_what_the_collective_model_gives(chip):
+    """efficiency.comm_time prices without building CollectiveCost objects: to the bit what collective_on's cost at
+    the fabric's efficiency (achievable_time) is, in every case the estimators reach."""
+    from lab.predict import efficiency as eff
+
+    c = _calibrated_cpu() if chip == "calibrated-cpu" else get_chip(chip)
+    cases = []
+    for kind in KINDS:
+        for nbytes in (512.0, 3 * 2**20, 2.0**31):
+            for group in (2, 4, 8, 16, 64, 256):
+                cases.append((kind, nbytes, group, {}))
+                cases.append((kind, nbytes, group, {"scope": "cross-node", "members_per_node": 1}))
+            cases.append((kind, nbytes, 16, {"axes": (4, 4)}))
+            cases.append((kind, nbytes, 32, {"scope": "cross-node"}))
+    priced = 0
+    for kind, nbytes, group, kw in cases:
+        try:
+            slow = eff.collective_on(c, kind, nbytes, group, **kw)
+        except UserError as exc:  # a group that does not fit the fabric: the same error either way
+            with pytest.raises(UserError, match=re.escape(str(exc))):
+                eff.comm_time(c, kind, nbytes, group, **kw)
+            continue
+        assert eff.comm_time(c, kind, nbytes, group, **kw) == eff.achievable_time(
+            c, slow, group, kw.get("scope", "node")
+        )
+        priced += 1
+    assert priced >= len(cases) // 2
+
+
+@pytest.mark.parametrize(
+    "kind, nbytes, group, kw, match",
+    [
+        ("gather", 1e6, 4, {}, "unknown collective 'gather'"),
+        ("all-gather", float("inf"), 4, {}, "--bytes must be a positive number"),
+        ("all-gather", 1e6, 4, {"scope": "rack"}, "unknown scope 'rack'"),
+        ("all-gather", 1e6, 4, {"axes": (2, 0)}, "axis size 0 must be a positive integer"),
+    ],
+)
+def test_comm_time_names_a_bad_value_as_the_collective_model_does(kind, nbytes, group, kw, match):
+    from lab.predict import efficiency as eff
+
+    with pytest.raises(UserError, match=re.escape(match)):
+        eff.comm_time(get_chip("h100"), kind, nbytes, group, **kw)
+
+
+def test_comm_time_takes_a_spelling_of_a_kind():
+    from lab.predict import efficiency as eff
+
+    h100 = get_chip("h100")
+    assert eff.comm_time(h100, "AllReduce", 2.0**24, 8) == eff.comm_time(h100, "all-reduce", 2.0**24, 8) > 0

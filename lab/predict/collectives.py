@@ -36,7 +36,6 @@ AllReduce is ReduceScatter followed by AllGather, in every case (no in-network r
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -227,8 +226,11 @@ def _switched(kind: str, v: float, g: int, chip: Chip, scope: str, per_node: int
 def _calibrated_factor(chip: Chip, kind: str, group: int) -> float | None:
     """What a calibrated host measured for this kind's bandwidth term (shardlab calibrate): for this group
     size when it measured one, else for the whole mesh; None on uncalibrated chips."""
-    by_group = dict(dict(chip.calibration.get("collective_factor_by_group", {})).get(kind, {}))
-    factor = by_group.get(str(group)) or dict(chip.calibration.get("collective_factor", {})).get(kind)
+    cal = chip.calibration
+    if not cal:
+        return None
+    factor = (cal.get("collective_factor_by_group", {}).get(kind) or {}).get(str(group))
+    factor = factor or cal.get("collective_factor", {}).get(kind)
     return float(factor) if factor else None
 
 
@@ -256,18 +258,19 @@ def _wraparound(wraparound: bool | Sequence[bool], sizes: tuple[int, ...], chip:
     return wraps
 
 
-def _composed_all_reduce(nbytes: float, sizes: tuple[int, ...], chip: Chip, **kw: Any) -> dict[str, Any]:
-    """The priced fields of an uncalibrated AllReduce: a ReduceScatter, then an AllGather (``kw`` as
-    :func:`collective_time` takes them)."""
-    rs = collective_time("reduce-scatter", nbytes, sizes, chip, **kw)
-    ag = collective_time("all-gather", nbytes, sizes, chip, **kw)
+def _composed_all_reduce(
+    v: float, sizes: tuple[int, ...], wraps: tuple[bool, ...], chip: Chip, scope: str, members_per_node: int | None
+) -> dict[str, Any]:
+    """The priced fields of an uncalibrated AllReduce: a ReduceScatter, then an AllGather."""
+    rs = price_fields("reduce-scatter", v, sizes, wraps, chip, scope, members_per_node)
+    ag = price_fields("all-gather", v, sizes, wraps, chip, scope, members_per_node)
     return dict(
-        link=rs.link,
-        hops=rs.hops + ag.hops,
-        bandwidth_s=rs.bandwidth_s + ag.bandwidth_s,
-        latency_s=rs.latency_s + ag.latency_s,
-        time_s=rs.time_s + ag.time_s,
-        latency_bound=rs.latency_bound,
+        link=rs["link"],
+        hops=rs["hops"] + ag["hops"],
+        bandwidth_s=rs["bandwidth_s"] + ag["bandwidth_s"],
+        latency_s=rs["latency_s"] + ag["latency_s"],
+        time_s=rs["time_s"] + ag["time_s"],
+        latency_bound=rs["latency_bound"],
         formula="ReduceScatter + AllGather",
     )
 
@@ -358,31 +361,42 @@ def collective_time(
     sizes = _axis_sizes(axis_sizes)
     wraps = _wraparound(wraparound, sizes, chip)
 
-    # The fields every answer shares; each branch below adds how it prices the collective.
-    cost = functools.partial(
-        CollectiveCost,
+    return CollectiveCost(
         kind=kind,
         hardware=chip.name,
         bytes=float(nbytes),
         axis_sizes=sizes,
         wraparound=wraps,
         scope=scope,
+        **price_fields(kind, float(nbytes), sizes, wraps, chip, scope, members_per_node),
     )
-    if math.prod(sizes) == 1:  # nothing to communicate
-        return cost(
-            link="none",
-            hops=0,
-            bandwidth_s=0.0,
-            latency_s=0.0,
-            time_s=0.0,
-            latency_bound=False,
-            formula="0 (group of one)",
-        )
-    factor = _calibrated_factor(chip, kind, math.prod(sizes))
+
+
+_NOTHING = dict(
+    link="none", hops=0, bandwidth_s=0.0, latency_s=0.0, time_s=0.0, latency_bound=False, formula="0 (group of one)"
+)
+
+
+def price_fields(
+    kind: str,
+    v: float,
+    sizes: tuple[int, ...],
+    wraps: tuple[bool, ...],
+    chip: Chip,
+    scope: str,
+    members_per_node: int | None = None,
+) -> dict[str, Any]:
+    """:func:`collective_time`'s priced fields (``link``, ``hops``, ``bandwidth_s``, ``latency_s``, ``time_s``,
+    ``latency_bound``, ``formula``) of inputs it has already checked: a canonical ``kind``, V as a positive float,
+    the axis sizes as ints and their wraparound as :func:`_wraparound` gives it. The estimators price thousands of
+    collectives a search through :func:`lab.predict.efficiency.comm_time`, which calls this directly."""
+    group = math.prod(sizes)
+    if group == 1:  # nothing to communicate
+        return dict(_NOTHING)
+    factor = _calibrated_factor(chip, kind, group)
     if kind == "all-reduce" and not factor:
-        kw = {"wraparound": wraps, "scope": scope, "members_per_node": members_per_node}
-        return cost(**_composed_all_reduce(nbytes, sizes, chip, **kw))
-    return cost(**_priced(_parts(kind, float(nbytes), sizes, wraps, chip, scope, members_per_node, factor)))
+        return _composed_all_reduce(v, sizes, wraps, chip, scope, members_per_node)
+    return _priced(_parts(kind, v, sizes, wraps, chip, scope, members_per_node, factor))
 
 
 def over_axes(axes: Sequence[str], mesh: dict[str, int], slow: Sequence[str] = ()) -> dict[str, Any]:

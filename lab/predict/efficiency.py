@@ -41,9 +41,9 @@ from __future__ import annotations
 import itertools
 import math
 
-from lab.core.hardware import Chip
+from lab.core.hardware import COLLECTIVE_KINDS, COLLECTIVE_SCOPES, Chip
 from lab.core.units import canonical_dtype, dtype_bytes
-from lab.predict.collectives import collective_time
+from lab.predict.collectives import collective_time, price_fields
 
 # Fixed costs of a decode step's kernels on a GPU, where a layer's kernels take microseconds (microbenchmarks.md
 # §5): every kernel of a CUDA graph adds ~0.9 us between nodes (O2: 3.3 -> 0.9 us per kernel with graphs), and
@@ -385,17 +385,37 @@ def comm_time(
     members_per_node: int | None = None,
     axes: tuple[int, ...] | None = None,
 ) -> float:
-    """Achievable time of one collective (the collective model at the fabric's measured efficiency)."""
-    c = collective_on(chip, kind, nbytes, group, scope=scope, members_per_node=members_per_node, axes=axes)
-    return 0.0 if c is None else achievable_time(chip, c, group, scope)
+    """Achievable time of one collective (the collective model at the fabric's measured efficiency): what
+    :func:`achievable_time` gives :func:`collective_on`'s cost, priced without building it (the estimators call
+    this for every collective of every layout they price; ``kind`` is canonical, as theirs are)."""
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    plain = type(group) is int and kind in COLLECTIVE_KINDS and scope in COLLECTIVE_SCOPES and math.isfinite(nbytes)
+    if not plain or not (axes is None or all(type(a) is int and a >= 1 for a in axes)):
+        # a caller's spelling or a bad value: the collective model checks it and names what is valid
+        c = collective_on(chip, kind, nbytes, group, scope=scope, members_per_node=members_per_node, axes=axes)
+        return achievable_time(chip, c, group, scope)
+    torus = chip.topology == "torus"
+    if axes is None and torus and scope == "node":  # the slice the group occupies, its wraparound by the chip's rule
+        axes = chip.slice_shape(group)
+        wrap = chip.wraparound(axes)
+    else:  # collective_time's default: every torus axis a closed ring; none off a torus
+        axes = axes if axes is not None else (int(group),)
+        wrap = tuple(torus for _ in axes)
+    fields = price_fields(kind, float(nbytes), tuple(axes), wrap, chip, scope, members_per_node)
+    return _achievable(chip, kind, float(nbytes), fields["time_s"], fields["bandwidth_s"], group, scope)
 
 
 def achievable_time(chip: Chip, c, group: int, scope: str = "node") -> float:
     """:func:`comm_time` of a collective the model already priced (``c``: its CollectiveCost over ``group`` chips)."""
-    nbytes = c.bytes
-    frac = collective_fraction(chip, c.kind, group, scope, nbytes)
+    return _achievable(chip, c.kind, c.bytes, c.time_s, c.bandwidth_s, group, scope)
+
+
+def _achievable(chip: Chip, kind: str, nbytes: float, time_s: float, bandwidth_s: float, group: int, scope: str):
+    """The modelled time and bandwidth term of a collective at the fabric's measured efficiency."""
+    frac = collective_fraction(chip, kind, group, scope, nbytes)
     if scope == "node":  # the bandwidth term at its size's share of the plateau (NVLINK_SWEEP)
-        return max(c.time_s, c.bandwidth_s / nvlink_ramp(chip, c.kind, nbytes, group)) / frac
+        return max(time_s, bandwidth_s / nvlink_ramp(chip, kind, nbytes, group)) / frac
     if chip.kind == "gpu":  # across nodes the NIC's measured share (NIC_CURVE) is of its line rate: the bandwidth
-        return max(c.time_s, c.bandwidth_s / frac)  # term's, not the fixed latency's (0.125 of it would be 8x)
-    return c.time_s / frac
+        return max(time_s, bandwidth_s / frac)  # term's, not the fixed latency's (0.125 of it would be 8x)
+    return time_s / frac
