@@ -343,7 +343,7 @@ def test_the_trace_starts_after_the_plots_import_has_finished(jax_devices, tmp_p
     trace starts filled tp_mlp's trace with 60,000 import events (12x its size, 10x its parse time)."""
     import threading
 
-    from lab.measure import trace
+    from lab.measure import profile
     from lab.report import plots
 
     done, seen = threading.Event(), []
@@ -352,7 +352,7 @@ def test_the_trace_starts_after_the_plots_import_has_finished(jax_devices, tmp_p
         time.sleep(2.0)  # an import slower than compiling this program
         done.set()
 
-    real_record = trace.record
+    real_record = profile.record
 
     def record(*args, **kwargs):
         loading = any(t.name == "shardlab-preload-plots" and t.is_alive() for t in threading.enumerate())
@@ -360,7 +360,7 @@ def test_the_trace_starts_after_the_plots_import_has_finished(jax_devices, tmp_p
         return real_record(*args, **kwargs)
 
     monkeypatch.setattr(plots, "_load", slow_load)
-    monkeypatch.setattr(trace, "record", record)
+    monkeypatch.setattr(profile, "record", record)
     exp = str(Path(__file__).resolve().parent.parent / "experiments" / "sharded_matmul_case2.toml")
     run_experiment(exp, str(tmp_path), quiet=True, hardware="cpu", overrides={"warmup": 0, "repeats": 1})
     assert seen == [True]

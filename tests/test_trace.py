@@ -18,7 +18,8 @@ import pytest
 
 from lab.compile.hlo import collectives, parse_module
 from lab.core.errors import UserError
-from lab.measure.trace import OpEvent, Trace, TraceFiles, parse, record
+from lab.measure.profile import record
+from lab.measure.trace import OpEvent, Trace, TraceFiles, parse
 
 REPEATS = 3
 EPS_US = 1e-6
@@ -93,7 +94,7 @@ def test_logdir_has_what_tensorboard_and_perfetto_read(recorded, key):
     ],
 )  # fmt: skip
 def test_the_perfetto_copy_cuts_the_metadata_member_out(text, rest):
-    from lab.measure.trace import without_member
+    from lab.measure.profile import without_member
 
     assert without_member(text, "metadata") == rest
 

@@ -23,7 +23,7 @@ import pytest
 
 from lab.core.errors import UserError
 from lab.measure import xprof_tools
-from lab.measure.trace import record
+from lab.measure.profile import record
 from lab.measure.xprof_tools import TOOLS, hlo_stats, run_name, tool_links
 
 PLUGIN = "xprof.convert.raw_to_tool_data"

@@ -50,10 +50,10 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
 
 def device_seconds(fn: Callable, args, names: set[str] | None = None, repeats: int = 5) -> float:
     """One call's device time: the sum of its ops' median self times in a trace (``names``: only those ops)."""
-    from lab.measure import trace
+    from lab.measure import profile, trace
 
     with tempfile.TemporaryDirectory(prefix="shardlab-calibrate-") as logdir:
-        files = trace.record(fn, args, logdir, warmup=2, repeats=repeats)
+        files = profile.record(fn, args, logdir, warmup=2, repeats=repeats)
         stats = trace.parse(files, names).per_op()
     if not stats:
         raise UserError("the trace held no device ops to time; is the profiler working on this backend?")

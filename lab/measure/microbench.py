@@ -237,7 +237,7 @@ def collective_points(mesh, kind: str, axes: tuple[str, ...] | None, sizes: Sequ
 
     from kernels.registry import get_kernel
     from lab.compile.hlo import collectives, parse_module
-    from lab.measure import trace
+    from lab.measure import profile, trace
 
     g = math.prod(mesh.shape[a] for a in axes) if axes else math.prod(mesh.shape.values())
     kernel = get_kernel(f"collective_{KERNEL_KIND[kind]}")
@@ -247,7 +247,7 @@ def collective_points(mesh, kind: str, axes: tuple[str, ...] | None, sizes: Sequ
         built = kernel.build(mesh, {"N": n}, np.float32, axes)
         names = {c.name for c in collectives(parse_module(built.fn.lower(*built.args).compile().as_text()))}
         with tempfile.TemporaryDirectory(prefix="shardlab-calibrate-") as logdir:
-            files = trace.record(built.fn, built.args, logdir, warmup=1, repeats=max(2, min(repeats, 5)))
+            files = profile.record(built.fn, built.args, logdir, warmup=1, repeats=max(2, min(repeats, 5)))
             stats = trace.parse(files, names).per_op()
         rows.append([model_bytes(kind, n, g), sum(st.median_self_s for st in stats.values())])
         del built

@@ -1,10 +1,10 @@
-"""Record a ``jax.profiler`` trace of a program and read it back as per-op, per-device durations.
+"""Read a ``jax.profiler`` trace back as per-op, per-device durations (:func:`lab.measure.profile.record` writes one).
 
 **What is written.** ``jax.profiler.start_trace(logdir)`` and ``stop_trace()`` leave one run folder,
 ``<logdir>/plugins/profile/<YYYY_MM_DD_HH_MM_SS>/``, holding ``<host>.xplane.pb`` (the XSpace protobuf that
 TensorBoard's profile plugin / xprof reads) and ``<host>.trace.json.gz`` (the same events in Chrome trace format);
-:func:`record` adds ``perfetto_trace.json.gz`` (that JSON without its ``metadata`` key, for ui.perfetto.dev: what
-JAX's ``create_perfetto_trace=True`` writes, in a tenth of the time).
+:func:`lab.measure.profile.record` adds ``perfetto_trace.json.gz`` (that JSON without its ``metadata`` key, for
+ui.perfetto.dev: what JAX's ``create_perfetto_trace=True`` writes, in a tenth of the time).
 
 **How ops appear.** In the Chrome trace every complete event (``"ph": "X"``) has a ``pid`` (a process: one
 XSpace plane, named by a ``process_name`` metadata event) and a ``tid`` (a thread: one line of that plane).
@@ -28,19 +28,19 @@ XSpace plane, named by a ``process_name`` metadata event) and a ``tid`` (a threa
   events are ignored, so the host-side launch of an op is not counted twice. No rendezvous events are nested
   there, so ``wait_us`` is 0 and a collective's time includes its wait for peers.
 
-**Steps.** :func:`record` wraps each repeat in ``jax.profiler.StepTraceAnnotation("step", step_num=i)``; any
-host event with a ``step_num`` arg marks a step. An op belongs to the step whose dispatch (a host event with
-the op's ``run_id`` on the annotating thread) lies inside it, else to the step its start lies in, else -1.
+**Steps.** :func:`lab.measure.profile.record` wraps each repeat in
+``jax.profiler.StepTraceAnnotation("step", step_num=i)``; any host event with a ``step_num`` arg marks a step. An
+op belongs to the step whose dispatch (a host event with the op's ``run_id`` on the annotating thread) lies inside
+it, else to the step its start lies in, else -1.
 
 The Chrome-trace JSON is read with the standard library, so :func:`parse` needs no JAX and no
 ``tensorboard-plugin-profile``/``xprof``. Only a run folder without any JSON trace falls back to the
-``.xplane.pb``, read with ``jax.profiler.ProfileData`` (JAX imported then). :func:`record` imports JAX.
+``.xplane.pb``, read with ``jax.profiler.ProfileData`` (JAX imported then).
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import glob
 import gzip
 import json
@@ -48,14 +48,11 @@ import logging
 import os
 import re
 import statistics
-import tempfile
-import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from lab.core.errors import UserError
-from lab.core.files import write_atomic
 
 # The profile plugin (xprof), when installed, logs at INFO on import that TensorFlow is absent; the lab
 # never uses TensorFlow, so that line is noise on every run.
@@ -185,138 +182,9 @@ class Trace:
 # ----- recording ---------------------------------------------------------------------------------------------------
 
 
-def _writable_dir(logdir: str) -> None:
-    """Create ``logdir`` and prove a file can be written in it; a UserError naming the path otherwise."""
-    try:
-        os.makedirs(logdir, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=logdir, prefix=".shardlab-probe-"):
-            pass
-    except OSError as e:
-        raise UserError(f"cannot write the profile to logdir {logdir!r}: {e.strerror or e}") from None
-
-
-def _run_dirs(logdir: str) -> list[str]:
+def run_dirs(logdir: str) -> list[str]:
+    """The run folders JAX's profiler has written under ``logdir``."""
     return [d for d in glob.glob(os.path.join(logdir, "plugins", "profile", "*")) if os.path.isdir(d)]
-
-
-_SPACE = re.compile(r"\s*")
-
-
-def without_member(text: str, key: str) -> str:
-    """The JSON object ``text`` less its top-level member ``key``. The members ahead of ``key`` are decoded one by
-    one to find it and it is cut out of the text; a ``traceEvents`` member ahead of it (too large to decode just to
-    skip it) or text laid out otherwise makes it decode and encode the whole object instead."""
-    dec, at = json.JSONDecoder(), _SPACE.match(text).end()
-    if text.startswith("{", at):
-        at = _SPACE.match(text, at + 1).end()
-        while text.startswith('"', at):
-            start = at
-            name, at = dec.raw_decode(text, at)
-            at = _SPACE.match(text, at).end()
-            if not text.startswith(":", at) or (name == "traceEvents" and key != name):
-                break
-            _, at = dec.raw_decode(text, _SPACE.match(text, at + 1).end())
-            at = _SPACE.match(text, at).end()
-            if name == key:
-                if text.startswith(",", at):  # a member follows: cut up to it
-                    return text[:start] + text[_SPACE.match(text, at + 1).end() :]
-                head = text[:start].rstrip()  # the last member: its comma goes with it
-                return (head[:-1] if head.endswith(",") else head) + text[at:]
-            if not text.startswith(",", at):
-                break
-            at = _SPACE.match(text, at + 1).end()
-    doc = json.loads(text)
-    doc.pop(key, None)
-    return json.dumps(doc)
-
-
-def _write_perfetto(run_dir: str) -> None:
-    """``perfetto_trace.json.gz`` beside the run's ``<host>.trace.json.gz``: that Chrome trace less its
-    ``metadata`` member, which ui.perfetto.dev refuses (what ``start_trace(create_perfetto_trace=True)`` writes).
-    JAX decodes the whole JSON, encodes it again and compresses it at zlib's slowest level: 1.0 s of train_dp's
-    2.7 s profile on a 2-core host. Here the member is cut out of the text and zlib runs at its fastest (0.1 s).
-    Nothing is written where there is not exactly one such trace (the parse then reads the others)."""
-    found = glob.glob(os.path.join(run_dir, "*.trace.json.gz"))
-    if len(found) != 1:
-        return
-    with contextlib.suppress(OSError, ValueError):  # a convenience copy (and UnicodeDecodeError a ValueError)
-        text = without_member(_open_text(found[0]), "metadata")
-        write_atomic(os.path.join(run_dir, "perfetto_trace.json.gz"), gzip.compress(text.encode("utf-8"), 1))
-
-
-def _files_in(logdir: str, run_dir: str) -> TraceFiles:
-    perfetto = os.path.join(run_dir, "perfetto_trace.json.gz")
-    xplanes = sorted(glob.glob(os.path.join(run_dir, "*.xplane.pb")))
-    return TraceFiles(
-        logdir=logdir,
-        run_dir=run_dir,
-        perfetto=perfetto if os.path.isfile(perfetto) else None,
-        xplane=xplanes[0] if xplanes else None,
-    )
-
-
-def record(fn: Callable, args: Sequence, logdir: str | os.PathLike, *, warmup: int = 1, repeats: int = 3) -> TraceFiles:
-    """Profile ``fn(*args)``: compile and warm up outside the trace, then ``repeats`` annotated steps inside it.
-
-    Each step is ``jax.block_until_ready(fn(*args))`` inside ``StepTraceAnnotation("step", step_num=i)``, all
-    between ``jax.profiler.start_trace(logdir)`` and ``stop_trace()`` (what ``jax.profiler.trace`` does; split
-    here so that a failure to write the trace is told from one in ``fn``), then the Perfetto copy of the trace.
-    Recording again into the same logdir within a second of the last run waits out that second, since JAX
-    names run folders by the second and would overwrite the earlier files.
-
-    Args:
-        fn: usually a jitted function.
-        args: its positional arguments (already placed on devices).
-        logdir: created if missing; JAX adds ``plugins/profile/<run>/`` under it.
-        warmup: untraced calls first (with 0, a jitted ``fn`` is still compiled ahead of the trace).
-        repeats: traced steps, at least 1.
-
-    Raises:
-        UserError: bad counts, or ``logdir`` cannot be created or written.
-    """
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise UserError(f"warmup={warmup!r} must be an integer >= 0")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise UserError(f"repeats={repeats!r} must be an integer >= 1")
-    logdir = os.path.abspath(os.fspath(logdir))
-    _writable_dir(logdir)
-
-    import jax
-
-    args = tuple(args)
-    if warmup == 0 and hasattr(fn, "lower"):
-        fn.lower(*args).compile()
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-
-    before = {d: os.path.getmtime(d) for d in _run_dirs(logdir)}
-    # JAX names the run folder by the second the trace stops in: a second profile stopping within the same
-    # second as the last one would overwrite its files, so wait until that second is over.
-    if before:
-        wait = max(before.values()) + 1.05 - time.time()
-        if wait > 0:
-            time.sleep(min(wait, 1.05))
-    jax.profiler.start_trace(logdir)  # the Perfetto copy is written below, faster than JAX writes it
-    try:
-        for i in range(repeats):
-            with jax.profiler.StepTraceAnnotation(STEP_NAME, step_num=i):
-                jax.block_until_ready(fn(*args))
-    except BaseException:
-        with contextlib.suppress(Exception):
-            jax.profiler.stop_trace()
-        raise
-    try:
-        jax.profiler.stop_trace()
-    except (OSError, ValueError, RuntimeError) as e:
-        raise UserError(f"the profiler could not write its trace under {logdir!r}: {e}") from e
-
-    runs = _run_dirs(logdir)
-    fresh = [d for d in runs if d not in before] or runs
-    if not fresh:
-        raise UserError(f"the profiler wrote no run folder under {os.path.join(logdir, 'plugins', 'profile')!r}")
-    run_dir = max(fresh, key=os.path.getmtime)
-    _write_perfetto(run_dir)
-    return _files_in(logdir, run_dir)
 
 
 # ----- reading -----------------------------------------------------------------------------------------------------
@@ -335,7 +203,8 @@ class _Raw:
     args: dict[str, str]
 
 
-def _open_text(path: str) -> str:
+def open_text(path: str) -> str:
+    """A trace file's text, gunzipped when it is compressed."""
     with open(path, "rb") as f:
         data = f.read()
     if data[:2] == b"\x1f\x8b":
@@ -346,7 +215,7 @@ def _open_text(path: str) -> str:
 def _read_json(path: str, tag: int = 0) -> list[_Raw]:
     """Complete events of a Chrome-trace JSON file (``.json`` or ``.json.gz``)."""
     try:
-        doc = json.loads(_open_text(path))
+        doc = json.loads(open_text(path))
     except (OSError, EOFError, UnicodeDecodeError, ValueError) as e:
         raise UserError(f"cannot read trace file {path!r} as Chrome-trace JSON: {e}") from None
     events = doc.get("traceEvents") if isinstance(doc, dict) else doc
@@ -426,7 +295,7 @@ def _sources(files: TraceFiles | str | os.PathLike) -> list[list[str]]:
         return [[path]]
     if not os.path.isdir(path):
         raise UserError(f"no trace at {path!r}: give a logdir, a run folder or a trace file")
-    runs = _run_dirs(path)
+    runs = run_dirs(path)
     if runs:
         return _run_sources(max(runs, key=os.path.getmtime))
     return _run_sources(path)
@@ -636,8 +505,8 @@ def parse(
     wanted = " named by the given HLO instructions" if hlo_names is not None else ""
     raise UserError(
         f"the profiler recorded no device events{wanted} in {where!r}{detail}; "
-        "record with lab.measure.trace.record (or jax.profiler.trace) around calls that run the program"
+        "record with lab.measure.profile.record (or jax.profiler.trace) around calls that run the program"
     )
 
 
-__all__ = ["OpEvent", "OpStats", "Trace", "TraceFiles", "parse", "record"]
+__all__ = ["STEP_NAME", "OpEvent", "OpStats", "Trace", "TraceFiles", "open_text", "parse", "run_dirs"]

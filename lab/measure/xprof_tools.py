@@ -103,7 +103,7 @@ def tool_links(
     """One link per tool of :data:`TOOLS`, for the profile run in ``run_dir``.
 
     Args:
-        run_dir: the run folder (``<logdir>/plugins/profile/<run>``) or what ``trace.record`` returned.
+        run_dir: the run folder (``<logdir>/plugins/profile/<run>``) or what ``profile.record`` returned.
         backend: the backend the trace was recorded on (``Trace.backend``: ``cpu``, ``gpu``, ``tpu``).
         port, host: where TensorBoard serves (``tensorboard --logdir ... --port``).
         logdir: the ``--logdir`` TensorBoard is started with; by default the folder holding ``plugins/``.
@@ -180,7 +180,7 @@ def hlo_stats(xplane_path: TraceFiles | str | os.PathLike) -> list[dict] | None:
     converter writes its caches beside what it reads.
 
     Args:
-        xplane_path: a ``<host>.xplane.pb``, or what ``trace.record`` returned.
+        xplane_path: a ``<host>.xplane.pb``, or what ``profile.record`` returned.
 
     Raises:
         UserError: no such file.

@@ -204,7 +204,7 @@ class _Measured:
 def _measure(exp: Experiment, built, compiled, out_dir: Path, names: set[str], progress, clock: _Clock) -> _Measured:
     """Profile the compiled executable (the host's other load sampled meanwhile) and parse its trace."""
     from kernels.program import digest
-    from lab.measure import trace
+    from lab.measure import profile, trace
     from lab.measure.microbench import HostLoad
 
     progress(f"profiling {exp.repeats} repeats after {exp.warmup} warm-up")
@@ -216,7 +216,7 @@ def _measure(exp: Experiment, built, compiled, out_dir: Path, names: set[str], p
 
     plots_preloaded()  # no import in the background while the profiler records every thread's Python calls
     with HostLoad() as load:
-        files = trace.record(step, (), str(out_dir / "tensorboard"), warmup=exp.warmup, repeats=exp.repeats)
+        files = profile.record(step, (), str(out_dir / "tensorboard"), warmup=exp.warmup, repeats=exp.repeats)
     clock.lap("profile_s")
     result = digest(last[0])
     progress("parsing the trace")
