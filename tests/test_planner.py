@@ -248,6 +248,21 @@ def test_benchmark_runs_and_prints_json(capsys):
         assert c["priced_per_s"] == c["configs_per_s"]
         assert c["priced_per_s"] is None or c["priced_per_s"] > 0
         assert c["screened_per_s"] is None or c["screened_per_s"] >= c["priced_per_s"]
+        assert c["cold_priced_per_s"] > 0 and c["cold_seconds"] > 0
+
+
+def test_a_first_search_starts_with_no_collective_priced():
+    """The benchmark's first searches (forget_prices) price every collective again: the memo is empty before one
+    and holds what it priced after, and the result does not depend on it."""
+    from lab.predict import training_step
+
+    model, chip = get_model("llama3-8b"), get_chip("h100")
+    warm = plan(model, chip, 16, 1024 * 8192, 8192)
+    training_step.forget_prices()
+    assert training_step._PRICED == {}
+    cold = plan(model, chip, 16, 1024 * 8192, 8192)
+    assert len(training_step._memo(chip)) > 0
+    assert [e.step_time_s for e in cold.top] == [e.step_time_s for e in warm.top]
 
 
 def test_microbatch_larger_than_the_batch_is_named(h100):

@@ -64,6 +64,12 @@ def _memo(chip: Chip) -> dict[tuple, float]:
     return held[1]
 
 
+def forget_prices() -> None:
+    """Empty the memo of priced collectives (:func:`prices`), as a fresh process starts: what a benchmark of a
+    first search clears."""
+    _PRICED.clear()
+
+
 def prices(chip: Chip, lay: Layout, comms: tuple[Comm, ...] | list[Comm]) -> list[float]:
     """Achievable time of one call of each of ``comms`` where its group sits in ``lay`` (memoised per chip: a search
     prices the same collectives over and over)."""
@@ -145,9 +151,13 @@ def role_comms(cfg: TrainConfig, term: str) -> tuple[Comm, ...]:
 def dp_times(chip: Chip, lay: Layout, comms: tuple[Comm, ...]) -> tuple[float, float]:
     """The DP gradient reduction (with the SPMD pipeline's reductions over the stages) and the loss mean over the
     batch axes (``role_comms(cfg, "dp")``): seconds of one call each, once per step."""
-    times = list(zip(comms, prices(chip, lay, comms), strict=True))
-    grads = sum(t for c, t in times if c.role in ("dp", "edp", "pp", "cp"))
-    return grads, sum(t for c, t in times if c.role == "batch")
+    grads = loss = 0
+    for c, t in zip(comms, prices(chip, lay, comms), strict=True):
+        if c.role == "batch":
+            loss += t
+        elif c.role in ("dp", "edp", "pp", "cp"):
+            grads += t
+    return grads, loss
 
 
 def layout_terms(
@@ -167,15 +177,18 @@ def fsdp_terms(chip: Chip, lay: Layout, comms: tuple[Comm, ...]) -> FsdpTerms | 
     None without FSDP."""
     if lay.fsdp_eff <= 1:
         return None
-    times = dict(zip(comms, prices(chip, lay, comms), strict=True))
     fwd = bwd = 0.0  # a gather issued twice per layer is one forward and one backward; once, a backward one
-    for c, t in times.items():
+    rest = step = 0
+    for c, t in zip(comms, prices(chip, lay, comms), strict=True):
         if c.per == "layer":
             ahead = c.calls // 2 if c.kind == "all-gather" else 0
             fwd += t * ahead
             bwd += t * (c.calls - ahead)
-    rest = sum(c.calls * t for c, t in times.items() if c.per == "microbatch")
-    return FsdpTerms(fwd, bwd, rest, sum(c.calls * t for c, t in times.items() if c.per == "step"))
+        elif c.per == "microbatch":
+            rest += c.calls * t
+        elif c.per == "step":
+            step += c.calls * t
+    return FsdpTerms(fwd, bwd, rest, step)
 
 
 def pp_time(chip: Chip, lay: Layout, comms: tuple[Comm, ...]) -> float:
@@ -263,6 +276,7 @@ __all__ = [
     "breakdown",
     "comm_time",
     "dp_times",
+    "forget_prices",
     "fsdp_exposed",
     "fsdp_terms",
     "layout_terms",
