@@ -3,12 +3,16 @@
 import argparse
 import json
 import os
-import re
-import shutil
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the lab, run as a script from anywhere
+
+from lab.core.callgrind import available, instructions
+from lab.core.errors import UserError
 
 COMMANDS = {
     "python -c pass": ["-c", "pass"],
@@ -24,26 +28,13 @@ def wall(args: list[str]) -> float:
     return time.perf_counter() - t
 
 
-def instructions(args: list[str]) -> int:
-    """Instructions the command executes, counted by valgrind's callgrind: the same on a busy host as on an idle
-    one, where wall times on a shared 2-core machine move by half from one minute to the next."""
-    r = subprocess.run(
-        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=os.environ | {"PYTHONHASHSEED": "0"},  # the same sets and dicts each run: the same count
-    )
-    found = re.search(r"Collected : (\d+)", r.stderr)
-    if r.returncode or not found:
-        sys.exit(f"valgrind could not count {' '.join(args)} (exit {r.returncode}): {r.stderr.strip()[-300:]}")
-    return int(found.group(1))
-
-
 def count_instructions(as_json: bool) -> None:
     for args in COMMANDS.values():  # write the bytecode caches first
         wall(args)
-    counts = {name: instructions(args) for name, args in COMMANDS.items()}
+    try:
+        counts = {name: instructions(args) for name, args in COMMANDS.items()}
+    except UserError as exc:
+        sys.exit(f"bench_startup: {exc}")
     base = counts["python -c pass"]
     if as_json:
         print(json.dumps({"instructions": counts, "ratio": {k: v / base for k, v in counts.items()}}, indent=2))
@@ -62,7 +53,7 @@ def main() -> None:
     )
     a = ap.parse_args()
     if a.instructions:
-        if shutil.which("valgrind") is None:
+        if not available():
             ap.error("--instructions needs valgrind on PATH (apt install valgrind); or time the commands without it")
         count_instructions(a.json)
         return

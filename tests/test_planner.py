@@ -360,3 +360,46 @@ def test_counts_and_top_k_equal_a_brute_force_loop(
     assert [e.config for e in result.top] == [e.config for e in best]
     for planned, direct in zip(result.top, best, strict=True):
         _assert_same_estimate(planned, direct)
+
+
+def test_instruction_counts_are_the_differences_of_three_processes(monkeypatch):
+    """--instructions: a case's first search is what the process making one search executes beyond the one making
+    none, a later search what a second search adds; per priced configuration, of the case's own search."""
+    from lab.core import callgrind
+    from lab.predict import planner_bench
+
+    seen = []
+
+    def counted(args):
+        seen.append(args)
+        return {"0": 1_000, "1": 5_000, "2": 7_500}[args[-1].split(",")[1]]
+
+    monkeypatch.setattr(callgrind, "instructions", counted)
+    r = planner_bench.count_case(4)
+    assert seen == [["-m", "lab.predict.planner_bench", "--child", f"4,{k}"] for k in range(3)]
+    assert (r["model"], r["chips"], r["priced"]) == ("llama3-405b", 16384, 950)
+    assert (r["first_instructions"], r["later_instructions"]) == (4_000, 2_500)
+    assert r["first_per_priced"] == 4_000 / 950 and r["later_per_priced"] == 2_500 / 950
+
+
+def test_a_counted_child_makes_the_searches_it_is_given(monkeypatch):
+    from lab.predict import planner_bench
+
+    calls = []
+    monkeypatch.setattr(planner_bench, "plan", lambda *a: calls.append(a))
+    assert planner_bench.main(["--child", "1,2"]) == 0
+    model, hardware, chips, tokens, seq = planner_bench.CASES[1]
+    assert [(c[0].name, c[1].name, *c[2:]) for c in calls] == [(model, hardware, chips, tokens, seq)] * 2
+
+
+def test_counting_without_valgrind_says_what_to_install(monkeypatch, capsys):
+    import shutil
+
+    from lab.predict import planner_bench
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert planner_bench.main(["--instructions"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "bench_planner: counting instructions needs valgrind on PATH (apt install valgrind); or time without it"
+    )

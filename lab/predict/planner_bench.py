@@ -7,7 +7,9 @@ notebook's or a sweep's later searches). It prints the median rates of both (pri
 per second of search wall time), the search sizes and the wall time; ``--json`` prints one JSON object instead
 (``priced_per_s`` of the later searches, with ``configs_per_s`` its former name, ``cold_priced_per_s``,
 ``screened_per_s``, ``screened``/``evaluated``/``feasible``). The last case is the issue's target: a full
-search for a 405B model on 16,384 H100s in under 2 s. A benchmark, not a test: nothing here asserts a speed.
+search for a 405B model on 16,384 H100s in under 2 s. ``--instructions`` counts each search's instructions with
+valgrind instead (the same on a busy host as on an idle one: this shared host's speed moves by 3x between days).
+A benchmark, not a test: nothing here asserts a speed.
 """
 
 from __future__ import annotations
@@ -73,15 +75,78 @@ def run_case(model: str, hardware: str, chips: int, batch_tokens: int, seq_len: 
     }
 
 
+def _searches(case: int, searches: int) -> None:
+    """A counted child: the case's model and chip looked up, then ``searches`` searches of it."""
+    model, hardware, chips, batch_tokens, seq_len = CASES[case]
+    m, chip = get_model(model), get_chip(hardware)
+    for _ in range(searches):
+        plan(m, chip, chips, batch_tokens, seq_len)
+
+
+def count_case(case: int) -> dict[str, Any]:
+    """Instructions of the case's first search in a fresh process and of a second one after it (lab.core.callgrind:
+    three processes making 0, 1 and 2 searches; the differences), and per priced configuration."""
+    from lab.core.callgrind import instructions
+
+    n = [instructions(["-m", "lab.predict.planner_bench", "--child", f"{case},{k}"]) for k in range(3)]
+    model, hardware, chips, batch_tokens, seq_len = CASES[case]
+    priced = plan(get_model(model), get_chip(hardware), chips, batch_tokens, seq_len).evaluated
+    first, later = n[1] - n[0], n[2] - n[1]
+    return {
+        "model": model,
+        "hardware": hardware,
+        "chips": chips,
+        "priced": priced,
+        "first_instructions": first,
+        "later_instructions": later,
+        "first_per_priced": first / priced,
+        "later_per_priced": later / priced,
+    }
+
+
+def _counted(as_json: bool) -> int:
+    results = [count_case(i) for i in range(len(CASES))]
+    if as_json:
+        print(dumps({"python": platform.python_version(), "instructions": results}))
+        return 0
+    rows = [
+        [
+            f"{r['model']} on {r['chips']} {r['hardware']}",
+            r["priced"],
+            f"{r['first_instructions'] / 1e6:.0f} M",
+            f"{r['later_instructions'] / 1e6:.0f} M",
+            f"{r['first_per_priced'] / 1e3:.0f} k",
+            f"{r['later_per_priced'] / 1e3:.0f} k",
+        ]
+        for r in results
+    ]
+    headers = ["search", "priced", "first search", "later search", "per priced, first", "per priced, later"]
+    title = "planner benchmark: instructions executed (valgrind callgrind), the same on a busy host as on an idle one"
+    print(render(headers, rows, title=title))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_planner", description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=3, help="runs per case; the median is reported (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count each search's instructions with valgrind instead of timing it (15 processes; minutes)",
+    )
+    p.add_argument("--child", help=argparse.SUPPRESS)  # CASE,SEARCHES: what --instructions counts
     args = p.parse_args(argv)
+    if args.child:
+        case, searches = map(int, args.child.split(","))
+        _searches(case, searches)
+        return 0
     if args.repeat < 1:
         print(f"bench_planner: --repeat must be >= 1, got {args.repeat}", file=sys.stderr)
         return 2
     try:
+        if args.instructions:
+            return _counted(args.json)
         results = [run_case(*case, repeat=args.repeat) for case in CASES]
     except UserError as exc:
         print(f"bench_planner: {exc}", file=sys.stderr)
