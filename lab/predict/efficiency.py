@@ -149,15 +149,22 @@ def host_link_bandwidth(chip: Chip) -> float:
     return HOST_LINK.get(family(chip), HOST_LINK_OTHER.get(chip.kind, 1e10))
 
 
+_FAMILIES: dict[tuple[str, str], str] = {}  # (name, kind) -> family: every priced op and collective asks
+
+
 def family(chip: Chip) -> str:
     """The measured family a catalog chip belongs to (``a100-80gb`` -> ``a100``); its kind otherwise. The figures
     were measured on SXM parts (their power, HBM and NVSwitch): a PCIe card (``h100-pcie``) is not of the family."""
-    if "pcie" in chip.name:
-        return chip.kind
-    for name in ("a100", "h100", "h200", "b200"):
-        if chip.name.startswith(name):
-            return name
-    return chip.kind
+    key = (chip.name, chip.kind)
+    fam = _FAMILIES.get(key)
+    if fam is None:
+        fam = chip.kind
+        if "pcie" not in chip.name:
+            fam = next((n for n in ("a100", "h100", "h200", "b200") if chip.name.startswith(n)), chip.kind)
+        if len(_FAMILIES) > 256:
+            _FAMILIES.clear()
+        fam = _FAMILIES[key] = fam
+    return fam
 
 
 def tile(chip: Chip) -> float:
