@@ -296,7 +296,9 @@ def test_the_breakdown_bars_add_up_to_their_steps():
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["measured", "predicted", "estimated"]
     fig.draw_without_rendering()
-    assert ax.get_legend().get_window_extent().y1 < ax.get_window_extent().y0  # the legend sits below the data
+    legend = ax.get_legend().get_window_extent()
+    assert legend.y1 < ax.xaxis.label.get_window_extent().y0  # below the data and its x label
+    assert 0 <= legend.y0 <= 0.2 * fig.dpi  # inside the figure, with no more than a fifth of an inch under it
 
 
 def test_the_markdown_report_says_what_a_reader_needs():

@@ -430,8 +430,8 @@ def step_bars(report: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 def _breakdown(report: dict[str, Any], tag: str):
     bars = step_bars(report)
-    fig, ax = _figure(7.5, 3.4)
-    fig.subplots_adjust(left=0.13, right=0.97, top=0.86, bottom=0.34)
+    fig, ax = _figure(7.5, 3.1)
+    fig.subplots_adjust(left=0.13, right=0.97, top=0.85, bottom=0.28)  # the legend under the x label, no more
     labels = list(bars)
     left = [0.0] * len(labels)
     for part in ("compute", "communication", "other", "idle"):
