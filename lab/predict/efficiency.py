@@ -163,7 +163,7 @@ def family(chip: Chip) -> str:
             fam = next((n for n in ("a100", "h100", "h200", "b200") if chip.name.startswith(n)), chip.kind)
         if len(_FAMILIES) > 256:
             _FAMILIES.clear()
-        fam = _FAMILIES[key] = fam
+        _FAMILIES[key] = fam
     return fam
 
 
@@ -418,7 +418,9 @@ def achievable_time(chip: Chip, c, group: int, scope: str = "node") -> float:
     return _achievable(chip, c.kind, c.bytes, c.time_s, c.bandwidth_s, group, scope)
 
 
-def _achievable(chip: Chip, kind: str, nbytes: float, time_s: float, bandwidth_s: float, group: int, scope: str):
+def _achievable(
+    chip: Chip, kind: str, nbytes: float, time_s: float, bandwidth_s: float, group: int, scope: str
+) -> float:
     """The modelled time and bandwidth term of a collective at the fabric's measured efficiency."""
     frac = collective_fraction(chip, kind, group, scope, nbytes)
     if scope == "node":  # the bandwidth term at its size's share of the plateau (NVLINK_SWEEP)
