@@ -161,7 +161,12 @@ class Search:
         """The layout's terms (``local``: its training_memory.local_params), its DP reduction priced once per
         content and groups."""
         j = self.job
-        grads, experts, loss = (content_key(r, lay, remat, j.remat_regathers_norms) for r in ("dp", "edp", "batch"))
+        rg = j.remat_regathers_norms
+        grads, experts, loss = (
+            content_key("dp", lay, remat, rg),
+            content_key("edp", lay, remat, rg),
+            content_key("batch", lay, remat, rg),
+        )
         where = (_where(lay, "dp", grads), _where(lay, "edp", experts), _where(lay, "batch", loss))
         dp_s, loss_s = self.term("dp", (grads, experts, loss), where, lay, mb, remat)
         return layout_terms(j.model, j.chip, lay, j.optimizer, dp_s, loss_s, local)
@@ -201,7 +206,8 @@ class Search:
         shape = self.shapes.setdefault(shape_key(lay), {})
         heap = self.heap
         lt = keys = None
-        fsdp: dict[str, FsdpTerms | None] = {}  # by policy
+        # FSDP's terms by whether the policy recomputes at all: all that content_key reads of it for FSDP's collectives
+        fsdp: dict[bool, FsdpTerms | None] = {}
         for mb in mbs:
             part = shape.get(mb)
             if part is None:  # the first layout of this shape and microbatch size
@@ -222,9 +228,9 @@ class Search:
                     keys = keys or self.microbatch_keys(lay, remat)
                     mt = part[3] = self.microbatch_terms(lay, mb, remat, n_mb, keys)
                     lcs, ops_key = part[4], part[5] = self.layers_of(lay, mb)
-                ft = fsdp.get(remat, _NONE)
+                ft = fsdp.get(remat != "none", _NONE)
                 if ft is _NONE:
-                    ft = fsdp[remat] = self.fsdp(lay, mb, remat)
+                    ft = fsdp[remat != "none"] = self.fsdp(lay, mb, remat)
                 lc = lcs.get(remat)
                 if lc is None:
                     lc = lcs[remat] = self.layer(lay, mb, remat, ops_key)
