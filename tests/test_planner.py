@@ -403,3 +403,11 @@ def test_counting_without_valgrind_says_what_to_install(monkeypatch, capsys):
     assert err == (
         "bench_planner: counting instructions needs valgrind on PATH (apt install valgrind); or time without it"
     )
+
+
+@pytest.mark.parametrize("child", ["x", "1", "9,1", "1,two"])
+def test_a_malformed_child_is_one_line_not_a_traceback(capsys, child):
+    from lab.predict import planner_bench
+
+    assert planner_bench.main(["--child", child]) == 2
+    assert capsys.readouterr().err == f"bench_planner: --child takes CASE,SEARCHES (0-4,0-2), got {child!r}\n"

@@ -138,7 +138,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--child", help=argparse.SUPPRESS)  # CASE,SEARCHES: what --instructions counts
     args = p.parse_args(argv)
     if args.child:
-        case, searches = map(int, args.child.split(","))
+        try:
+            case, searches = map(int, args.child.split(","))
+            CASES[case]  # an index past the cases is refused here, not inside a search
+        except (ValueError, IndexError):
+            print(
+                f"bench_planner: --child takes CASE,SEARCHES (0-{len(CASES) - 1},0-2), got {args.child!r}",
+                file=sys.stderr,
+            )
+            return 2
         _searches(case, searches)
         return 0
     if args.repeat < 1:
