@@ -374,12 +374,20 @@ def collective_on(
     slice it occupies (its axes and their wraparound by the chip's rule); None for a group of one."""
     if group <= 1 or nbytes <= 0:
         return None
-    wrap: bool | tuple[bool, ...] = True
-    if axes is None and chip.topology == "torus" and scope == "node":
-        axes = chip.slice_shape(group)
-        wrap = chip.wraparound(axes)
-    sizes = axes if axes is not None else (group,)
+    sizes, wrap = _sits(chip, group, scope, axes)
     return collective_time(kind, nbytes, sizes, chip, scope=scope, members_per_node=members_per_node, wraparound=wrap)
+
+
+def _sits(chip: Chip, group: int, scope: str, axes: tuple[int, ...] | None) -> tuple[tuple, tuple[bool, ...]]:
+    """The axes a group of ``group`` chips spans and their wraparound: on a torus inside a slice, the slice it
+    occupies by the chip's rule; else the ``axes`` given (one axis of the group by default), every torus axis a
+    closed ring and none off a torus (collective_time's default)."""
+    torus = chip.topology == "torus"
+    if axes is None and torus and scope == "node":
+        axes = chip.slice_shape(group)
+        return tuple(axes), chip.wraparound(axes)
+    axes = tuple(axes) if axes is not None else (group,)
+    return axes, tuple(torus for _ in axes)
 
 
 def comm_time(
@@ -402,14 +410,8 @@ def comm_time(
         # a caller's spelling or a bad value: the collective model checks it and names what is valid
         c = collective_on(chip, kind, nbytes, group, scope=scope, members_per_node=members_per_node, axes=axes)
         return achievable_time(chip, c, group, scope)
-    torus = chip.topology == "torus"
-    if axes is None and torus and scope == "node":  # the slice the group occupies, its wraparound by the chip's rule
-        axes = chip.slice_shape(group)
-        wrap = chip.wraparound(axes)
-    else:  # collective_time's default: every torus axis a closed ring; none off a torus
-        axes = axes if axes is not None else (int(group),)
-        wrap = tuple(torus for _ in axes)
-    fields = price_fields(kind, float(nbytes), tuple(axes), wrap, chip, scope, members_per_node)
+    sizes, wrap = _sits(chip, group, scope, axes)
+    fields = price_fields(kind, float(nbytes), sizes, wrap, chip, scope, members_per_node)
     return _achievable(chip, kind, float(nbytes), fields["time_s"], fields["bandwidth_s"], group, scope)
 
 
