@@ -300,6 +300,36 @@ def test_rendezvous_wait_less_the_leaders_callback(tmp_path):
     assert tr.per_op()["all-reduce.1"].median_wait_s == pytest.approx(30e-6)
 
 
+def test_numeric_args_read_as_their_text(tmp_path):
+    """Chrome traces from other writers may give args as numbers, even one key as a number here and text there; they
+    read as the text JAX writes, so an op's run_id still finds the step its launch ran in (the reader keeps a trace's
+    own dict only when every value is text already)."""
+
+    def doc(step, device, launch_run, op_run):
+        return _doc(
+            {701: "/host:CPU"},
+            {(701, 1): "python", (701, 2): "worker"},
+            [
+                {"pid": 701, "tid": 1, "name": "step", "ts": 0, "dur": 99, "args": {"step_num": step}},
+                {"pid": 701, "tid": 1, "name": "Execute", "ts": 1, "dur": 5, "args": {"run_id": launch_run}},
+                {
+                    "pid": 701,
+                    "tid": 2,
+                    "name": "fusion.2",
+                    "ts": 150,  # after the step's span: only its run_id places it in step 0
+                    "dur": 20,
+                    "args": {"hlo_op": "fusion.2", "device_ordinal": device, "run_id": op_run},
+                },
+            ],
+        )
+
+    (tmp_path / "text").mkdir()
+    (tmp_path / "numbers").mkdir()
+    as_text = parse(_write(tmp_path / "text", doc("0", "5", "7", "7")))
+    as_numbers = parse(_write(tmp_path / "numbers", doc(0, 5, 7, "7")))
+    assert as_numbers.events == as_text.events == (OpEvent("fusion.2", 5, 0, 150.0, 20.0, 20.0, 0.0),)
+
+
 def test_tpu_device_planes_use_the_xla_ops_line(tmp_path):
     threads = {(701, 1): "python"}
     events = _steps(701, 1, 2)

@@ -51,6 +51,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from lab.core.errors import UserError
 
@@ -65,6 +66,7 @@ _DEVICE_PLANE = re.compile(r"^/device:([A-Z][A-Z0-9]*):(\d+)$")
 _WAIT = re.compile(r"^(?:Rendezvous$|Wait: |Wait for rendezvous)")
 _INVOKE = "InvokeRendezvous"
 _XLA_OPS_LINE = "XLA Ops"
+_STR = frozenset((str,))
 
 
 @dataclass(frozen=True)
@@ -190,7 +192,7 @@ def run_dirs(logdir: str) -> list[str]:
 # ----- reading -----------------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class _Raw:
     """One complete event from either file format."""
 
@@ -230,7 +232,8 @@ def _read_json(path: str, tag: int = 0) -> list[_Raw]:
             elif e.get("name") == "thread_name":
                 threads[(e.get("pid"), e.get("tid"))] = str(e["args"].get("name", ""))
     out = []
-    for e in events:
+    append = out.append
+    for e in events:  # tens of thousands a trace: each lookup and conversion made once, and only where needed
         if not isinstance(e, dict) or e.get("ph") != "X":
             continue
         try:
@@ -238,16 +241,21 @@ def _read_json(path: str, tag: int = 0) -> list[_Raw]:
         except (KeyError, TypeError, ValueError):
             continue
         pid, tid = e.get("pid"), e.get("tid")
-        args = e.get("args") if isinstance(e.get("args"), dict) else {}
-        out.append(
+        args = e.get("args")
+        if not isinstance(args, dict):
+            args = {}
+        elif not _STR.issuperset(map(type, args.values())):  # a JSON object's keys are strings already
+            args = {str(k): str(v) for k, v in args.items()}
+        process, thread, name = processes.get(pid), threads.get((pid, tid)), e.get("name", "")
+        append(
             _Raw(
-                process=processes.get(pid, str(pid)),
-                thread=threads.get((pid, tid), str(tid)),
-                key=(tag, pid, tid),
-                name=str(e.get("name", "")),
-                start=start,
-                dur=dur,
-                args={str(k): str(v) for k, v in args.items()},
+                str(pid) if process is None else process,
+                str(tid) if thread is None else thread,
+                (tag, pid, tid),
+                name if type(name) is str else str(name),
+                start,
+                dur,
+                args,
             )
         )
     return out
@@ -463,7 +471,7 @@ def _build(raws: list[_Raw], hlo_names: set[str] | None, module: str | None) -> 
         intervals, starts = waits[r.key]
         wait = min(_covered(intervals, starts, r.start, r.start + r.dur), r.dur) if intervals else 0.0
         events.append(OpEvent(name, device, step, r.start, r.dur, r.dur - wait, wait))
-    events.sort(key=lambda e: (e.start_us, e.device))
+    events.sort(key=attrgetter("start_us", "device"))
     return Trace(
         backend=backend,
         devices=len({e.device for e in events if e.device >= 0}),
