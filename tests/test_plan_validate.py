@@ -31,8 +31,13 @@ HOST = [*SMALL[:-4], "--batch-tokens", "1024", "--seq-len", "128"]
 
 
 def test_the_best_layouts_compile_and_run_on_this_host(tmp_path, capsys):
-    assert main([*HOST, "--hardware", "cpu", "--validate", "2", "--out", str(tmp_path), "--json"]) == 0
+    # the ranking's data, not a steady median: one untraced call and two profiled ones a layout (--warmup, --repeats)
+    calls = ["--warmup", "1", "--repeats", "2"]
+    assert main([*HOST, "--hardware", "cpu", "--validate", "2", *calls, "--out", str(tmp_path), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)["validation"]
+    for i in (1, 2):
+        summary = json.loads((tmp_path / f"validate-{i}" / "report.json").read_text())["summary"]
+        assert (summary["warmup"], summary["repeats"]) == (1, 2)
     assert len(d["layouts"]) == 2 and d["compiled_for"] is None
     for r in d["layouts"]:
         assert r["measured_step_s"] > 0 and r["compiled_memory_bytes"] > 0 and r["planner_fits"] is True
@@ -40,6 +45,30 @@ def test_the_best_layouts_compile_and_run_on_this_host(tmp_path, capsys):
     assert d["memory_agrees"] is True and d["spearman"] in (-1.0, 1.0) and d["kendall"] in (-1.0, 1.0)
     est = [r["planner_step_s"] for r in d["layouts"]]
     assert est == sorted(est)  # the planner's order
+
+
+def test_the_help_states_the_calls_validate_makes(capsys):
+    from lab.run.plan_validate import CALLS
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"profiled ones (default {CALLS['warmup']})" in text
+    assert f"profiled calls of each layout's step (default {CALLS['repeats']})" in text
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--repeats", "2"], "--warmup and --repeats belong to --validate K"),
+        (["--warmup", "0"], "--warmup and --repeats belong to --validate K"),
+        (["--validate", "1", "--target", "v5e:2x4", "--repeats", "2"], "--repeats time the layouts run on this host"),
+    ],
+)
+def test_calls_without_a_run_on_this_host_are_refused(capsys, extra, needle):
+    assert main([*SMALL, "--hardware", "tpu-v5e", *extra]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and needle in err, err
 
 
 @pytest.mark.slow  # 18 s of libtpu from a fresh clone; the next test validates with --target by default

@@ -475,8 +475,15 @@ def cmd_plan(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
 
     model = model_of(args)
     seq = args.seq_len or model.max_seq_len
-    if args.validate is None and (args.topology is not None or args.out is not None):
-        raise UserError("--target and --out belong to --validate K (compile and run the planner's best layouts)")
+    calls = {"warmup": args.warmup, "repeats": args.repeats}
+    given = [f"--{k}" for k, v in calls.items() if v is not None]
+    if args.validate is None and (args.topology is not None or args.out is not None or given):
+        raise UserError(
+            "--target, --out, --warmup and --repeats belong to --validate K "
+            "(compile and run the planner's best layouts)"
+        )
+    if args.topology is not None and given:
+        raise UserError(f"{' and '.join(given)} time the layouts run on this host; --target only compiles: drop them")
     if args.validate is not None:
         _check_validate(args)
     top = args.top if args.validate is None else max(args.top, 500)  # enough to find K the train step runs
@@ -487,7 +494,9 @@ def cmd_plan(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
     from lab.run.plan_validate import table, validate_plan
 
     dtype = "bfloat16" if args.dtype == "bf16" else "float32"
-    data = validate_plan(result, model, chip, args.validate, args.out or "runs/plan", target=args.topology, dtype=dtype)
+    calls = {k: v for k, v in calls.items() if v is not None}
+    out = args.out or "runs/plan"
+    data = validate_plan(result, model, chip, args.validate, out, target=args.topology, dtype=dtype, **calls)
     return shown.to_dict() | {"validation": data}, shown.table() + "\n\n" + table(data)
 
 
@@ -711,6 +720,19 @@ def _register_plan(sub, common, hw, with_chip) -> None:
     )
     add_target(pl, "with --validate: ")
     pl.add_argument("--out", type=in_path("--out"), help="with --validate: where the runs go (default runs/plan)")
+    pl.add_argument(
+        "--warmup",
+        metavar="N",
+        type=nonneg_int("--warmup"),
+        help="with --validate on this host: untraced calls of each layout's step before the profiled ones (default 3)",
+    )
+    pl.add_argument(
+        "--repeats",
+        metavar="N",
+        type=positive_int("--repeats"),
+        help="with --validate on this host: profiled calls of each layout's step (default 5); more for a steadier "
+        "measured ranking",
+    )
     command(pl, with_chip(cmd_plan))
 
 

@@ -72,6 +72,8 @@ def _ranks(xs: list[float]) -> list[float]:
 # The pipeline schedule the lab's Transformer runs for each one the planner prices: GPipe for Megatron's 1F1B (the
 # same bubble, every microbatch's activations held), its circular schedule for the interleaved one.
 RUN_SCHEDULE = {"1f1b": "gpipe", "gpipe": "gpipe", "interleaved": "interleaved"}
+# Calls of each layout's train step run on this host: untraced, then profiled (plan --warmup, --repeats).
+CALLS = {"warmup": 3, "repeats": 5}
 
 
 def executable(est) -> bool:
@@ -173,8 +175,20 @@ def _worst_op(report: dict[str, Any]) -> str:
     return f"{o['name']} ({fmt_seconds(o['estimated_s'])} est., {fmt_seconds(o['measured_s'])} meas.)"
 
 
-def validate_plan(result, model, chip, k: int, out: str, *, target: str | None = None, dtype: str = "float32"):
-    """Compile (and where possible run) the planner's K best executable layouts; the comparison's data."""
+def validate_plan(
+    result,
+    model,
+    chip,
+    k: int,
+    out: str,
+    *,
+    target: str | None = None,
+    dtype: str = "float32",
+    warmup: int = CALLS["warmup"],
+    repeats: int = CALLS["repeats"],
+):
+    """Compile (and where possible run) the planner's K best executable layouts; the comparison's data. A layout run
+    on this host's devices is profiled over ``repeats`` calls of its train step after ``warmup`` untraced ones."""
     from lab.compile.audit import _analyses, compile_plan
     from lab.compile.target import DoesNotFit, parse_target
     from lab.run.environment import Progress, environment
@@ -206,7 +220,9 @@ def validate_plan(result, model, chip, k: int, out: str, *, target: str | None =
         else:
             out_dir = Path(out) / f"validate-{i + 1}"
             out_dir.mkdir(parents=True, exist_ok=True)
-            report = run_point(Experiment(plan=plan, warmup=3, repeats=5), plan, out_dir, chip, lambda _s: None, env)
+            report = run_point(
+                Experiment(plan=plan, warmup=warmup, repeats=repeats), plan, out_dir, chip, lambda _s: None, env
+            )
             mem, measured = report["audit"].get("memory_analysis", {}), report["step_time_measured_s"]
         held = sum(mem.get(f"{k}_size_in_bytes", 0.0) for k in ("argument", "output", "temp"))
         held -= mem.get("alias_size_in_bytes", 0.0)
@@ -286,6 +302,7 @@ def table(data: dict[str, Any]) -> str:
 
 
 __all__ = [
+    "CALLS",
     "RUN_SCHEDULE",
     "as_run",
     "candidates",
