@@ -177,6 +177,13 @@ def add_target(parser: argparse.ArgumentParser, when: str = "") -> None:
     )
 
 
+def add_calls(parser: argparse.ArgumentParser, warmup_help: str, repeats_help: str) -> None:
+    """``--warmup N`` and ``--repeats N``: untraced calls of a program, then profiled ones (default None: the
+    command's own counts, which each help states)."""
+    parser.add_argument("--warmup", metavar="N", type=nonneg_int("--warmup"), help=warmup_help)
+    parser.add_argument("--repeats", metavar="N", type=positive_int("--repeats"), help=repeats_help)
+
+
 def scale_arg(s: str) -> str:
     """``type=`` of ``--scale``: checked at once (:func:`lab.core.hardware.parse_scale`), kept as its text."""
     try:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lab.cli.args import add_target, in_path, nonneg_int, positive_int, text_arg
+from lab.cli.args import add_calls, add_target, in_path, positive_int, text_arg
 from lab.cli.commands import help_of
 from lab.core.errors import UserError
 
@@ -327,18 +327,10 @@ def register(sub, common: argparse.ArgumentParser) -> None:
         metavar="FIELD=VALUE,...",
         help="change the experiment's model, e.g. layers=2,d_model=1024 (base=llama3-8b starts from a catalog model)",
     )
-    r.add_argument(
-        "--warmup",
-        metavar="N",
-        type=nonneg_int("--warmup"),
-        help="untraced calls before the profiled ones, instead of the experiment's (its [run] warmup, default 10)",
-    )
-    r.add_argument(
-        "--repeats",
-        metavar="N",
-        type=positive_int("--repeats"),
-        help="profiled calls, instead of the experiment's (its [run] repeats, default 5): more for a steadier "
-        "median per op",
+    add_calls(
+        r,
+        "untraced calls before the profiled ones, instead of the experiment's (its [run] warmup, default 10)",
+        "profiled calls, instead of the experiment's (its [run] repeats, default 5): more for a steadier median per op",
     )
     r.add_argument(
         "--scale-to-host",

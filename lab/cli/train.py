@@ -9,6 +9,7 @@ import math
 from lab.cli.args import (
     MAX_SEQ_LEN,
     Parser,
+    add_calls,
     add_target,
     chart_path,
     check_model_path,
@@ -720,17 +721,10 @@ def _register_plan(sub, common, hw, with_chip) -> None:
     )
     add_target(pl, "with --validate: ")
     pl.add_argument("--out", type=in_path("--out"), help="with --validate: where the runs go (default runs/plan)")
-    pl.add_argument(
-        "--warmup",
-        metavar="N",
-        type=nonneg_int("--warmup"),
-        help="with --validate on this host: untraced calls of each layout's step before the profiled ones (default 3)",
-    )
-    pl.add_argument(
-        "--repeats",
-        metavar="N",
-        type=positive_int("--repeats"),
-        help="with --validate on this host: profiled calls of each layout's step (default 5); more for a steadier "
+    add_calls(
+        pl,
+        "with --validate on this host: untraced calls of each layout's step before the profiled ones (default 3)",
+        "with --validate on this host: profiled calls of each layout's step (default 5); more for a steadier "
         "measured ranking",
     )
     command(pl, with_chip(cmd_plan))
