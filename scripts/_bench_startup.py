@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the lab, run as a script from anywhere
 
-from lab.core.callgrind import available, instructions
+from lab.core.callgrind import MISSING, available, instructions
 from lab.core.errors import UserError
 
 COMMANDS = {
@@ -54,7 +54,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.instructions:
         if not available():
-            ap.error("--instructions needs valgrind on PATH (apt install valgrind); or time the commands without it")
+            ap.error(MISSING)
         count_instructions(a.json)
         return
     for args in COMMANDS.values():  # write the bytecode caches first

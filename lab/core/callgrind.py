@@ -13,6 +13,8 @@ import sys
 
 from lab.core.errors import UserError
 
+MISSING = "counting instructions needs valgrind on PATH (apt install valgrind); or time without it"
+
 
 def available() -> bool:
     return shutil.which("valgrind") is not None
@@ -23,7 +25,7 @@ def instructions(args: list[str]) -> int:
     dicts are laid out alike every run: the same count each time. A :class:`UserError` when valgrind is missing or
     the command fails under it."""
     if not available():
-        raise UserError("counting instructions needs valgrind on PATH (apt install valgrind); or time without it")
+        raise UserError(MISSING)
     r = subprocess.run(
         ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, *args],
         stdout=subprocess.DEVNULL,
@@ -37,4 +39,4 @@ def instructions(args: list[str]) -> int:
     return int(found.group(1))
 
 
-__all__ = ["available", "instructions"]
+__all__ = ["MISSING", "available", "instructions"]
