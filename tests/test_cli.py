@@ -299,7 +299,7 @@ def test_a_command_builds_its_own_parser_and_lists_its_groups_others():
     assert "--validate" not in lazy["plan"]._option_string_actions
     assert lazy["train"]._subparsers is not None and lazy["study"]._subparsers is None  # built: generations|...
     assert "--validate" in choices(["plan", "--model", "llama3-8b"])["plan"]._option_string_actions
-    assert main(["validate", "--group", "public", "--json"]) == 0
+    assert main(["validate", "--group", "development", "--json"]) == 0
 
 
 CTX = ("--context", "8")
@@ -311,7 +311,7 @@ CTX = ("--context", "8")
         ["train", "estimate", "--model", "llama3-8b", "--hardware", "h100", "--chips", "8"],
         ["infer", "estimate", "--model", "llama3-8b", "--hardware", "h100", *("--chips", "1", "--batch", "1"), *CTX],
         ["roofline", "matmul", "--b", "8", "--d", "8", "--f", "8", "--hardware", "h100"],
-        ["validate", "--group", "public"],
+        ["validate", "--group", "development"],
     ],
 )
 def test_an_analytic_command_never_loads_inspect_and_inspect_still_works_after(argv):

@@ -182,7 +182,7 @@ def test_study_generations_writes_its_chart(capsys, tmp_path):
 
 
 def test_validate_command(capsys):
-    d = run_json(capsys, "validate")
+    d = run_json(capsys, "validate", "--group", "calibration")
     assert d["all_passed"] is True
     assert len(d["rows"]) > 60
 

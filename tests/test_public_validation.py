@@ -1,4 +1,4 @@
-"""The second validation group (public runs never fitted to) and the measured pieces the efficiency model uses.
+"""The development set (public runs looked at while the model changed) and the measured pieces of the efficiency model.
 
 The efficiency numbers are checked against the microbenchmark figures they restate (shared/reference/
 microbenchmarks.md), computed here from the published TFLOP/s and GB/s, not read back from the code.
@@ -13,6 +13,7 @@ import pytest
 from lab.cli.main import main
 from lab.core.hardware import get_chip
 from lab.predict import efficiency as eff
+from lab.studies.public_runs import SOURCE_KEYS
 from lab.studies.validate_public import RUNS, run_public_validation
 
 
@@ -27,14 +28,35 @@ def test_every_public_run_is_cited_and_either_predicted_or_counted_with_its_reas
         run = row.run
         assert run.source and run.grade in ("A", "B", "C") and run.measured > 0
         assert run.context_at in ("mean", "end") and run.kv_dtype in (None, "bf16", "fp8", "int8", "int4")
+        assert run.split == "development" and run.source_name in SOURCE_KEYS.values()
         if run.expressible is None:
             assert row.error is not None and row.predicted is not None, row.detail
         else:
             assert row.error is None and row.detail.startswith("not expressible: ")
     s = public.summary()
-    assert s["runs"] == len(RUNS) and s["predicted"] + s["not_expressible"] == len(RUNS)
+    assert s["runs"] == len(RUNS) and s["answered"] + s["not_expressible"] + s["refused"] == len(RUNS)
     groups = {r.run.group for r in public.rows}
     assert {"GPU training", "TPU training", "GPU serving", "TPU serving"} <= groups
+
+
+def test_the_means_with_and_without_the_unexpressible_runs_and_per_source(public):
+    """The per-run mean counts the answered runs; the mean with the unexpressible ones prices them anyway (their
+    reason ignored); the per-source mean weighs each source once, whatever its row count."""
+    s = public.summary()
+    answered = [abs(r.error) for r in public.rows if r.error is not None]
+    forced = [abs(r.forced_error) for r in public.rows if r.error is None and r.forced_error is not None]
+    assert forced, "the eager generate rows price anyway"
+    assert s["mean_abs_error"] == pytest.approx(sum(answered) / len(answered), rel=1e-12)
+    assert s["mean_abs_error_with_unexpressible"] == pytest.approx(
+        (sum(answered) + sum(forced)) / (len(answered) + len(forced)), rel=1e-12
+    )
+    by_source: dict[str, list[float]] = {}
+    for r in public.rows:
+        if r.error is not None:
+            by_source.setdefault(r.run.source_name, []).append(abs(r.error))
+    means = [sum(v) / len(v) for v in by_source.values()]
+    assert s["per_source_mean_abs_error"] == pytest.approx(sum(means) / len(means), rel=1e-12)
+    assert "per source" in public.headline() and "development" in public.headline()
 
 
 def test_the_error_reads_as_a_time_whatever_the_source_measured(public):
@@ -47,14 +69,15 @@ def test_the_error_reads_as_a_time_whatever_the_source_measured(public):
             assert math.isclose(row.error, run.measured / row.predicted - 1, rel_tol=1e-12)
 
 
-def test_the_cli_reports_the_group_and_its_classes(capsys):
-    assert main(["validate", "--group", "public", "--json"]) == 0
+def test_the_cli_reports_the_development_set_under_its_name(capsys):
+    assert main(["validate", "--group", "development", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data) == {"rows", "classes", "summary"}
-    assert data["summary"]["targets"] == {"mean_abs_error": 0.12, "class_mean_error": 0.15, "one_sign": 0.75}
-    assert main(["validate", "--group", "all", "--json"]) == 0
-    both = json.loads(capsys.readouterr().out)
-    assert set(both) == {"calibration", "public"} and both["calibration"]["all_passed"] is True
+    assert set(data) == {"split", "rows", "classes", "sources", "summary"} and data["split"] == "development"
+    assert data["summary"]["targets"]["mean_abs_error"] == 0.15
+    assert main(["validate", "--group", "development"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("Development set: published runs looked at while the model changed (in-sample")
+    assert "never fitted" not in text
 
 
 # ----- the measured pieces ------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "training estimates"),
     "plan": ("train", "search every layout, remat policy and microbatch; rank by predicted step time"),
     "study": ("train", "studies across hardware generations and technologies"),
-    "validate": ("train", "replay the calibration runs, or public runs never fitted to (--group public)"),
+    "validate": ("train", "replay published measured runs: calibration, development set and test split"),
     "infer": ("infer", "serving estimates: decode, prefill, KV cache, topology"),
     "audit": ("audit", "compile a kernel or experiment and check its collectives and FLOPs against the estimate"),
     "run": ("run", "estimate, compile+audit, profile, compare and report an experiment"),

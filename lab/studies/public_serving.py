@@ -1,4 +1,4 @@
-"""Public measured serving runs the estimators were never fitted to (the second validation group's serving half).
+"""The development set's serving runs: public measured runs looked at while the model changed (in-sample).
 
 The same rules as :mod:`lab.studies.public_runs`: every row is a published end-to-end measurement with its
 configuration, outside the sources reserved for the independent check; a detail a source leaves out is a stated
@@ -21,7 +21,7 @@ Units: seconds per generated token (``s/token``); a throughput figure is turned 
 
 from __future__ import annotations
 
-from lab.studies.public_runs import PublicRun
+from lab.studies.public_runs import SOURCE_KEYS, PublicRun
 
 _COMPILE_INFER = "IBM Research and Meta, 'PyTorch compile to speed up inference on Llama 2', PyTorch blog (2023)"
 _BLOOM_INFER = (
@@ -285,6 +285,18 @@ SERVING += tuple(
         ("PS47", 8, 47.37),
         ("PS48", 16, 69.94),
     )
+)
+
+SOURCE_KEYS.update(
+    {
+        _COMPILE_INFER: "pytorch-compile-llama2-2023",
+        _BLOOM_INFER: "hf-bloom-ds-inference-2022",
+        _XLA_INFER: "pytorch-xla-llama65b-2023",
+        _LMDEPLOY: "lmdeploy-docs",
+        _SGLANG_TORCHAO: "pytorch-gemlite-sglang-2025",
+        _VLLM_DBRX: "vllm-pr-3692",
+        _OPTIMUM_GPTQ: "optimum-gptq-benchmark",
+    }
 )
 
 __all__ = ["SERVING"]

@@ -1,4 +1,5 @@
-"""The second validation group: public measured runs the estimators were never fitted to.
+"""Published measured runs in two splits: the development set (looked at while the model changed: in-sample) and the
+test split (committed before the estimators saw it, never tuned on: the honest figure).
 
 Each run of :mod:`lab.studies.public_runs` (training) and :mod:`lab.studies.public_serving` is predicted with the
 estimators a user runs (training: the step of ``shardlab train estimate``; serving: the decode step of ``shardlab
@@ -16,8 +17,9 @@ unit the source measured:
 
 The error is predicted / measured - 1 on a time (so a positive error is a pessimistic prediction); throughput
 and MFU are inverted first, so that the sign means the same in every row. Runs the estimators cannot express
-are listed and counted, not predicted. The table reports the error by class (GPU/TPU, training/serving), the
-mean absolute error, and how many runs were predicted optimistic.
+are listed and counted; for the mean that includes them they are priced anyway where the estimators take their
+configuration (their stated reason ignored). The table reports the error by class (GPU/TPU, training/serving) and by
+source, the mean absolute error per run and per source, and how many runs were predicted optimistic.
 """
 
 from __future__ import annotations
@@ -37,11 +39,31 @@ from lab.predict.training import estimate
 from lab.studies.public_runs import TRAINING, PublicRun
 from lab.studies.public_serving import SERVING
 
-RUNS: tuple[PublicRun, ...] = TRAINING + SERVING
+RUNS: tuple[PublicRun, ...] = TRAINING + SERVING  # the development set
+SPLITS = ("development", "test")
 
-TARGET_MEAN = 0.12  # issue 15: mean absolute error on this group
-TARGET_CLASS = 0.15  # no class mean off by more
-TARGET_SIGN = 0.75  # no error sign shared by more of the runs
+# What the test split is held to (issue 35; the same bars the project's independent check applies): the development
+# set's mean says nothing about them, having been looked at while the model changed.
+TARGETS = {
+    "answered": 0.95,  # runs answered, at least
+    "mean_abs_error": 0.15,  # at most
+    "class_mean_abs_error": 0.25,  # no class over
+    "one_sign": 0.70,  # neither sign on more of the answered runs
+    "coverage": (0.70, 0.90),  # measured values inside the stated 80% intervals
+    "median_half_width": 0.30,  # at most
+}
+
+
+def split_runs(split: str) -> tuple[PublicRun, ...]:
+    """The runs of one split: the development set (:mod:`public_runs`, :mod:`public_serving`) or the test split (the
+    data files of :mod:`lab.studies.run_files`, committed before the estimators saw them)."""
+    if split == "development":
+        return RUNS
+    if split == "test":
+        from lab.studies.run_files import load_folder
+
+        return load_folder()
+    raise UserError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
 
 
 @dataclass(frozen=True)
@@ -52,12 +74,19 @@ class PublicRow:
     predicted: float | None  # in the run's unit; None when not expressible
     error: float | None  # as a time: predicted / measured - 1 (positive: pessimistic)
     detail: str = ""
+    forced_error: float | None = None  # an unexpressible run priced anyway, its stated reason ignored
+
+    @property
+    def answered(self) -> bool:
+        return self.error is not None
 
     def to_dict(self) -> dict[str, Any]:
         r = self.run
         return {
             "case": r.case_id,
+            "split": r.split,
             "group": r.group,
+            "source_key": r.source_name,
             "chip": r.chip,
             "chips": r.chips,
             "model": r.model,
@@ -65,8 +94,10 @@ class PublicRow:
             "measured": r.measured,
             "predicted": self.predicted,
             "error": self.error,
+            "forced_error": self.forced_error,
             "expressible": r.expressible,
             "source": r.source,
+            "quote": r.quote,
             "grade": r.grade,
             "assumed": r.assumed,
             "detail": self.detail,
@@ -122,19 +153,25 @@ def _train(run: PublicRun) -> tuple[float, float, str]:
 def _serve(run: PublicRun) -> tuple[float, float, str]:
     lay = run.layout
     prompt, generated = int(lay["prompt"]), int(lay["generated"])  # type: ignore[call-overload]
+    ttft = run.unit == "s/prefill"
     cfg = InferConfig(
         model=_model(run),
-        chip=get_chip(run.chip),
+        chip=_chip(run),
         batch=int(lay["batch"]),  # type: ignore[call-overload]
         context=prompt + (generated if run.context_at == "end" else generated // 2),
         tp=int(lay["tp"]),  # type: ignore[call-overload]
         weights=run.dtype,
         kv=run.kv_dtype or run.dtype,
-        compute=run.dtype,
-        prefill_len=prompt if run.per_token_includes_prefill else None,
+        compute=run.dtype if run.dtype in ("bf16", "fp8") else "bf16",
+        prefill_len=prompt if (run.per_token_includes_prefill or ttft) else None,
         achievable=True,
     )
     est = estimate_inference(cfg)
+    if ttft:
+        if est.prefill_s is None:
+            raise UserError(f"{run.case_id}: no prefill priced")
+        detail = f"prefill of {prompt} tokens at batch {cfg.batch}"
+        return est.prefill_s, est.prefill_s / run.measured - 1, detail
     step = est.decode_step_s
     detail = f"weights {est.weights_s * 1e3:.3g} ms, KV {est.kv_s * 1e3:.3g} ms, collectives {est.comm_s * 1e3:.3g} ms"
     if run.per_token_includes_prefill and generated > 0 and est.prefill_s is not None:
@@ -143,104 +180,173 @@ def _serve(run: PublicRun) -> tuple[float, float, str]:
     return step, step / run.measured - 1, detail
 
 
+def _price(run: PublicRun) -> tuple[float, float, str]:
+    return (_train if run.kind == "training" else _serve)(run)
+
+
 def predict(run: PublicRun) -> PublicRow:
-    if run.expressible is not None:
-        return PublicRow(run, None, None, f"not expressible: {run.expressible}")
+    """Price one run as a user would; an unexpressible run is counted with its reason, and priced anyway (its reason
+    ignored) for the mean that includes such runs, where the estimators take its configuration at all."""
+    if run.expressible:
+        try:
+            _, forced, _ = _price(run)
+        except (UserError, KeyError, ValueError):  # an unknown chip or model, a layout the estimators refuse
+            forced = None
+        return PublicRow(run, None, None, f"not expressible: {run.expressible}", forced_error=forced)
     try:
-        value, error, detail = (_train if run.kind == "training" else _serve)(run)
+        value, error, detail = _price(run)
     except UserError as exc:  # the estimator refuses the configuration: counted, with its reason
         return PublicRow(run, None, None, f"refused: {exc}")
     return PublicRow(run, value, error, detail)
 
 
+def _mean(xs: list[float]) -> float | None:
+    return statistics.mean(xs) if xs else None
+
+
+def _stats(rows: list[PublicRow]) -> dict[str, Any]:
+    """Runs, answered, mean |err| and mean err of the answered ones, and mean |err| with the unexpressible runs priced
+    anyway where they could be."""
+    errs = [r.error for r in rows if r.error is not None]
+    forced = errs + [r.forced_error for r in rows if r.error is None and r.forced_error is not None]
+    return {
+        "runs": len(rows),
+        "answered": len(errs),
+        "mean_abs_error": _mean([abs(e) for e in errs]),
+        "mean_error": _mean(errs),
+        "mean_abs_error_with_unexpressible": _mean([abs(e) for e in forced]),
+        "priced_with_unexpressible": len(forced),
+    }
+
+
 @dataclass(frozen=True)
 class PublicValidation:
-    """The public group: every run, the error by class and against the targets."""
+    """One split of the published measured runs: every run, the error by class and by source."""
 
     rows: tuple[PublicRow, ...]
+    split: str = "development"
 
     @property
     def predicted(self) -> list[PublicRow]:
         return [r for r in self.rows if r.error is not None]
 
-    def classes(self) -> dict[str, dict[str, float]]:
-        out: dict[str, dict[str, float]] = {}
-        for group in dict.fromkeys(r.run.group for r in self.rows):
-            errs = [r.error for r in self.predicted if r.run.group == group]
-            out[group] = {
-                "runs": float(len([r for r in self.rows if r.run.group == group])),
-                "predicted": float(len(errs)),
-                "mean_abs_error": statistics.mean(abs(e) for e in errs) if errs else float("nan"),
-                "mean_error": statistics.mean(errs) if errs else float("nan"),
-            }
+    def classes(self) -> dict[str, dict[str, Any]]:
+        groups = dict.fromkeys(r.run.group for r in self.rows)
+        return {g: _stats([r for r in self.rows if r.run.group == g]) for g in groups}
+
+    def sources(self) -> dict[str, dict[str, Any]]:
+        keys = dict.fromkeys(r.run.source_name for r in self.rows)
+        out = {}
+        for k in keys:
+            rows = [r for r in self.rows if r.run.source_name == k]
+            out[k] = {"classes": sorted({r.run.group for r in rows}), "grade": rows[0].run.grade, **_stats(rows)}
         return out
 
     def summary(self) -> dict[str, Any]:
         errs = [r.error for r in self.predicted if r.error is not None]
+        stats = _stats(list(self.rows))
         optimistic = sum(e < 0 for e in errs)
-        classes = self.classes()
-        worst_class = max((abs(c["mean_error"]) for c in classes.values() if c["predicted"]), default=float("nan"))
+        per_source = [s["mean_abs_error"] for s in self.sources().values() if s["answered"]]
+        classes = [c["mean_abs_error"] for c in self.classes().values() if c["answered"]]
         return {
-            "runs": len(self.rows),
-            "predicted": len(errs),
-            "not_expressible": len(self.rows) - len(errs),
-            "mean_abs_error": statistics.mean(abs(e) for e in errs) if errs else None,
+            "split": self.split,
+            **stats,
+            "not_expressible": sum(bool(r.run.expressible) for r in self.rows),
+            "refused": sum(r.error is None and not r.run.expressible for r in self.rows),
+            "answered_share": stats["answered"] / len(self.rows) if self.rows else None,
+            "median_abs_error": statistics.median(abs(e) for e in errs) if errs else None,
+            "per_source_mean_abs_error": _mean(per_source),
+            "sources": len(self.sources()),
             "optimistic": optimistic,
             "optimistic_share": optimistic / len(errs) if errs else None,
-            "worst_class_mean_error": worst_class,
-            "targets": {"mean_abs_error": TARGET_MEAN, "class_mean_error": TARGET_CLASS, "one_sign": TARGET_SIGN},
+            "worst_class_mean_abs_error": max(classes, default=None),
+            "targets": TARGETS,
         }
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rows": [r.to_dict() for r in self.rows], "classes": self.classes(), "summary": self.summary()}
+        return {
+            "split": self.split,
+            "rows": [r.to_dict() for r in self.rows],
+            "classes": self.classes(),
+            "sources": self.sources(),
+            "summary": self.summary(),
+        }
 
     def table(self) -> str:
-        def num(x: float | None, unit: str) -> str:
-            if x is None:
-                return "-"
-            return f"{x:.3g}" if unit != "mfu" else f"{100 * x:.1f}%"
-
         rows = [
             [
                 r.run.case_id,
                 r.run.group,
                 f"{r.run.overrides.get('name', r.run.model)} on {r.run.chips} {r.run.chip}",
                 r.run.unit,
-                num(r.run.measured, r.run.unit),
-                num(r.predicted, r.run.unit),
-                f"{100 * r.error:+.1f}%" if r.error is not None else "n/e",
+                _num(r.run.measured, r.run.unit),
+                _num(r.predicted, r.run.unit),
+                _pct(r.error) if r.error is not None else ("n/e" if r.run.expressible else "refused"),
                 r.run.grade,
             ]
             for r in self.rows
         ]
-        text = render(
-            ["case", "class", "run", "unit", "measured", "predicted", "error", "grade"],
-            rows,
-            title="Public measured runs, never fitted (error as time: negative = optimistic)",
+        title = {
+            "development": "Development set: published runs looked at while the model changed (in-sample; error as "
+            "time, negative = optimistic)",
+            "test": "Test split: published runs committed before the estimators saw them, never tuned on (error as "
+            "time, negative = optimistic)",
+        }[self.split]
+        text = render(["case", "class", "run", "unit", "measured", "predicted", "error", "grade"], rows, title=title)
+        text += "\n\n" + render(
+            ["class", "answered", "mean |err|", "mean err", "mean |err| with n/e"],
+            [_stat_row(g, c) for g, c in self.classes().items()],
         )
-        class_rows = [
-            [
-                g,
-                f"{int(c['predicted'])}/{int(c['runs'])}",
-                f"{100 * c['mean_abs_error']:.1f}%" if c["predicted"] else "-",
-                f"{100 * c['mean_error']:+.1f}%" if c["predicted"] else "-",
-            ]
-            for g, c in self.classes().items()
-        ]
+        text += "\n\n" + render(
+            ["source", "answered", "mean |err|", "mean err", "mean |err| with n/e"],
+            [_stat_row(k, c) for k, c in self.sources().items()],
+        )
+        return text + "\n\n" + self.headline()
+
+    def headline(self) -> str:
+        """One paragraph: answered, the per-run and per-source means, with and without the unexpressible runs."""
         s = self.summary()
-        text += "\n\n" + render(["class", "predicted", "mean |err|", "mean err"], class_rows)
-        if s["predicted"]:
-            text += (
-                f"\n\n{s['predicted']} of {s['runs']} runs predicted ({s['not_expressible']} not expressible): mean "
-                f"|err| {100 * s['mean_abs_error']:.1f}% (target {100 * TARGET_MEAN:.0f}%), "
-                f"{s['optimistic']} optimistic (target: no sign on more than {100 * TARGET_SIGN:.0f}%)"
-            )
-        return text
+        if not s["answered"]:
+            return f"{self.split}: {s['runs']} runs, none answered"
+        with_ne = (
+            f"; {_pct(s['mean_abs_error_with_unexpressible'], sign=False)} over {s['priced_with_unexpressible']} with "
+            f"the unexpressible priced anyway"
+            if s["priced_with_unexpressible"] > s["answered"]
+            else ""
+        )
+        return (
+            f"{self.split}: {s['answered']} of {s['runs']} runs answered ({s['not_expressible']} not expressible, "
+            f"{s['refused']} refused): mean |err| {_pct(s['mean_abs_error'], sign=False)} per run, "
+            f"{_pct(s['per_source_mean_abs_error'], sign=False)} per source ({s['sources']} sources){with_ne}; "
+            f"{s['optimistic']} of {s['answered']} optimistic"
+        )
 
 
-def run_public_validation() -> PublicValidation:
-    """Predict every public run (see the module docstring)."""
-    return PublicValidation(tuple(predict(r) for r in RUNS))
+def _pct(x: float | None, sign: bool = True) -> str:
+    if x is None:
+        return "-"
+    return f"{100 * x:+.1f}%" if sign else f"{100 * x:.1f}%"
 
 
-__all__ = ["PublicRow", "PublicValidation", "predict", "run_public_validation"]
+def _num(x: float | None, unit: str) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.3g}" if unit != "mfu" else f"{100 * x:.1f}%"
+
+
+def _stat_row(name: str, c: dict[str, Any]) -> list[str]:
+    return [
+        name,
+        f"{c['answered']}/{c['runs']}",
+        _pct(c["mean_abs_error"], sign=False),
+        _pct(c["mean_error"]),
+        _pct(c["mean_abs_error_with_unexpressible"], sign=False),
+    ]
+
+
+def run_public_validation(split: str = "development") -> PublicValidation:
+    """Predict every run of one split (see the module docstring)."""
+    return PublicValidation(tuple(predict(r) for r in split_runs(split)), split)
+
+
+__all__ = ["SPLITS", "TARGETS", "PublicRow", "PublicValidation", "predict", "run_public_validation", "split_runs"]
