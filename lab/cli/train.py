@@ -569,6 +569,20 @@ def cmd_validate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             texts.append(pv.table())
     if group == "all":
         texts.append("\n".join(run_public_validation(s).headline() for s in ("development", "test")))
+    if args.sensitivity:
+        from lab.studies.sensitivity import run_sensitivity
+
+        splits = tuple(s for s in ("development", "test") if group in (s, "all"))
+        if not splits:
+            raise UserError(
+                "--sensitivity prices the development set and the test split; give --group development, test or all"
+            )
+        sens = run_sensitivity(splits)
+        texts.append(sens.table())
+        if group != "all":
+            data = {group: data[group]}
+        data["sensitivity"] = sens.to_dict()
+        return data, "\n\n".join(texts)
     return (data if group == "all" else next(iter(data.values()))), "\n\n".join(texts)
 
 
@@ -783,6 +797,12 @@ def _register_validate(sub, common, hw, with_chip) -> None:
         help="calibration: the published Megatron runs the efficiency model was chosen on; development: public "
         "measured runs looked at while the model changed (in-sample; 'public' is its old name); test: runs committed "
         "before the estimators saw them and never tuned on, the honest figure; all: the three (default)",
+    )
+    v.add_argument(
+        "--sensitivity",
+        action="store_true",
+        help="also price the development set and test split with each B or C graded constant (lab/predict/"
+        "constants.py) swapped for its stated alternative: the change of each class's mean |err|",
     )
     command(v, cmd_validate)
 

@@ -80,7 +80,6 @@ def decode_kernel_overhead(chip: Chip, layers: int) -> float:
 # steady for seconds at full power with the node's other GPUs busy; stas00/ml-engineering compute/accelerator/
 # README.md at 0359db8, 'Maximum Achievable and Sustainable Matmul FLOPS comparison table', torch 2.14+cu130). A
 # short best-shape burst (G1-G7, MAMF) runs at the boost clock and low power, 5-23% above these.
-MSMF_SOURCE = "stas00/ml-engineering compute/accelerator/README.md at 0359db8 (MSMF column)"
 GEMM_CEILING: dict[tuple[str, str], float] = {
     ("a100", "bf16"): 0.822,  # G9: 256.5 of 312 (fp16 16384^3, the same tensor-core peak); G1 best shape 0.869
     ("a100", "int8"): 0.822,  # no fp8 on A100; int8 assumed as bf16 (G25 measured it no faster)
@@ -93,13 +92,13 @@ GEMM_CEILING: dict[tuple[str, str], float] = {
     ("b200", "bf16"): 0.640,  # MSMF: 1439 of 2250, ~980 W, 1399-1443 MHz (burst G6: 1745)
     ("b200", "fp8"): 0.620,  # MSMF: 2788 of 4500 (burst G7: 3432.5)
 }
-GEMM_CEILING_TPU = 0.923  # G26: v5e jnp.matmul bf16 8192^3; no v4/v5p/v6e figure is published
+GEMM_CEILING_TPU = 0.923  # G26: v5e jnp.matmul bf16 8192^3
+GEMM_CEILING_TPU_OTHER = 0.923  # no v4/v5p/v6e figure is published: v5e's carried over (grade B)
 # a chip family with no measurement: a GPU takes Hopper's sustained bf16 rate (MSMF), not a burst's
-GEMM_CEILING_OTHER = {"gpu": 0.76, "tpu": GEMM_CEILING_TPU, "cpu": 1.0}
+GEMM_CEILING_OTHER = {"gpu": 0.76, "cpu": 1.0}
 TILE = {"gpu": 128.0, "tpu": 128.0, "cpu": 1.0}
 
 # Fused attention, forward and backward together, as a fraction of the bf16 peak (microbenchmarks.md §2).
-ATTENTION_KERNELS = ("fa2", "fa3")
 ATTENTION: dict[tuple[str, str], float] = {
     ("a100", "fa2"): 0.58,  # A13: FA2 at seq 8192, 179.5 of 312 (FA3 does not run on A100)
     ("a100", "fa3"): 0.58,
@@ -114,24 +113,22 @@ ATTENTION: dict[tuple[str, str], float] = {
 # STREAM copy rate as a fraction of HBM bandwidth (microbenchmarks.md §3).
 HBM_FRACTION = {"a100": 0.79, "h100": 0.87, "h200": 0.84, "b200": 0.92}  # H1, H2, H3, H4 (GB200)
 HBM_FRACTION_OTHER = {"gpu": 0.85, "tpu": 0.90, "cpu": 1.0}  # no TPU figure is published
-DECODE_WEIGHT_FRACTION = 0.68  # G16: DeepGEMM M=64 rows on H800 reach 50/73/80% of HBM (mean)
+DECODE_WEIGHT_FRACTION = 0.68  # G16: DeepGEMM M=64 rows on H800 reach 50/73/80% of HBM (mean); Hopper's HBM3
 # A skinny decode GEMM streams its weights at a fixed share of what a STREAM copy reaches on the same memory: G16's
 # 68% was measured on H800, whose HBM3 is the H100's (3.35 TB/s), where the copy reaches 87% (H2), so the skinny GEMM
 # runs at 0.68 / 0.87 = 0.78 of the copy rate. A GPU family whose own copy rate is measured takes that share of it
 # (A100: 0.78 x 79% (H1) = 62%; H200: 0.78 x 84% (H3) = 66%; B200: 0.78 x 92% (H4) = 72%; H100: 68%, G16 itself),
-# rather than the Hopper HBM3 figure; a derived figure (grade C): no skinny-GEMM bandwidth is published for A100.
+# rather than the Hopper HBM3 figure; a derived figure (grade B): no skinny-GEMM bandwidth is published for A100.
 SKINNY_GEMM_VS_COPY = DECODE_WEIGHT_FRACTION / HBM_FRACTION["h100"]  # G16 / H2
+DECODE_WEIGHT_FRACTION_TPU = 0.68  # G16 carried over: no TPU figure is published (grade B)
 
 # Fraction of the link a ring collective reaches (microbenchmarks.md §4).
 NVLINK_RING = {"a100": 0.775, "h100": 0.81, "h200": 0.81, "b200": 0.75}  # C1/C2, C6, C6, C8
 NVLS_ALL_REDUCE = {"h100": 1.07, "h200": 1.07, "b200": 0.93}  # C3/C5, C6, C8: busbw at 6-8 GPUs (NVLS)
 NIC_FRACTION = 0.72  # C14 (74%), C17 (71%): per-GPU NIC rate of inter-node all-reduce at >= 1 GiB
 ICI_FRACTION = 0.95  # C20: v5e AllGather at 95% of the link rate
-COLLECTIVE_FRACTION = {"gpu": 0.8, "tpu": ICI_FRACTION, "cpu": 1.0}  # a chip family with no measurement
-
-# Kept for callers that name them: the fractions of an unmeasured chip family.
-PEAK_FRACTION = GEMM_CEILING_OTHER
-MEMORY_FRACTION = 0.9
+ICI_FRACTION_OTHER = 0.95  # v4, v5p, v6e: nothing published, v5e's carried over (grade B)
+COLLECTIVE_FRACTION = {"gpu": 0.8, "cpu": 1.0}  # a GPU family with no measurement; the host (calibrated)
 
 
 # Host <-> device bandwidth per chip, one direction, for activations offloaded to host memory. GPUs: H8, nvbandwidth
@@ -175,7 +172,7 @@ def tile(chip: Chip) -> float:
 def gemm_ceiling(chip: Chip, dtype: str = "bf16") -> float:
     """The best fraction of ``dtype``'s peak a large GEMM reaches on this chip (module docstring)."""
     if chip.kind == "tpu":
-        return GEMM_CEILING_TPU
+        return GEMM_CEILING_TPU if chip.name == "tpu-v5e" else GEMM_CEILING_TPU_OTHER
     dt = {"fp16": "bf16", "fp32": "bf16"}.get(canonical_dtype(dtype), canonical_dtype(dtype))
     return GEMM_CEILING.get((family(chip), dt), GEMM_CEILING_OTHER[chip.kind])
 
@@ -210,12 +207,18 @@ def memory_time(chip: Chip, nbytes: float) -> float:
 
 
 def decode_weight_fraction(chip: Chip) -> float:
-    """The fraction of HBM bandwidth the skinny GEMMs of a decode step stream weights at: on a GPU family with a
-    measured copy rate, G16's share of that rate (SKINNY_GEMM_VS_COPY); G16's 68% on other GPUs and on TPUs (no TPU
-    figure is published; a skinny GEMM does not reach a copy's rate on either); the copy rate on a host CPU."""
-    if chip.kind == "gpu" and family(chip) in HBM_FRACTION:
-        return SKINNY_GEMM_VS_COPY * HBM_FRACTION[family(chip)]
-    return DECODE_WEIGHT_FRACTION if chip.kind in ("gpu", "tpu") else hbm_fraction(chip)
+    """The fraction of HBM bandwidth the skinny GEMMs of a decode step stream weights at: G16's 68% on Hopper (H100);
+    on another GPU family with a measured copy rate, G16's share of that rate (SKINNY_GEMM_VS_COPY); G16's 68% on other
+    GPUs and on TPUs (no TPU figure is published; a skinny GEMM does not reach a copy's rate on either); the copy rate
+    on a host CPU."""
+    if chip.kind == "tpu":
+        return DECODE_WEIGHT_FRACTION_TPU
+    if chip.kind != "gpu":
+        return hbm_fraction(chip)
+    fam = family(chip)
+    if fam != "h100" and fam in HBM_FRACTION:
+        return SKINNY_GEMM_VS_COPY * HBM_FRACTION[fam]
+    return DECODE_WEIGHT_FRACTION
 
 
 # fp8 decode GEMMs on a GPU, where the activations are quantised to fp8 as the step runs (per-token dynamic scales:
@@ -348,6 +351,8 @@ def overlapped(slowdown: float, comm_s: float, compute_s: float) -> float:
 
 def collective_fraction(chip: Chip, kind: str, group: int, scope: str, nbytes: float | None = None) -> float:
     """The fraction of the modelled link rate a collective reaches (module docstring)."""
+    if chip.kind == "tpu":
+        return ICI_FRACTION if chip.name == "tpu-v5e" else ICI_FRACTION_OTHER
     if chip.kind != "gpu":
         return COLLECTIVE_FRACTION[chip.kind]
     if scope == "cross-node":
