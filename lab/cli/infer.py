@@ -32,6 +32,8 @@ from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
 from lab.predict.efficiency import FP8_DECODE_TIME_VS_BF16, FP8_SCALINGS
 from lab.predict.inference import WEIGHT_DTYPES, InferConfig, estimate_inference
+from lab.predict.intervals import for_inference
+from lab.predict.intervals import text as interval_text
 
 TYPE_CHECKING = False  # typing is not imported at run time: annotations only
 if TYPE_CHECKING:
@@ -121,6 +123,14 @@ def infer_config(args: argparse.Namespace, chip) -> InferConfig:
     )
 
 
+def _likely(iv, cfg) -> str:
+    """``; likely 5.9-7.9 ms`` (80%: the achievable prediction's interval, which an ideal bound sits below)."""
+    if iv is None:
+        return ""
+    basis = "" if cfg.achievable else ", achievable"
+    return f"; {interval_text(iv, fmt_seconds)} (80%{basis})"
+
+
 def cmd_infer_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     plan = program = None
     if args.plan:
@@ -147,6 +157,8 @@ def cmd_infer_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         cfg = infer_config(args, chip)
         e = estimate_inference(cfg)
     m = cfg.model
+    decode_iv = for_inference(cfg, "decode_step_s")
+    prefill_iv = for_inference(cfg, "prefill_s") if e.prefill_s is not None else None
     rows = [
         [
             "model / hardware",
@@ -164,7 +176,7 @@ def cmd_infer_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             ("yes" if e.fits else "NO") + f": {e.total_bytes_per_chip / GiB:.1f} of "
             f"{chip.hbm_bytes / GiB:.1f} GiB per chip; max batch {e.max_batch}, min chips {e.min_chips}",
         ],
-        ["decode step", f"{fmt_seconds(e.decode_step_s)} ({e.bound}-bound)"],
+        ["decode step", f"{fmt_seconds(e.decode_step_s)} ({e.bound}-bound){_likely(decode_iv, cfg)}"],
         ["  KV reads", fmt_seconds(e.kv_s)],
         ["  weight reads / FLOPs", f"{fmt_seconds(e.weights_s)} / {fmt_seconds(e.compute_s)}"],
         ["  collectives", fmt_seconds(e.comm_s) + ("  (latency-bound)" if e.latency_bound_collectives else "")],
@@ -176,7 +188,8 @@ def cmd_infer_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             [
                 "prefill / TTFT",
                 f"{fmt_seconds(e.prefill_s)} for {cfg.prefill_len} tokens x {cfg.batch}"
-                + (f" at MFU {cfg.mfu:g}" if cfg.mfu else ""),
+                + (f" at MFU {cfg.mfu:g}" if cfg.mfu else "")
+                + _likely(prefill_iv, cfg),
             ]
         )
     if e.generate_s is not None:
@@ -184,6 +197,13 @@ def cmd_infer_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if e.cost_per_million_tokens_usd is not None:
         rows.append(["cost", f"${e.cost_per_million_tokens_usd:.3f} per million tokens"])
     d = e.to_dict()
+    d["decode_step_interval_s"] = decode_iv.as_list() if decode_iv else None
+    d["prefill_interval_s"] = prefill_iv.as_list() if prefill_iv else None
+    d["intervals"] = {
+        "basis": "achievable",
+        "decode": decode_iv.to_dict() if decode_iv else None,
+        "prefill": prefill_iv.to_dict() if prefill_iv else None,
+    }
     if program is None:
         return d, render(["quantity", "value"], rows)
     rows.append(["the Plan's program", f"{fmt_seconds(program.step_time_s)}: {program.notes[0]}"])

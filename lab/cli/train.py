@@ -38,6 +38,8 @@ from lab.core.errors import UserError
 from lab.core.models import CATALOG, resolve_model
 from lab.core.table import render
 from lab.core.units import canonical_dtype, fmt_bytes, fmt_count, fmt_seconds
+from lab.predict.intervals import for_training
+from lab.predict.intervals import text as interval_text
 from lab.predict.remat import ALL as REMAT_ALL
 from lab.predict.train_config import ELEMENTWISE, MAX_CHECKPOINTS_PER_LAYER
 from lab.predict.training import OPTIMIZERS, SCHEDULES, Layout, TrainConfig, estimate
@@ -240,7 +242,17 @@ def _job(args: argparse.Namespace):
     return estimate(train_config(args, chip_of(args))), None, None
 
 
-def _step_rows(est) -> list[list[str]]:
+def _interval_text(iv) -> str:
+    """``, likely 2.9-4.1 s (80%)``, or why there is no interval."""
+    if iv is None:
+        return " (no interval: no published run validates this chip kind)"
+    lean = ""
+    if iv.leaning_on and iv.s_constants > 0.5 * iv.s_class:
+        lean = "; widened: leans on " + ", ".join(n for n, _ in iv.leaning_on)
+    return f", {interval_text(iv, fmt_seconds)} (80%{lean})"
+
+
+def _step_rows(est, iv=None) -> list[list[str]]:
     """The estimate's table: the job, the step and its parts, throughput, memory and the verdicts."""
     cfg, b, mem = est.config, est.breakdown, est.memory
     m, chip = cfg.model, cfg.chip
@@ -252,7 +264,7 @@ def _step_rows(est) -> list[list[str]]:
             f"{cfg.layout.describe()}, remat {cfg.remat}, microbatch {cfg.microbatch} x {cfg.microbatches} per step",
         ],
         ["batch", f"{cfg.global_batch} x {cfg.seq_len} = {fmt_count(cfg.batch_tokens)} tokens"],
-        ["step time", fmt_seconds(est.step_time_s)],
+        ["step time", fmt_seconds(est.step_time_s) + _interval_text(iv)],
         ["  compute", fmt_seconds(b["compute_s"])],
         ["  exposed comm", fmt_seconds(b["exposed_comm_s"]) + f"  ({comm})"],
         ["  pipeline bubble", fmt_seconds(b["bubble_s"])],
@@ -308,6 +320,9 @@ def cmd_train_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             f"the step; give at least {lay.pp} (a smaller --microbatch or a larger batch)",
         )
     d = est.to_dict()
+    iv = for_training(est)
+    d["step_time_interval_s"] = iv.as_list() if iv else None
+    d["interval"] = iv.to_dict() if iv else None
     if args.save_plan:
         d["plan_file"] = save_plan(cfg, args.save_plan)
     if program is not None:
@@ -330,7 +345,7 @@ def cmd_train_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         if chip.price_per_hour:
             cost = days * 24 * cfg.layout.chips * chip.price_per_hour
     d.update(total_flops=total_flops, days=days, cost_usd=cost, tokens=args.tokens, mfu_given=args.mfu)
-    rows = _step_rows(est)
+    rows = _step_rows(est, iv)
     if total_flops is not None:
         rows += [
             ["total FLOPs", f"{total_flops:.3g}" + (" (6N)" if args.seq_len is None else "")],
@@ -552,9 +567,26 @@ def cmd_validate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             f"validate prices the published runs on the catalog's chips (a100-80gb, h100, ...) and reads no "
             f"--hardware-file; drop --hardware-file {args.hardware_file}"
         )
+    from lab.studies.intervals_fit import with_intervals
     from lab.studies.validate import run_validation
     from lab.studies.validate_public import run_public_validation
 
+    if args.write_intervals:
+        from lab.predict.intervals import TABLE
+        from lab.studies.intervals_fit import write
+
+        data = write()
+        rows = [
+            [c["name"], c["runs"], c["sources"], f"{c['mu']:+.3f}", f"{c['s_between']:.3f}", f"{c['s_within']:.3f}"]
+            for c in data["classes"]
+        ]
+        return data, render(
+            ["class", "runs", "sources", "mu", "s between", "s within"],
+            rows,
+            title=f"wrote {TABLE}: the development set's residuals, log(measured / predicted)",
+        )
+    if args.case:
+        return _validate_case(args.case)
     group = "development" if args.group == "public" else args.group  # 'public': the development set's old name
     data: dict[str, Any] = {}
     texts = []
@@ -562,13 +594,15 @@ def cmd_validate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         v = run_validation()
         data["calibration"] = v.to_dict()
         texts.append(v.table())
+    heads = []
     for split in ("development", "test"):
         if group in (split, "all"):
-            pv = run_public_validation(split)
+            pv = with_intervals(run_public_validation(split))
             data[split] = pv.to_dict()
             texts.append(pv.table())
+            heads.append(pv.headline())
     if group == "all":
-        texts.append("\n".join(run_public_validation(s).headline() for s in ("development", "test")))
+        texts.append("\n".join(heads))
     if args.sensitivity:
         from lab.studies.sensitivity import run_sensitivity
 
@@ -584,6 +618,46 @@ def cmd_validate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         data["sensitivity"] = sens.to_dict()
         return data, "\n\n".join(texts)
     return (data if group == "all" else next(iter(data.values()))), "\n\n".join(texts)
+
+
+def _validate_case(case: str) -> tuple[dict[str, Any], str]:
+    """One published run: its prediction, error and 80% interval, and the constants that move it most."""
+    from lab.predict.intervals import interval
+    from lab.studies.intervals_fit import run_shifts
+    from lab.studies.validate_public import PublicValidation, predict, split_runs
+
+    runs = {r.case_id: r for s in ("development", "test") for r in split_runs(s)}
+    run = runs.get(case.strip().upper())
+    if run is None:
+        raise UserError(
+            f"--case {case!r} is no published run; valid: {', '.join(list(runs)[:6])}, ... (validate lists them all)"
+        )
+    row = predict(run)
+    if row.error is None:
+        why = row.detail.removeprefix("not expressible: ").removeprefix("refused: ")
+        raise UserError(
+            f"--case {run.case_id} is not expressible ({why}): it has no prediction, so no interval; "
+            "pick an answered run"
+        )
+    alone = PublicValidation((row,), run.split)
+    iv = interval(1.0, run.group, run_shifts(run.split, alone).get(run.case_id))
+    inside = iv.lo <= 1 / (1 + row.error) <= iv.hi
+    lean = ", ".join(f"{n} x{f:.3f}" for n, f in iv.leaning_on) or "none"
+    rows = [
+        ["run", f"{run.case_id} ({run.split}): {run.group}, {run.model} on {run.chips} {run.chip}"],
+        ["source", run.source],
+        ["measured", f"{run.measured:.4g} {run.unit}" + (f"  ({run.quote})" if run.quote else "")],
+        ["predicted", f"{row.predicted:.4g} {run.unit}: {row.detail}"],
+        ["error (as a time)", f"{100 * row.error:+.1f}%"],
+        [
+            "80% interval (time)",
+            f"{100 * (iv.lo - 1):+.0f}% to {100 * (iv.hi - 1):+.0f}% of the prediction: measured "
+            + ("inside" if inside else "OUTSIDE"),
+        ],
+        ["leans on", lean],
+    ]
+    data = row.to_dict() | {"interval_ratio": iv.as_list(), "inside": inside, "interval": iv.to_dict()}
+    return data, render(["quantity", "value"], rows)
 
 
 def _register_model(sub, common, hw, with_chip) -> None:
@@ -797,6 +871,13 @@ def _register_validate(sub, common, hw, with_chip) -> None:
         help="calibration: the published Megatron runs the efficiency model was chosen on; development: public "
         "measured runs looked at while the model changed (in-sample; 'public' is its old name); test: runs committed "
         "before the estimators saw them and never tuned on, the honest figure; all: the three (default)",
+    )
+    v.add_argument("--case", metavar="ID", help="one run (PT01, T201, ...): its prediction, error and 80%% interval")
+    v.add_argument(
+        "--write-intervals",
+        action="store_true",
+        help="derive the residual table behind every estimate's 80%% interval from the development set and write it "
+        "(lab/predict/data/intervals.json); the test split is never read",
     )
     v.add_argument(
         "--sensitivity",

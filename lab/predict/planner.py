@@ -26,6 +26,7 @@ step time was priced, ``feasible`` those of them that fit.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Iterator
@@ -102,7 +103,23 @@ class PlanResult:
         """Configurations considered (memory computed) per second of search wall time."""
         return self.screened / self.seconds if self.seconds > 0 else math.inf
 
+    @functools.cached_property
+    def intervals(self) -> tuple[Any, ...]:
+        """Each top layout's 80% interval (lab.predict.intervals; None on a chip kind nothing validates)."""
+        from lab.predict.intervals import for_training
+
+        return tuple(for_training(est) for est in self.top)
+
+    def indistinguishable(self) -> tuple[bool | None, ...]:
+        """Per top layout, whether its interval overlaps the best one's: the model cannot tell them apart."""
+        ivs = self.intervals
+        if not ivs or ivs[0] is None:
+            return tuple(None for _ in ivs)
+        best = ivs[0]
+        return tuple(iv is not None and iv.lo <= best.hi and best.lo <= iv.hi for iv in ivs)
+
     def to_dict(self) -> dict[str, Any]:
+        ivs, same = self.intervals, self.indistinguishable()
         return {
             "model": self.model,
             "hardware": self.hardware,
@@ -117,7 +134,15 @@ class PlanResult:
             "priced_per_s": self.priced_per_s,
             "configs_per_s": self.priced_per_s,
             "screened_per_s": self.screened_per_s,
-            "top": [{"rank": i, **est.to_dict()} for i, est in enumerate(self.top, start=1)],
+            "top": [
+                {
+                    "rank": i,
+                    **est.to_dict(),
+                    "interval_s": iv.as_list() if iv is not None else None,
+                    "indistinguishable_from_best": tie,
+                }
+                for i, (est, iv, tie) in enumerate(zip(self.top, ivs, same, strict=True), start=1)
+            ],
         }
 
     def table(self) -> str:
@@ -127,8 +152,10 @@ class PlanResult:
             f"{self.feasible} fit; searched in {fmt_seconds(self.seconds)}"
         )
         rows = []
+        ivs, same = self.intervals, self.indistinguishable()
         for i, est in enumerate(self.top, start=1):
             c, mem = est.config, est.memory
+            iv = ivs[i - 1]
             rows.append(
                 [
                     i,
@@ -136,6 +163,7 @@ class PlanResult:
                     c.remat,
                     c.microbatch,
                     fmt_seconds(est.step_time_s),
+                    _likely(iv, same[i - 1], i == 1),
                     fmt_count(est.tokens_per_s),
                     f"{100 * est.mfu:.1f}%",
                     f"{mem.total / GIB:.1f} / {mem.hbm_bytes / GIB:.1f}",
@@ -148,12 +176,29 @@ class PlanResult:
             "remat",
             "microbatch",
             "step time",
+            "likely (80%)",
             "tokens/s",
             "MFU",
             "GiB/chip / HBM",
             "bottleneck",
         ]
-        return render(headers, rows, title=title)
+        text = render(headers, rows, title=title)
+        if any(same[1:]):
+            n = sum(bool(t) for t in same[1:])
+            text += (
+                f"\n~: {n} layout{'s' if n > 1 else ''} whose 80% interval overlaps the best one's: the model cannot "
+                "tell them from it"
+            )
+        return text
+
+
+def _likely(iv: Any, tie: bool | None, best: bool) -> str:
+    if iv is None:
+        return "-"
+    from lab.predict.intervals import text
+
+    mark = "" if best or not tie else " ~"
+    return text(iv, fmt_seconds).removeprefix("likely ") + mark
 
 
 # ----- the search space ---------------------------------------------------------------------

@@ -124,6 +124,13 @@ def bubble_line(b: dict[str, Any]) -> str:
     )
 
 
+def _likely(interval: list[float] | None) -> str:
+    """``, likely 5.9-7.9 ms (80%)``; nothing where the estimate has no interval (an emulated host's)."""
+    if not interval:
+        return ""
+    return f", likely {_s(interval[0])}-{_s(interval[1])} (80%)"
+
+
 def _facts(report: dict[str, Any]) -> list[str]:
     """The run in bullets: where, which spec, the three step times, coverage, ratios, trust, the audit."""
     hw, summary = report["hardware"], report["summary"]
@@ -135,8 +142,8 @@ def _facts(report: dict[str, Any]) -> list[str]:
         f"{','.join(f'{k}={v}' for k, v in report['mesh'].items())}",
         f"- hardware spec: {hw['name']} (calibrated: {hw.get('calibrated', False)})",
         f"- step time: measured {_s(report['step_time_measured_s'])}, estimated "
-        f"{_s(report['step_time_estimated_s'])} (the estimator, from the Plan), predicted "
-        f"{_s(report['step_time_predicted_s'])} (roofline of the compiled ops)",
+        f"{_s(report['step_time_estimated_s'])}{_likely(report.get('step_time_estimated_interval_s'))} (the "
+        f"estimator, from the Plan), predicted {_s(report['step_time_predicted_s'])} (roofline of the compiled ops)",
         f"- coverage: {100 * report['coverage']:.1f}% of measured op time is in predicted ops"
         + (
             f"; {100 * report['estimate_coverage']:.1f}% of measured matmul and collective time in estimated ops"

@@ -144,6 +144,15 @@ def host_bytes_per_device() -> float | None:
     return total / max(1, jax.local_device_count())
 
 
+def _interval(est: ProgramEstimate | None) -> list[float] | None:
+    """The estimate's 80% interval (lab.predict.intervals): on a GPU or TPU only, where published runs validate
+    the estimators; an emulated host's estimates are checked against its own measurement instead."""
+    from lab.predict.intervals import for_program
+
+    got = for_program(est) if est is not None else None
+    return got.as_list() if got is not None else None
+
+
 def _summary(rows: list[dict[str, Any]], warmup: int, repeats: int) -> dict[str, Any]:
     from lab.report import writer as report
 
@@ -330,6 +339,7 @@ def run_point(
         "step_time_measured_s": report.median(m.steps) if m.steps else None,
         "step_time_predicted_s": sum(r.predicted_s or 0.0 for r in rows),
         "step_time_estimated_s": est.step_time_s if est is not None else None,
+        "step_time_estimated_interval_s": _interval(est),
         "estimate": est.to_dict() if est is not None else {"note": note},
         "breakdown": report.breakdown(row_dicts, named),
         "summary": _summary(row_dicts, exp.warmup, exp.repeats) | {"host_load": m.host_load},

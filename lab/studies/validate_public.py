@@ -225,6 +225,27 @@ class PublicValidation:
 
     rows: tuple[PublicRow, ...]
     split: str = "development"
+    # case -> its 80% interval as a ratio to the prediction (a time), where intervals_fit.with_intervals added them
+    intervals: dict[str, Any] | None = None
+
+    def inside(self, row: PublicRow) -> bool | None:
+        """Whether the measured value lies in the run's 80% interval (None: no interval)."""
+        got = (self.intervals or {}).get(row.run.case_id)
+        if got is None or row.error is None:
+            return None
+        return got.lo <= 1.0 / (1.0 + row.error) <= got.hi
+
+    def coverage(self) -> dict[str, Any]:
+        """The share of answered runs whose measured value lies in its stated 80% interval; the median half-width."""
+        if not self.intervals:
+            return {"coverage": None, "median_half_width": None}
+        flags = [self.inside(r) for r in self.predicted]
+        hits = [f for f in flags if f is not None]
+        widths = [self.intervals[r.run.case_id].half_width for r in self.predicted if r.run.case_id in self.intervals]
+        return {
+            "coverage": sum(hits) / len(hits) if hits else None,
+            "median_half_width": statistics.median(widths) if widths else None,
+        }
 
     @property
     def predicted(self) -> list[PublicRow]:
@@ -260,13 +281,19 @@ class PublicValidation:
             "optimistic": optimistic,
             "optimistic_share": optimistic / len(errs) if errs else None,
             "worst_class_mean_abs_error": max(classes, default=None),
+            **self.coverage(),
             "targets": TARGETS,
         }
 
     def to_dict(self) -> dict[str, Any]:
+        def row(r: PublicRow) -> dict[str, Any]:
+            got = (self.intervals or {}).get(r.run.case_id)
+            extra = {"interval_ratio": [got.lo, got.hi], "inside": self.inside(r)} if got is not None else {}
+            return r.to_dict() | extra
+
         return {
             "split": self.split,
-            "rows": [r.to_dict() for r in self.rows],
+            "rows": [row(r) for r in self.rows],
             "classes": self.classes(),
             "sources": self.sources(),
             "summary": self.summary(),
@@ -282,6 +309,7 @@ class PublicValidation:
                 _num(r.run.measured, r.run.unit),
                 _num(r.predicted, r.run.unit),
                 _pct(r.error) if r.error is not None else ("n/e" if r.run.expressible else "refused"),
+                self._interval_cell(r),
                 r.run.grade,
             ]
             for r in self.rows
@@ -292,7 +320,8 @@ class PublicValidation:
             "test": "Test split: published runs committed before the estimators saw them, never tuned on (error as "
             "time, negative = optimistic)",
         }[self.split]
-        text = render(["case", "class", "run", "unit", "measured", "predicted", "error", "grade"], rows, title=title)
+        head = ["case", "class", "run", "unit", "measured", "predicted", "error", "80% interval (time)", "grade"]
+        text = render(head, rows, title=title)
         text += "\n\n" + render(
             ["class", "answered", "mean |err|", "mean err", "mean |err| with n/e"],
             [_stat_row(g, c) for g, c in self.classes().items()],
@@ -302,6 +331,13 @@ class PublicValidation:
             [_stat_row(k, c) for k, c in self.sources().items()],
         )
         return text + "\n\n" + self.headline()
+
+    def _interval_cell(self, r: PublicRow) -> str:
+        got = (self.intervals or {}).get(r.run.case_id)
+        if got is None:
+            return "-"
+        mark = "in" if self.inside(r) else "OUT"
+        return f"{100 * (got.lo - 1):+.0f}%..{100 * (got.hi - 1):+.0f}% {mark}"
 
     def headline(self) -> str:
         """One paragraph: answered, the per-run and per-source means, with and without the unexpressible runs."""
@@ -319,6 +355,12 @@ class PublicValidation:
             f"{s['refused']} refused): mean |err| {_pct(s['mean_abs_error'], sign=False)} per run, "
             f"{_pct(s['per_source_mean_abs_error'], sign=False)} per source ({s['sources']} sources){with_ne}; "
             f"{s['optimistic']} of {s['answered']} optimistic"
+            + (
+                f"; {_pct(s['coverage'], sign=False)} of measured values inside their 80% interval (median half-width "
+                f"{_pct(s['median_half_width'], sign=False)})"
+                if s["coverage"] is not None
+                else ""
+            )
         )
 
 

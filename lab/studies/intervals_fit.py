@@ -1,0 +1,102 @@
+"""The residual table behind every estimate's interval (:mod:`lab.predict.intervals`), derived from the development
+set, and the intervals of the published runs themselves: how often the measured value falls inside.
+
+``python -m lab.studies.intervals_fit`` (or ``shardlab validate --write-intervals``) writes the table; the test split is
+never read to make it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from typing import Any
+
+from lab.predict import constants as K
+from lab.predict import intervals as iv
+from lab.studies.validate_public import PublicValidation, run_public_validation
+
+
+def _time_ratio(error: float) -> float:
+    """A row's error as predicted time over measured time (errors read as a time: validate_public)."""
+    return 1.0 + error
+
+
+def run_shifts(split: str, base: PublicValidation | None = None) -> dict[str, dict[str, float]]:
+    """Per answered run of ``split``: each B/C constant's swapped prediction over the built one, as times."""
+    base = base or run_public_validation(split)
+    built = {r.run.case_id: r.error for r in base.rows if r.error is not None}
+    out: dict[str, dict[str, float]] = {case: {} for case in built}
+    for c in K.uncertain():
+        with K.swapped(c.name):
+            swapped = run_public_validation(split)
+        for r in swapped.rows:
+            e0 = built.get(r.run.case_id)
+            if e0 is None or r.error is None:
+                continue
+            ratio = _time_ratio(r.error) / _time_ratio(e0)
+            if abs(ratio - 1) > 1e-9:
+                out[r.run.case_id][c.name] = ratio
+    return out
+
+
+def _sd(xs: list[float]) -> float:
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def fit(dev: PublicValidation) -> dict[str, Any]:
+    """The class spreads of the development set's residuals (lab.predict.intervals' docstring)."""
+    by_class: dict[str, dict[str, list[float]]] = {}
+    for r in dev.predicted:
+        res = -math.log(_time_ratio(r.error))  # log(measured / predicted)
+        by_class.setdefault(r.run.group, {}).setdefault(r.run.source_name, []).append(res)
+    source_means = {g: {s: statistics.mean(v) for s, v in srcs.items()} for g, srcs in by_class.items()}
+    pooled_between = _sd([m for g in source_means.values() for m in g.values()])
+    classes = []
+    for g, srcs in by_class.items():
+        means = source_means[g]
+        n = sum(len(v) for v in srcs.values())
+        within = [x - means[s] for s, v in srcs.items() for x in v]
+        dof = n - len(srcs)
+        s_within = math.sqrt(sum(d * d for d in within) / dof) if dof > 0 else 0.0
+        few = len(srcs) < iv.MIN_SOURCES
+        classes.append(
+            iv.ClassSpread(
+                name=g,
+                runs=n,
+                sources=len(srcs),
+                mu=0.0 if few else statistics.mean(means.values()),
+                s_between=pooled_between if few else _sd(list(means.values())),
+                s_within=s_within,
+            ).to_dict()
+        )
+    return {
+        "derived_from": "the development set's answered runs (lab/studies/public_runs.py, public_serving.py)",
+        "pooled_s_between": pooled_between,
+        "classes": sorted(classes, key=lambda c: c["name"]),
+    }
+
+
+def write(path=iv.TABLE) -> dict[str, Any]:
+    data = fit(run_public_validation("development"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    iv._LOADED = None  # the next estimate reads the new table
+    return data
+
+
+def with_intervals(v: PublicValidation) -> PublicValidation:
+    """``v`` with each answered run's 80% interval, as a ratio to its prediction (its class's spread and its swaps)."""
+    shifts = run_shifts(v.split, v)
+    out = {}
+    for r in v.predicted:
+        out[r.run.case_id] = iv.interval(1.0, r.run.group, shifts.get(r.run.case_id))
+    return dataclasses.replace(v, intervals=out)
+
+
+if __name__ == "__main__":
+    print(json.dumps(write(), indent=1))
+
+
+__all__ = ["fit", "run_shifts", "with_intervals", "write"]
