@@ -33,8 +33,8 @@ def test_the_stored_table_is_the_development_sets_residuals_as_the_model_stands(
 def test_a_class_spread_is_between_its_sources_and_within_them():
     """Two sources, each off its own way: the centre is their mean; between them, their spread; within, each run about
     its source's mean (hand-computed from the residuals)."""
-    from lab.studies.validate_public import PublicRow, PublicValidation
     from lab.studies.public_runs import PublicRun
+    from lab.studies.validate_public import PublicRow, PublicValidation
 
     def run(case, source, err, group_chip="h100"):
         r = PublicRun(
