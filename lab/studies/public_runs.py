@@ -97,6 +97,7 @@ class PublicRun:
     note: str = ""
     node_network_gbps: float | None = None  # the cluster's stated inter-node rate per node, if not the catalog's
     attention_kernel: str = "fa2"  # fa3: FlashAttention-3 / cuDNN (Transformer Engine)
+    flash_attention: bool = True  # False: attention scores stored and softmaxed apart (before FlashAttention)
     elementwise: str = "fused"  # eager: PyTorch eager norms, rotary embedding and activation (TrainConfig)
     tp_comm_overlap: bool = False  # the run's config sets TP communication overlap (TrainConfig.tp_comm_overlap)
     # serving: the source's per-token figure is a whole generate call (tokenize, prefill and every decode step) over

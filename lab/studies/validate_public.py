@@ -130,7 +130,7 @@ def _train(run: PublicRun) -> tuple[float, float, str]:
         remat=run.remat,
         dtype=run.dtype,
         optimizer=run.optimizer,
-        flash_attention=True,
+        flash_attention=run.flash_attention,
         causal=True,
         attention_kernel=run.attention_kernel,
         elementwise=run.elementwise,
