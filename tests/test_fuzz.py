@@ -324,8 +324,17 @@ def strategy(command: str, action: argparse.Action, work: Path):
         "--mesh": BAD_ASSIGNMENTS,
         "target": BAD_TARGET,
         "--target": TEXT,  # plan --target without --validate, or a name that is no TPU topology
+        # validate --case: no such run, or one with no prediction (unexpressible: no interval either)
+        "--case": st.one_of(st.sampled_from(["PS44", "T212", "PT99", "T9999"]), TEXT.filter(lambda s: not _is_case(s))),
     }
     return by_name.get(name)
+
+
+def _is_case(text: str) -> bool:
+    from lab.studies.validate_public import split_runs
+
+    ids = {r.case_id for split in ("development", "test") for r in split_runs(split)}
+    return text.strip().upper() in ids
 
 
 POSITIONAL_AT = {("hardware show", "hardware"): 2, ("collective", "kind"): 1, ("sharded-matmul", "expression"): 1}

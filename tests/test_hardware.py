@@ -18,6 +18,11 @@ CANONICAL = [
     "h100-pcie",
     "h200",
     "b200",
+    "a10g",
+    "a10",
+    "l4",
+    "l40s",
+    "v100",
     "cpu",
 ]
 NUMERIC_FIELDS = [

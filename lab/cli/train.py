@@ -585,7 +585,7 @@ def cmd_validate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             rows,
             title=f"wrote {TABLE}: the development set's residuals, log(measured / predicted)",
         )
-    if args.case:
+    if args.case is not None:
         return _validate_case(args.case)
     group = "development" if args.group == "public" else args.group  # 'public': the development set's old name
     data: dict[str, Any] = {}

@@ -454,6 +454,8 @@ def _gpu(name, *, peak, hbm_bytes, hbm_bw, nvlink, scaleout, price, aliases, ext
 _A100_SRC = "NVIDIA A100 datasheet (dense Tensor Core figures), summarised in the scaling-book gpus.md"
 _A100_FP32 = "NVIDIA A100 datasheet: FP32 (non-Tensor-Core) 19.5 TFLOP/s"
 _A100_NIC = "DGX A100: 8x 200 Gb/s HDR InfiniBand per node, i.e. 25 GB/s per GPU (Korthikanti et al. 2022, Selene)"
+_A10_PEAK = "NVIDIA A10 datasheet: 250 TFLOPS BF16/FP16 (500 INT8) with sparsity, 125 (250) dense (D3)"
+_PCIE4 = "PCIe Gen4 x16: 32 GB/s one way (64 GB/s both ways); no NVLink"
 _H_FP32 = "NVIDIA H100 SXM datasheet: FP32 67 TFLOP/s (scaling-book gpus.md: CUDA cores about 66 TFLOP/s)"
 
 CATALOG: tuple[Chip, ...] = (
@@ -649,6 +651,115 @@ CATALOG: tuple[Chip, ...] = (
         },
         notes="HGX/DGX B200 at 1000 W; GB200 parts run faster (2.5e15 bf16). NVIDIA lists 7.7 TB/s HBM for HGX "
         "B200; the book's 8 TB/s is used.",
+    ),
+    # Inference cards (PCIe, no NVLink): docs/reference/microbenchmarks-added.md §1 (D rows). Their scale-up "link" is
+    # PCIe Gen4 x16 one way (32 GB/s; L4-to-L4 traffic goes through host memory, D12); across instances the AWS G5/G6
+    # networking per GPU.
+    _gpu(
+        "a10g",
+        peak={"bf16": 1.25e14, "fp16": 1.25e14, "int8": 2.5e14, "fp32": 3.12e13},
+        hbm_bytes=24e9,
+        hbm_bw=6.0e11,
+        nvlink=3.2e10,
+        scaleout=100e9 / 8 / 8,
+        price=None,
+        aliases=("a10g-24gb",),
+        extra_sources={
+            **{f"peak_flops.{dt}": _A10_PEAK for dt in ("bf16", "fp16", "int8")},
+            "peak_flops.fp32": "NVIDIA A10 datasheet: FP32 31.2 TFLOPS (D3)",
+            "hbm_bytes": "AWS G5 instance page: 24 GB GDDR6 per A10G (D4)",
+            "hbm_bandwidth": "A10/A10G: 600 GB/s GDDR6 (D3, D4)",
+            "link_bandwidth": _PCIE4,
+            "scaleout_bandwidth": "AWS g5.48xlarge: 100 Gb/s for 8 A10G (D4)",
+            "node_size": "AWS g5.48xlarge: 8 A10G",
+        },
+        notes="AWS publishes no A10G tensor peak; the A10's is used (tools do the same, D4). cuBLAS reaches about 70 "
+        "TFLOP/s on it (D8): the efficiency model's GEMM ceiling says so.",
+    ),
+    _gpu(
+        "a10",
+        peak={"bf16": 1.25e14, "fp16": 1.25e14, "int8": 2.5e14, "fp32": 3.12e13},
+        hbm_bytes=24e9,
+        hbm_bw=6.0e11,
+        nvlink=3.2e10,
+        scaleout=100e9 / 8 / 8,
+        price=None,
+        aliases=("a10-24gb",),
+        extra_sources={
+            **{f"peak_flops.{dt}": _A10_PEAK for dt in ("bf16", "fp16", "int8")},
+            "peak_flops.fp32": "NVIDIA A10 datasheet: FP32 31.2 TFLOPS (D3)",
+            "hbm_bytes": "NVIDIA A10 datasheet: 24 GB GDDR6 (D3)",
+            "hbm_bandwidth": "NVIDIA A10 datasheet: 600 GB/s (D3)",
+            "link_bandwidth": _PCIE4,
+            "scaleout_bandwidth": "taken as AWS G5's 100 Gb/s for 8 GPUs (no A10 cluster figure)",
+            "node_size": "8 cards a host, as AWS G5",
+        },
+    ),
+    _gpu(
+        "l4",
+        peak={"bf16": 1.21e14, "fp16": 1.21e14, "fp8": 2.42e14, "int8": 2.42e14, "fp32": 3.03e13},
+        hbm_bytes=24e9,
+        hbm_bw=3.0e11,
+        nvlink=3.2e10,
+        scaleout=100e9 / 8 / 8,
+        price=None,
+        aliases=("l4-24gb",),
+        extra_sources={
+            "peak_flops.bf16": "NVIDIA L4 datasheet: 242 TFLOPS BF16 with sparsity, 121 dense (D1)",
+            "peak_flops.fp16": "NVIDIA L4 datasheet: 242 with sparsity, 121 dense (D1)",
+            "peak_flops.fp8": "NVIDIA L4 datasheet: 485 TFLOPS FP8 with sparsity, 242 dense (D1)",
+            "peak_flops.int8": "NVIDIA L4 datasheet: 485 TOPS with sparsity, 242 dense (D1)",
+            "peak_flops.fp32": "NVIDIA L4 datasheet: FP32 30.3 TFLOPS (D7)",
+            "hbm_bytes": "NVIDIA L4 datasheet: 24 GB GDDR6 (D1)",
+            "hbm_bandwidth": "NVIDIA L4 datasheet: 300 GB/s (D1)",
+            "link_bandwidth": _PCIE4 + "; no peer-to-peer between L4s (D12)",
+            "scaleout_bandwidth": "AWS g6.48xlarge: 100 Gb/s for 8 L4",
+            "node_size": "AWS g6.48xlarge: 8 L4",
+        },
+    ),
+    _gpu(
+        "l40s",
+        peak={"bf16": 3.62e14, "fp16": 3.62e14, "fp8": 7.33e14, "int8": 7.33e14, "fp32": 9.16e13},
+        hbm_bytes=48e9,
+        hbm_bw=8.64e11,
+        nvlink=3.2e10,
+        scaleout=400e9 / 8 / 8,
+        price=None,
+        aliases=("l40s-48gb",),
+        extra_sources={
+            "peak_flops.bf16": "NVIDIA L40S datasheet: 733 TFLOPS BF16 with sparsity, 362 dense (D2)",
+            "peak_flops.fp16": "NVIDIA L40S datasheet: 362 dense (D2)",
+            "peak_flops.fp8": "NVIDIA L40S datasheet: 1,466 TFLOPS FP8 with sparsity, 733 dense (D2)",
+            "peak_flops.int8": "NVIDIA L40S datasheet: 733 TOPS dense (D2)",
+            "peak_flops.fp32": "NVIDIA L40S datasheet: FP32 91.6 TFLOPS (D6)",
+            "hbm_bytes": "NVIDIA L40S datasheet: 48 GB GDDR6 (D2)",
+            "hbm_bandwidth": "NVIDIA L40S datasheet: 864 GB/s (D2)",
+            "link_bandwidth": _PCIE4,
+            "scaleout_bandwidth": "AWS g6e.48xlarge: 400 Gb/s for 8 L40S",
+            "node_size": "AWS g6e.48xlarge: 8 L40S",
+        },
+    ),
+    _gpu(
+        "v100",
+        peak={"bf16": 1.25e14, "fp16": 1.25e14, "fp32": 1.57e13},
+        hbm_bytes=32e9,
+        hbm_bw=9.0e11,
+        nvlink=1.5e11,
+        scaleout=100e9 / 8 / 8,
+        price=None,
+        aliases=("v100-sxm2", "v100-32gb", "v100-sxm2-32gb"),
+        extra_sources={
+            "peak_flops.fp16": "NVIDIA Tesla V100 SXM2: 125 TFLOPS tensor (D5)",
+            "peak_flops.bf16": "V100 has no bf16 tensor cores: the fp16 rate, so a 16-bit job written as bf16 prices "
+            "as the fp16 it would run in (D5, D9: bf16 itself is emulated, 10 TFLOP/s)",
+            "peak_flops.fp32": "NVIDIA V100 datasheet: FP32 15.7 TFLOPS (D5)",
+            "hbm_bytes": "V100 SXM2 32 GB HBM2 (D5)",
+            "hbm_bandwidth": "V100 SXM2: 900 GB/s (D5)",
+            "link_bandwidth": "NVLink2: 6 links, 150 GB/s per direction (D5); DGX-1's hybrid cube mesh, no NVSwitch",
+            "scaleout_bandwidth": "AWS p3dn.24xlarge: 100 Gb/s for 8 V100 (N14)",
+            "node_size": "DGX-1 / p3dn: 8 V100",
+        },
+        notes="Volta: no bf16, fp8 or int8 tensor cores; bf16 is priced at the fp16 rate (16-bit jobs run in fp16).",
     ),
     Chip(
         name="cpu",

@@ -91,6 +91,14 @@ GEMM_CEILING: dict[tuple[str, str], float] = {
     ("h200", "fp8"): 0.690,  # G13: 1366.3 of 1979 at 16384^3 (MSMF 1354: the same); G4 best shape 0.734
     ("b200", "bf16"): 0.640,  # MSMF: 1439 of 2250, ~980 W, 1399-1443 MHz (burst G6: 1745)
     ("b200", "fp8"): 0.620,  # MSMF: 2788 of 4500 (burst G7: 3432.5)
+    # Inference cards (docs/reference/microbenchmarks-added.md §1b: torch.mm size sweeps, best size; grade C):
+    ("a10g", "bf16"): 0.556,  # D8: 69.5 of the A10's 125 (AWS publishes no A10G peak)
+    ("a10", "bf16"): 0.556,  # D8 (A10G, the same GA102 die); D10's host-timed 56 TF reads lower
+    ("l4", "bf16"): 0.586,  # D7: 70.9 of 121
+    ("l4", "fp8"): 0.586,  # no fp8 sweep: bf16's share (C)
+    ("l40s", "bf16"): 0.743,  # D6: 269.2 of 362
+    ("l40s", "fp8"): 0.743,  # no fp8 sweep: bf16's share (C)
+    ("v100", "bf16"): 0.759,  # D9: fp16 94.8 of 125 (the rate a 16-bit job runs at on Volta)
 }
 GEMM_CEILING_TPU = 0.923  # G26: v5e jnp.matmul bf16 8192^3
 GEMM_CEILING_TPU_OTHER = 0.923  # no v4/v5p/v6e figure is published: v5e's carried over (grade B)
@@ -112,6 +120,8 @@ ATTENTION: dict[tuple[str, str], float] = {
 
 # STREAM copy rate as a fraction of HBM bandwidth (microbenchmarks.md §3).
 HBM_FRACTION = {"a100": 0.79, "h100": 0.87, "h200": 0.84, "b200": 0.92}  # H1, H2, H3, H4 (GB200)
+# inference cards' copies (D10: a.copy_(b), host-timed; grade C): A10 469 of 600 GB/s, V100 766 of 900
+HBM_FRACTION |= {"a10": 0.78, "a10g": 0.78, "v100": 0.85}
 HBM_FRACTION_OTHER = {"gpu": 0.85, "tpu": 0.90, "cpu": 1.0}  # no TPU figure is published
 DECODE_WEIGHT_FRACTION = 0.68  # G16: DeepGEMM M=64 rows on H800 reach 50/73/80% of HBM (mean); Hopper's HBM3
 # A skinny decode GEMM streams its weights at a fixed share of what a STREAM copy reaches on the same memory: G16's
@@ -146,6 +156,8 @@ def host_link_bandwidth(chip: Chip) -> float:
     return HOST_LINK.get(family(chip), HOST_LINK_OTHER.get(chip.kind, 1e10))
 
 
+# The measured families, by the start of a catalog name (a100 before a10: "a100-80gb" is an A100)
+FAMILIES = ("a100", "a10g", "a10", "h100", "h200", "b200", "l40s", "l4", "v100")
 _FAMILIES: dict[tuple[str, str], str] = {}  # (name, kind) -> family: every priced op and collective asks
 
 
@@ -157,7 +169,7 @@ def family(chip: Chip) -> str:
     if fam is None:
         fam = chip.kind
         if "pcie" not in chip.name:
-            fam = next((n for n in ("a100", "h100", "h200", "b200") if chip.name.startswith(n)), chip.kind)
+            fam = next((n for n in FAMILIES if chip.name.startswith(n)), chip.kind)
         if len(_FAMILIES) > 256:
             _FAMILIES.clear()
         _FAMILIES[key] = fam
@@ -190,10 +202,31 @@ def matmul_time(chip: Chip, m: float, k: float, n: float, dtype: str = "bf16", b
     return max(flops / (matmul_efficiency(chip, m, k, n, dtype) * chip.flops(dtype)), memory_time(chip, nbytes))
 
 
-def attention_efficiency(chip: Chip, kernel: str) -> float | None:
-    """A fused attention kernel's measured rate on this chip (fraction of the bf16 peak), or None where nothing
-    is published (TPUs, CPUs): the caller then prices attention as matmuls."""
-    return ATTENTION.get((family(chip), kernel))
+# A fused attention kernel's rate grows with the sequence it sees (fewer, fuller tiles; the causal mask's wasted half
+# tile a smaller share): FlashAttention-3 causal forward on H100, hd128, 292 TFLOP/s at 512 tokens and 616 at 16k
+# (microbenchmarks.md A4); FlashAttention-2 191 -> 335 over the same range (A4). Log-linear between the two ends, held
+# beyond them. ATTENTION's rates were measured at 8k tokens (A13, A16), so a kernel at s tokens runs at
+# ATTENTION x curve(s) / curve(8192): 0.53x at 512, 0.77x at 2k, 1.12x from 16k (FA3). The forward's shape is taken for
+# forward and backward together (A8: the backward rises alike, 316 -> 561 from 512 to 16k), and FA3's for every kernel
+# but FA2 (B200's FA4: A15 rises 4% from 8k to 32k, within FA3's curve).
+ATTENTION_LENGTH = {"fa2": ((512, 191.0), (16384, 335.0)), "fa3": ((512, 292.0), (16384, 616.0))}
+ATTENTION_REFERENCE_TOKENS = 8192  # where ATTENTION's rates were measured
+
+
+def _length_curve(kernel: str, tokens: float) -> float:
+    (x0, y0), (x1, y1) = ATTENTION_LENGTH.get(kernel, ATTENTION_LENGTH["fa3"])
+    x = min(max(tokens, x0), x1)
+    return y0 + (y1 - y0) * math.log(x / x0) / math.log(x1 / x0)
+
+
+def attention_efficiency(chip: Chip, kernel: str, tokens: float = ATTENTION_REFERENCE_TOKENS) -> float | None:
+    """A fused attention kernel's measured rate on this chip (fraction of the bf16 peak) over a sequence of ``tokens``
+    (ATTENTION at 8k, along ATTENTION_LENGTH), or None where nothing is published (TPUs, CPUs): the caller then prices
+    attention as matmuls."""
+    rate = ATTENTION.get((family(chip), kernel))
+    if rate is None:
+        return None
+    return rate * _length_curve(kernel, tokens) / _length_curve(kernel, ATTENTION_REFERENCE_TOKENS)
 
 
 def hbm_fraction(chip: Chip) -> float:

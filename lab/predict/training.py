@@ -269,7 +269,8 @@ def _compute_ops(cfg: TrainConfig) -> list[tuple[str, str, float, float, float, 
     # fp8 recipes (Transformer Engine and the like) keep attention and the output layer in bf16.
     bmm = 2 * eff.matmul_time(chip, s_local, h, cfg.seq_len, _wide(dt), cfg.microbatch * q) * causal_skip
     bmm_flops = 2 * 2.0 * cfg.microbatch * q * s_local * h * cfg.seq_len * causal_skip  # QK^T and AV
-    kernel = eff.attention_efficiency(chip, cfg.attention_kernel) if cfg.flash_attention else None
+    # the kernel sees this chip's query block against keys as long (a ring's chunks under context parallelism)
+    kernel = eff.attention_efficiency(chip, cfg.attention_kernel, s_local) if cfg.flash_attention else None
     if kernel is not None:  # a measured fused kernel: its rate over forward and backward (3.5 x the forward FLOPs)
         fwd = bmm_flops / (kernel * chip.flops(_wide(dt)))
         ops.append(("attention", "attention", fwd, 2.5 * fwd, bmm_flops, 0.0))
