@@ -17,6 +17,7 @@ from lab.cli.args import (
     in_path,
     model_of,
     model_parent,
+    nonneg_float,
     ops_table,
     plan_of,
     plan_options,
@@ -31,7 +32,7 @@ from lab.core.errors import UserError
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
 from lab.predict.efficiency import FP8_DECODE_TIME_VS_BF16, FP8_SCALINGS
-from lab.predict.inference import WEIGHT_DTYPES, InferConfig, estimate_inference
+from lab.predict.inference import MOE_WEIGHTS, WEIGHT_DTYPES, InferConfig, estimate_inference
 from lab.predict.intervals import for_inference
 from lab.predict.intervals import text as interval_text
 
@@ -120,6 +121,9 @@ def infer_config(args: argparse.Namespace, chip) -> InferConfig:
         mfu=args.mfu,
         achievable=args.achievable,
         fp8_scaling=scaling or "dynamic",
+        moe_weights=getattr(args, "moe_weights", "all"),  # infer estimate's flags; the other commands price the default
+        step_overhead_s=getattr(args, "step_overhead", 0.0),
+        continuous=getattr(args, "continuous", False),
     )
 
 
@@ -375,8 +379,34 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
         f"TorchAO; fp8 GEMMs take {FP8_DECODE_TIME_VS_BF16:g} of bf16's time) or static ones fused before (0.5) "
         "(default dynamic)",
     )
+    ie.add_argument(
+        "--moe-weights",
+        choices=MOE_WEIGHTS,
+        default="all",
+        help="a mixture of experts' decode step streams every expert's weights (all: the dense einsum over experts "
+        "common JAX implementations run at small batch; the default) or only those some token routed to (routed: "
+        "vLLM's and SGLang's fused MoE kernels, JAX's megablox)",
+    )
+    ie.add_argument(
+        "--step-overhead",
+        type=nonneg_float("--step-overhead"),
+        default=0.0,
+        metavar="SECONDS",
+        help="the serving stack's host work per decode step that the device does not hide (default 0: the device "
+        "alone). Measured: vLLM 0.5 spent 62%% of its time outside the GPU on Llama 3 8B (H100); engines that "
+        "schedule a step ahead (vLLM V1, SGLang's overlap scheduler) hide most of it "
+        "(docs/reference/microbenchmarks-added.md S1-S5)",
+    )
+    ie.add_argument(
+        "--continuous",
+        action="store_true",
+        help="continuous batching: each decode step also carries batch / --generate of a request's --prefill-len "
+        "prefill (decodes stall while a joining request prefills, or share a chunked step with it)",
+    )
     # the Plan's dtypes and pricing mode: priced as it is built
-    plan_options(ie, "weights", "kv", "compute", "mfu", "achievable", "fp8_scaling")
+    plan_options(
+        ie, "weights", "kv", "compute", "mfu", "achievable", "fp8_scaling", "moe_weights", "step_overhead", "continuous"
+    )
     command(ie, cmd_infer_estimate)
 
     def serving_args(p) -> None:

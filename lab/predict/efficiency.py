@@ -18,8 +18,9 @@ its rows), per chip family where one was measured; a calibrated chip (``shardlab
   (FlashAttention-3 / cuDNN, what Megatron/NeMo's Transformer Engine runs: 45% on H100/H200, FA4 37% on
   B200, measured in an 8k-token step). TPUs (splash attention: nothing published) keep the matmul model.
 * **Memory-bound ops** (norms, activations, softmax, optimizer): ``bytes / (hbm_fraction * W_hbm)``, the
-  STREAM copy rate (A100 79%, H100 87%, H200 84%, GB200 92%); TPUs 90% (no published figure). Streaming
-  weights through skinny decode GEMMs reaches less: 68% of HBM on Hopper (mean of the DeepGEMM M=64 rows).
+  STREAM copy rate (A100 79%, H100 87%, H200 84%, GB200 92%); TPUs 87% (TPU7x's copy, T3). Streaming
+  weights through skinny decode GEMMs reaches less on GPUs: 68% of HBM on Hopper (mean of the DeepGEMM M=64 rows);
+  weight-only int8/int4 kernels less again (Q6); TPUs stream them at their copy rate.
 * **Collectives**: the collective model's time over the fraction of the link a ring reaches: NVLink 78%
   (A100), 81% (H100/H200), 75% (B200); NVLS all-reduce on 6 or more Hopper/Blackwell GPUs 107% (busbw);
   across nodes 72% of the NIC rate (4-node H100 and B200 sweeps); TPU ICI 95%. Inside a GPU node a collective
@@ -29,7 +30,7 @@ its rows), per chip family where one was measured; a calibrated chip (``shardlab
   0.9 us and each of its ~8 small ones takes at least 1.5 us, about 25 us a layer, 2 ms for an 80-layer model.
   TPUs: the step's dispatch and sync, ~100 us (O4). Weights stream through a decode step's skinny GEMMs at 68%
   of HBM on H100 (G16), i.e. 0.78 of its copy rate (H2); other GPU families take 0.78 of their own measured copy
-  rate (A100 62%, H200 66%, B200 72%); TPUs take 68% (nothing is published). fp8 weights multiplying fp8
+  rate (A100 62%, H200 66%, B200 72%); TPUs their copy rate, 87% (T3). fp8 weights multiplying fp8
   activations quantised as the step runs take 0.62 of bf16's GEMM time, not half (FP8_DECODE_TIME_VS_BF16).
 * **Across nodes** a collective reaches 12.5% of the NIC rate at 16 MiB, 44% at 256 MiB, 70% at 1 GiB (C14);
   and on GPUs, computation overlapped with a collective runs 18.9% slower (arXiv:2507.03114), so a hidden
@@ -122,7 +123,8 @@ ATTENTION: dict[tuple[str, str], float] = {
 HBM_FRACTION = {"a100": 0.79, "h100": 0.87, "h200": 0.84, "b200": 0.92}  # H1, H2, H3, H4 (GB200)
 # inference cards' copies (D10: a.copy_(b), host-timed; grade C): A10 469 of 600 GB/s, V100 766 of 900
 HBM_FRACTION |= {"a10": 0.78, "a10g": 0.78, "v100": 0.85}
-HBM_FRACTION_OTHER = {"gpu": 0.85, "tpu": 0.90, "cpu": 1.0}  # no TPU figure is published
+# an unmeasured GPU (assumed); TPUs: TPU7x's copy at 87% of HBM (microbenchmarks-added.md T3), carried to v3-v6e
+HBM_FRACTION_OTHER = {"gpu": 0.85, "tpu": 0.87, "cpu": 1.0}
 DECODE_WEIGHT_FRACTION = 0.68  # G16: DeepGEMM M=64 rows on H800 reach 50/73/80% of HBM (mean); Hopper's HBM3
 # A skinny decode GEMM streams its weights at a fixed share of what a STREAM copy reaches on the same memory: G16's
 # 68% was measured on H800, whose HBM3 is the H100's (3.35 TB/s), where the copy reaches 87% (H2), so the skinny GEMM
@@ -130,7 +132,10 @@ DECODE_WEIGHT_FRACTION = 0.68  # G16: DeepGEMM M=64 rows on H800 reach 50/73/80%
 # (A100: 0.78 x 79% (H1) = 62%; H200: 0.78 x 84% (H3) = 66%; B200: 0.78 x 92% (H4) = 72%; H100: 68%, G16 itself),
 # rather than the Hopper HBM3 figure; a derived figure (grade B): no skinny-GEMM bandwidth is published for A100.
 SKINNY_GEMM_VS_COPY = DECODE_WEIGHT_FRACTION / HBM_FRACTION["h100"]  # G16 / H2
-DECODE_WEIGHT_FRACTION_TPU = 0.68  # G16 carried over: no TPU figure is published (grade B)
+# TPUs: XLA streams a skinny matmul's weights from HBM by DMA at the copy rate; the one measured TPU copy rate is
+# TPU7x's 87% of HBM at 128 MiB and more (microbenchmarks-added.md T3), carried to v3-v6e (grade B). (It was G16's H800
+# GEMM figure, 0.68, before: a Hopper kernel's share, not a TPU's.)
+DECODE_WEIGHT_FRACTION_TPU = 0.87
 
 # Fraction of the link a ring collective reaches (microbenchmarks.md §4).
 NVLINK_RING = {"a100": 0.775, "h100": 0.81, "h200": 0.81, "b200": 0.75}  # C1/C2, C6, C6, C8
@@ -254,6 +259,24 @@ def decode_weight_fraction(chip: Chip) -> float:
     return DECODE_WEIGHT_FRACTION
 
 
+# Weight-only int8 and int4 decode GEMMs on a GPU (the weights dequantised to bf16 inside the kernel: Marlin W8A16 and
+# W4A16, the kernels vLLM runs) stream their weights at a smaller share of HBM than a bf16 GEMM: on H100 at N = K = 8192
+# and M = 1, bf16 2.30 TB/s, W8A16 1.73, W4A16 1.25 (microbenchmarks-added.md Q6), so int8 weights take 0.752 / 0.543
+# of bf16's streaming rate. Grade C (a community benchmark), carried to every GPU (A10's Marlin reaches the 4-bit ideal:
+# Q1). Their tiles are 16 rows (Marlin's; Q1 holds the ideal to batch 16-32), not a bf16 GEMM's 128: the compute floor
+# of a skinny quantised GEMM is that of 16-row tiles.
+QUANT_STREAM = {"int8": 1.73 / 2.30, "int4": 1.25 / 2.30}
+QUANT_ROW_TILE = 16.0
+
+
+def decode_row_tile(chip: Chip, cfg) -> float:
+    """The row tile a decode step's GEMMs pad its batch to (the compute floor): a quantised weight-only kernel's 16 on
+    a GPU (QUANT_ROW_TILE), the chip's tile otherwise."""
+    if chip.kind == "gpu" and canonical_dtype(cfg.weights) in QUANT_STREAM and canonical_dtype(cfg.compute) == "bf16":
+        return QUANT_ROW_TILE
+    return tile(chip)
+
+
 # fp8 decode GEMMs on a GPU, where the activations are quantised to fp8 as the step runs (per-token dynamic scales:
 # what vLLM, SGLang and TorchAO's float8 run by default): a separate quantisation kernel before each GEMM, and the fp8
 # GEMM itself streams its half-size weights at a lower rate than a bf16 one at these shapes, so a skinny fp8 GEMM takes
@@ -273,6 +296,8 @@ def decode_weights_time(
     """Streaming weights through the skinny GEMMs of a decode step (decode_weight_fraction); fp8 weights that
     multiply fp8 activations quantised as the step runs take FP8_DECODE_TIME_VS_BF16 of bf16's time on a GPU."""
     fraction = decode_weight_fraction(chip)
+    if chip.kind == "gpu" and canonical_dtype(weights) in QUANT_STREAM and canonical_dtype(compute) == "bf16":
+        fraction *= QUANT_STREAM[canonical_dtype(weights)]
     fp8_gemm = canonical_dtype(weights) == "fp8" and canonical_dtype(compute) == "fp8"
     if chip.kind == "gpu" and fp8_gemm and fp8_scaling == "dynamic":
         fraction *= dtype_bytes("fp8") / dtype_bytes("bf16") / FP8_DECODE_TIME_VS_BF16

@@ -36,12 +36,14 @@ from lab.core.hardware import Chip
 from lab.core.models import ModelConfig
 from lab.core.units import canonical_dtype, dtype_bytes
 from lab.predict import efficiency as eff
+from lab.predict.placement import placement
 
 TYPE_CHECKING = False  # typing is not imported at run time: annotations only
 if TYPE_CHECKING:
     from typing import Any
 
 WEIGHT_DTYPES = ("bf16", "fp8", "int8", "int4", "fp32")
+MOE_WEIGHTS = ("all", "routed")
 SAMPLE_BYTES = 8.0  # greedy sampling over vocab shards: each shard's best logit (fp32) and its index (int32)
 
 
@@ -71,6 +73,17 @@ class InferConfig:
     # fp8 weights with fp8 compute (W8A8): ``dynamic`` activation scales computed as the step runs (vLLM, SGLang,
     # TorchAO), or ``static`` ones fused into the kernel before (efficiency.FP8_DECODE_TIME_VS_BF16; achievable only)
     fp8_scaling: str = "dynamic"
+    # A mixture of experts' decode step streams ``all`` experts' weights (the dense einsum over experts that common
+    # JAX implementations run at small batch) or only the ``routed`` ones some token of the step chose (vLLM's and
+    # SGLang's fused MoE kernels, JAX's megablox gmm: microbenchmarks-added.md M1, M2).
+    moe_weights: str = "all"
+    # The serving stack's host work per decode step that the device does not overlap (scheduling, input preparation,
+    # detokenising: microbenchmarks-added.md S1-S5), seconds; 0 prices the device alone.
+    step_overhead_s: float = 0.0
+    # Continuous batching: every sequence of the batch is replaced after ``generate`` tokens, so each decode step also
+    # carries batch / generate of a request's prefill (``prefill_len`` tokens): the decodes stall while it runs, or
+    # share a chunked step with it (S7, S8). Needs ``prefill_len`` and ``generate``.
+    continuous: bool = False
 
     @property
     def chips(self) -> int:
@@ -96,6 +109,16 @@ def check_infer(cfg: InferConfig) -> None:
         if dt not in WEIGHT_DTYPES:
             raise UserError(f"--{name} {dt} is not one of {', '.join(WEIGHT_DTYPES)}")
     cfg.chip.flops(cfg.compute)
+    if cfg.moe_weights not in MOE_WEIGHTS:
+        raise UserError(f"--moe-weights {cfg.moe_weights!r} is not one of {', '.join(MOE_WEIGHTS)}")
+    overhead = cfg.step_overhead_s
+    if isinstance(overhead, bool) or not isinstance(overhead, int | float) or not 0 <= overhead < 10:
+        raise UserError(f"--step-overhead must be seconds in [0, 10), e.g. 0.002, got {overhead!r}")
+    if cfg.continuous and (cfg.prefill_len is None or cfg.generate is None):
+        raise UserError(
+            "--continuous prices each request's prefill into the decode steps: give --prefill-len and "
+            "--generate (the mean prompt and output lengths)"
+        )
     if cfg.fp8_scaling not in eff.FP8_SCALINGS:
         raise UserError(f"--fp8-scaling {cfg.fp8_scaling!r} is not one of {', '.join(eff.FP8_SCALINGS)}")
     if cfg.mfu is not None and not 0 < cfg.mfu <= 1:
@@ -138,6 +161,7 @@ class InferEstimate:
     max_batch: int
     min_chips: int
     tp_max_degree: float | None
+    prefill_stall_s: float = 0.0  # of decode_step_s: continuous batching's share of the joining requests' prefills
 
     @property
     def total_bytes(self) -> float:
@@ -219,6 +243,10 @@ class InferEstimate:
             "tokens_per_s_per_chip": self.tokens_per_s_per_chip,
             "prefill_len": c.prefill_len,
             "prefill_s": self.prefill_s,
+            "prefill_stall_s": self.prefill_stall_s,
+            "moe_weights": c.moe_weights if c.model.is_moe else None,
+            "step_overhead_s": c.step_overhead_s,
+            "continuous": c.continuous,
             "time_to_first_token_s": self.prefill_s,
             "generate": c.generate,
             "generate_s": self.generate_s,
@@ -254,22 +282,27 @@ def _mem_time(chip: Chip, nbytes: float, achievable: bool) -> float:
     return eff.memory_time(chip, nbytes) if achievable else nbytes / chip.hbm_bandwidth
 
 
-def _flop_time(chip: Chip, flops: float, dtype: str, achievable: bool, rows: float | None = None) -> float:
+def _flop_time(
+    chip: Chip, flops: float, dtype: str, achievable: bool, rows: float | None = None, tile: float | None = None
+) -> float:
     """FLOPs at the peak (ideal), or at the GEMM ceiling; with ``rows`` (a decode step's tokens, the rows every
     product has) also at the tile factor ``rows / (rows + tile)`` the training estimator's matmuls take
     (efficiency.matmul_efficiency): a batch of 128 rows on a 128-wide tile runs at half the ceiling."""
     if not achievable:
         return flops / chip.flops(dtype)
-    frac = eff.gemm_ceiling(chip, dtype) * (1.0 if rows is None else rows / (rows + eff.tile(chip)))
+    tile = eff.tile(chip) if tile is None else tile
+    frac = eff.gemm_ceiling(chip, dtype) * (1.0 if rows is None else rows / (rows + tile))
     return flops / (frac * chip.flops(dtype))
 
 
 def _comm(chip: Chip, kind: str, nbytes: float, group: int, achievable: bool) -> tuple[float, bool]:
+    """One collective over a group of ``group`` neighbouring chips, where it sits (lab.predict.placement: inside a
+    node or pod on the fast links; a larger one also over the slow link, as training prices it)."""
     if group <= 1 or nbytes <= 0:
         return 0.0, False
-    scope = "node" if chip.topology == "torus" or group <= (chip.node_size or group) else "cross-node"
-    c = eff.collective_on(chip, kind, nbytes, group, scope=scope)
-    t = eff.achievable_time(chip, c, group, scope) if achievable else c.time_s  # as training prices it
+    where = placement(chip, group, 1)
+    c = eff.collective_on(chip, kind, nbytes, group, **where)
+    t = eff.achievable_time(chip, c, group, where.get("scope", "node")) if achievable else c.time_s
     return t, c.latency_bound
 
 
@@ -302,16 +335,16 @@ def decode_step(cfg: InferConfig, context: int | None = None) -> dict[str, float
     b = cfg.replica_batch  # sequences per replica, one new token each
     dense, experts = _split_params(m)
     wb = dtype_bytes(cfg.weights)
-    # MoE: each local expert is read if any of the replica's tokens routes to it.
+    # MoE: every local expert's weights (moe_weights "all"), or each if any of the replica's tokens routes to it.
     touched = 1.0
-    if m.is_moe:
+    if m.is_moe and cfg.moe_weights == "routed":
         touched = 1.0 - (1.0 - m.experts_per_token / m.experts) ** b
     weight_bytes = (dense / cfg.tp + experts / (cfg.tp * cfg.ep) * touched) * wb
     kv_bytes = kv_bytes_per_sequence(m, ctx, cfg.kv) * b / (kv_shards(m, cfg.tp, b / cfg.ep) * cfg.ep)
     # Matmul FLOPs per chip: 2 x active weights x tokens, attention scores 4 S N H per layer per token.
     mm = m.matmul_flops_per_token() * b / (cfg.tp * cfg.ep)
     att = m.attention_flops_per_token(ctx, causal=False) * b / (cfg.tp * cfg.ep)
-    compute_s = _flop_time(chip, mm + att, cfg.compute, cfg.achievable, rows=b)
+    compute_s = _flop_time(chip, mm + att, cfg.compute, cfg.achievable, rows=b, tile=eff.decode_row_tile(chip, cfg))
     # the weights stream through skinny GEMMs, which reach less of HBM than a copy (achievable)
     weights_s = (
         eff.decode_weights_time(chip, weight_bytes, cfg.weights, cfg.compute, cfg.fp8_scaling)
@@ -324,7 +357,7 @@ def decode_step(cfg: InferConfig, context: int | None = None) -> dict[str, float
         t, bound = _comm(chip, kind, nbytes, group, cfg.achievable)
         comm += calls * t
         lat = lat or (bound and kind != "all-gather")  # the sampling gather is tiny, not a TP verdict
-    fixed = eff.decode_kernel_overhead(chip, m.layers) if cfg.achievable else 0.0
+    fixed = (eff.decode_kernel_overhead(chip, m.layers) if cfg.achievable else 0.0) + cfg.step_overhead_s
     return {
         "kv_s": kv_s,
         "weights_s": weights_s,
@@ -382,11 +415,23 @@ def prefill_time(cfg: InferConfig) -> float | None:
     return prefill_terms(cfg)["step_s"]
 
 
+def prefill_interference(cfg: InferConfig) -> float:
+    """Under continuous batching (``continuous``), what one decode step carries of the requests that join the batch:
+    ``batch / generate`` prefills of ``prefill_len`` tokens a step, each priced as one replica's prefill of one
+    sequence; 0 otherwise."""
+    if not cfg.continuous or not cfg.prefill_len or not cfg.generate:
+        return 0.0
+    one = dataclasses.replace(cfg, batch=cfg.dp, continuous=False)
+    t = prefill_time(one) or 0.0
+    return cfg.replica_batch / cfg.generate * t
+
+
 def estimate_inference(cfg: InferConfig) -> InferEstimate:
     """Predict memory, decode step, prefill and generation for one serving configuration."""
     check_infer(cfg)
     m, chip = cfg.model, cfg.chip
     d = decode_step(cfg)
+    stall = prefill_interference(cfg)
     gen = None
     if cfg.generate is not None:  # the cache grows by one token a step: price the mean context
         gen = cfg.generate * float(decode_step(cfg, cfg.context + cfg.generate // 2)["step_s"])
@@ -406,7 +451,7 @@ def estimate_inference(cfg: InferConfig) -> InferEstimate:
         kv_bytes=total_kv,
         param_bytes_per_chip=p_chip,
         kv_bytes_per_chip=kv_chip,
-        decode_step_s=float(d["step_s"]),
+        decode_step_s=float(d["step_s"]) + stall,
         compute_s=float(d["compute_s"]),
         memory_s=float(d["kv_s"]) + float(d["weights_s"]),
         kv_s=float(d["kv_s"]),
@@ -418,6 +463,7 @@ def estimate_inference(cfg: InferConfig) -> InferEstimate:
         max_batch=int(per_replica * cfg.dp),
         min_chips=min_chips,
         tp_max_degree=tp_max,
+        prefill_stall_s=stall,
     )
 
 
@@ -432,7 +478,3 @@ def max_replica_batch(m: ModelConfig, chip: Chip, tp: int, ep: int, context: int
     while best > 0 and seq * best / (kv_shards(m, tp, best / ep) * ep) > free / (tp * ep):
         best -= 1
     return best
-
-
-def with_layout(cfg: InferConfig, **changes: Any) -> InferConfig:
-    return dataclasses.replace(cfg, **changes)

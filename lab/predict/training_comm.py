@@ -30,11 +30,10 @@ and gate/up are fused as in Megatron, 5 when they are separate weights as in the
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
-from lab.core.hardware import Chip
 from lab.predict.axis_costs import moe_exchange_bytes, ring_kv_block_bytes, ring_passes
+from lab.predict.placement import placement
 from lab.predict.remat import policy as remat_policy
 from lab.predict.remat import recomputed
 from lab.predict.train_config import Layout, TrainConfig
@@ -111,26 +110,6 @@ def layout_group(lay: Layout, role: str) -> tuple[int, int, bool]:
 
 def group_size(cfg: TrainConfig, role: str) -> int:
     return layout_group(cfg.layout, role)[0]
-
-
-def placement(chip: Chip, size: int, stride: int, cross_node: bool = False) -> dict[str, Any]:
-    """Where a parallel group of ``size`` chips, ``stride`` apart, sits on the fabric (``cross_node``: it is known
-    to cross the slow link, DCN or scale-out, with one member per node or slice).
-
-    A group larger than one fast domain (an NVLink node; a TPU pod, taken as the slice) is priced in two levels,
-    as NCCL runs it across nodes and XLA across slices: inside each domain on the fast links, and only a domain's
-    share of the bytes over the slow one (``members_per_node`` members in each)."""
-    if size <= 1:
-        return {}
-    domain = math.prod(chip.pod_shape or (size,)) if chip.topology == "torus" else (chip.node_size or 1)
-    if cross_node:
-        return {"scope": "cross-node", "members_per_node": 1}
-    if size * stride <= domain:
-        return {"scope": "node"}
-    per_domain = max(1, min(size, domain // stride)) if stride < domain else 1
-    while size % per_domain:
-        per_domain -= 1
-    return {"scope": "cross-node", "members_per_node": per_domain}
 
 
 def place(cfg: TrainConfig, role: str) -> dict[str, Any]:

@@ -98,6 +98,9 @@ class PublicRun:
     node_network_gbps: float | None = None  # the cluster's stated inter-node rate per node, if not the catalog's
     attention_kernel: str = "fa2"  # fa3: FlashAttention-3 / cuDNN (Transformer Engine)
     flash_attention: bool = True  # False: attention scores stored and softmaxed apart (before FlashAttention)
+    # serving a mixture of experts: the stack streams every expert's weights each step ("all") or the routed ones
+    # ("routed": vLLM's and SGLang's fused MoE kernels, microbenchmarks-added.md M1); None: the estimator's default
+    moe_weights: str | None = None
     elementwise: str = "fused"  # eager: PyTorch eager norms, rotary embedding and activation (TrainConfig)
     tp_comm_overlap: bool = False  # the run's config sets TP communication overlap (TrainConfig.tp_comm_overlap)
     # serving: the source's per-token figure is a whole generate call (tokenize, prefill and every decode step) over

@@ -239,6 +239,7 @@ SERVING += tuple(
         latency / 128,
         overrides=_DBRX,
         source=_VLLM_DBRX,
+        moe_weights="routed",  # vLLM's fused MoE kernel reads the routed experts only (M1)
         grade="C",
         stack="vLLM (about v0.4.0) with CUDA graphs, the Triton fused-MoE kernel at its tuned H100 config, "
         "PagedAttention decode; experts sharded over tensor parallelism",

@@ -151,9 +151,14 @@ def _train(run: PublicRun) -> tuple[float, float, str]:
 
 
 def _serve(run: PublicRun) -> tuple[float, float, str]:
+    """A serving run: one decode step at the run's cache length (or a whole generate call over its tokens, or a time to
+    first token); under load (``concurrency`` in its layout) as continuous batching serves it, each step carrying its
+    share of the joining requests' prefills, and a time to first token as one request's prefill plus a step."""
     lay = run.layout
     prompt, generated = int(lay["prompt"]), int(lay["generated"])  # type: ignore[call-overload]
     ttft = run.unit == "s/prefill"
+    loaded = "concurrency" in lay
+    extra = {"moe_weights": run.moe_weights} if run.moe_weights else {}
     cfg = InferConfig(
         model=_model(run),
         chip=_chip(run),
@@ -163,17 +168,26 @@ def _serve(run: PublicRun) -> tuple[float, float, str]:
         weights=run.dtype,
         kv=run.kv_dtype or run.dtype,
         compute=run.dtype if run.dtype in ("bf16", "fp8") else "bf16",
-        prefill_len=prompt if (run.per_token_includes_prefill or ttft) else None,
+        prefill_len=prompt if (run.per_token_includes_prefill or ttft or loaded) else None,
+        generate=generated if loaded and generated > 0 else None,
+        continuous=loaded and generated > 1 and not ttft,
         achievable=True,
+        **extra,
     )
     est = estimate_inference(cfg)
     if ttft:
+        if loaded:  # one request's prefill, joining a running batch: its prefill and the step it joins
+            one = estimate_inference(dataclasses.replace(cfg, batch=1, continuous=False))
+            t = (one.prefill_s or 0.0) + est.decode_step_s
+            return t, t / run.measured - 1, f"one request's prefill of {prompt} tokens and a step of batch {cfg.batch}"
         if est.prefill_s is None:
             raise UserError(f"{run.case_id}: no prefill priced")
         detail = f"prefill of {prompt} tokens at batch {cfg.batch}"
         return est.prefill_s, est.prefill_s / run.measured - 1, detail
     step = est.decode_step_s
     detail = f"weights {est.weights_s * 1e3:.3g} ms, KV {est.kv_s * 1e3:.3g} ms, collectives {est.comm_s * 1e3:.3g} ms"
+    if est.prefill_stall_s:
+        detail += f", joining prefills {est.prefill_stall_s * 1e3:.3g} ms"
     if run.per_token_includes_prefill and generated > 0 and est.prefill_s is not None:
         detail += f", prefill {est.prefill_s * 1e3:.3g} ms over {generated} tokens"
         step = (est.prefill_s + (generated - 1) * step) / generated
