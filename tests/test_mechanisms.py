@@ -129,3 +129,112 @@ def test_continuous_batching_carries_the_joining_requests_prefills_and_a_stated_
         estimate_inference(dataclasses.replace(cfg, continuous=True))
     with pytest.raises(UserError, match=r"--step-overhead must be seconds in \[0, 10\)"):
         estimate_inference(dataclasses.replace(cfg, step_overhead_s=-1.0))
+
+
+# ----- the scale-out network a cluster states (N1-N13) --------------------------------------------------------------
+
+
+def test_a_hardware_file_states_its_nics_and_fabric_and_the_estimate_follows(tmp_path):
+    """An EFA cluster of 4 x 100 Gb/s per 8 A100s (AWS p4d, N3): 6.25 GB/s per GPU and EFA's step latency across nodes,
+    where the catalog's DGX A100 has 8 x 200 Gb/s HDR (25 GB/s) and InfiniBand's."""
+    from lab.core.hardware import FABRIC_STEP_LATENCY, Catalog, load_hardware_file, scaleout_step_latency
+
+    f = tmp_path / "p4d.toml"
+    f.write_text('name = "a100-p4d"\nbase = "a100-40gb"\nnics_per_node = 4\nnic_bandwidth = 1.25e10\nfabric = "efa"\n')
+    cat = Catalog()
+    (p4d,) = load_hardware_file(f, cat)
+    assert p4d.scaleout_bandwidth == pytest.approx(4 * 1.25e10 / 8)
+    assert scaleout_step_latency(p4d) == FABRIC_STEP_LATENCY["efa"] == 25e-6
+    dgx = get_chip("a100-40gb")
+    assert dgx.scaleout_bandwidth == pytest.approx(8 * 2.5e10 / 8) and scaleout_step_latency(dgx) == 10e-6
+    slow = eff.comm_time(p4d, "all-reduce", 2**30, 64, scope="cross-node", members_per_node=8)
+    fast = eff.comm_time(dgx, "all-reduce", 2**30, 64, scope="cross-node", members_per_node=8)
+    assert slow / fast == pytest.approx(4.0, rel=0.02)  # a quarter of the NIC rate, bandwidth-bound at 1 GiB
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("nics_per_node = -8\nnic_bandwidth = 5e10\n", r"nics_per_node = -8 must be a positive integer"),
+        ('base = "h100-pcie"\nnics_per_node = 8\n', r"give nics_per_node and nic_bandwidth together"),
+        ('fabric = "ethernet"\n', r"fabric 'ethernet' is not one of infiniband, roce, efa, tcpx, dcn"),
+        ('fabric = "efa"\nscaleout_latency_s = 1e-5\n', r"fabric 'efa' sets the step latency .* not both"),
+        ("nics_per_node = 8\nnic_bandwidth = 5e10\nscaleout_bandwidth = 1e10\n", r"sets scaleout_bandwidth; give"),
+        ("nics_per_node = 8\nnic_bandwidth = 0.5\n", r"nic_bandwidth = 0.5 is outside the plausible"),
+    ],
+)
+def test_a_bad_network_description_is_refused_by_name(tmp_path, body, message):
+    from lab.core.hardware import load_hardware_file
+
+    f = tmp_path / "bad.toml"
+    f.write_text('name = "x"\n' + (body if body.startswith("base") else 'base = "h100"\n' + body))
+    with pytest.raises(UserError, match=message):
+        load_hardware_file(f)
+
+
+# ----- data-parallel and FSDP traffic by the overlap schedule (P1-P6) ----------------------------------------------
+
+
+def _job(**kw):
+    from lab.predict.train_config import Layout, TrainConfig
+
+    lay = kw.pop("layout", Layout(dp=64))
+    return TrainConfig(get_model("llama3-8b"), get_chip("h100"), lay, seq_len=4096, global_batch=64, **kw)
+
+
+def test_the_gradient_reduction_leaves_its_last_bucket_exposed_or_all_of_it_without_overlap():
+    from lab.predict.training import estimate, layer_cost, step_terms
+    from lab.predict.training_step import prices, role_comms
+
+    cfg = _job()
+    lt, _, _ = step_terms(cfg)
+    lc = layer_cost(cfg)
+    (grads,) = [c for c in role_comms(cfg, "dp") if c.role == "dp"]
+    bucket = dataclasses.replace(grads, bytes=25 * 2**20)
+    assert lt.dp_tail == pytest.approx(prices(cfg.chip, cfg.layout, (bucket,))[0], rel=1e-12)
+    backward = lt.layers * (lc.bwd + lc.recompute)
+    rest = lt.dp - lt.dp_tail
+    hidden = rest - backward + 0.189 * backward if rest > backward else 0.189 * rest
+    assert estimate(cfg).breakdown["comm_dp_s"] == pytest.approx(lt.dp_tail + hidden + lt.loss, rel=1e-9)
+    off = estimate(dataclasses.replace(cfg, dp_overlap=False)).breakdown["comm_dp_s"]
+    assert off == pytest.approx(lt.dp + lt.loss, rel=1e-9)
+
+
+def test_zero_over_a_node_keeps_more_state_and_gathers_the_weights_inside_it():
+    from lab.predict.train_config import Layout
+    from lab.predict.training import estimate
+
+    whole = estimate(_job(layout=Layout(dp=64, zero=1)))
+    node = estimate(_job(layout=Layout(dp=64, zero=1, zero_shard=8)))
+    assert node.memory.optimizer == pytest.approx(whole.memory.optimizer * 64 / 8, rel=1e-9)
+    assert whole.breakdown["dp_reduction_s"] != node.breakdown["dp_reduction_s"]
+    with pytest.raises(UserError, match=r"--zero-shard 7 must divide --dp 64"):
+        estimate(_job(layout=Layout(dp=64, zero=1, zero_shard=7)))
+    with pytest.raises(UserError, match=r"--zero-shard shards ZeRO-1 or -2's state"):
+        estimate(_job(layout=Layout(dp=64, zero_shard=8)))
+
+
+def test_fsdp_pays_the_first_gather_and_the_last_scatter_of_each_microbatch():
+    from lab.predict.train_config import Layout
+    from lab.predict.training import layer_cost, step_terms
+
+    cfg = _job(layout=Layout(fsdp=64))
+    _, mt, ft = step_terms(cfg)
+    lc = layer_cost(cfg)
+    layers = cfg.model.layers
+    per_layer = sum(eff.overlapped(0.189, c, t) for c, t in ((ft.fwd, lc.fwd), (ft.bwd, lc.bwd + lc.recompute)))
+    ends = ft.fwd + ft.scatter
+    want = layers * per_layer + ends + (eff.overlapped(0.189, ft.rest, lc.logits) if ft.rest else 0.0)
+    from lab.predict.training import estimate
+
+    got = estimate(cfg).breakdown["comm_fsdp_s"]
+    assert got == pytest.approx(mt.n_mb * want, rel=1e-9) and ft.scatter > 0 and ft.fwd > 0
+
+
+def test_the_planner_prices_zero_layouts_as_the_estimator_does():
+    from lab.predict.planner import plan
+    from lab.predict.training import estimate
+
+    result = plan(get_model("llama3-8b"), get_chip("h100"), 64, 64 * 4096, 4096, top=6)
+    for est in result.top:
+        assert est.step_time_s == estimate(est.config).step_time_s

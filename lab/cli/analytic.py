@@ -17,7 +17,7 @@ from lab.cli.args import (
 )
 from lab.cli.commands import help_of
 from lab.core.errors import UserError
-from lab.core.hardware import COLLECTIVE_KINDS, COLLECTIVE_SCOPES, default_catalog
+from lab.core.hardware import COLLECTIVE_KINDS, COLLECTIVE_SCOPES, default_catalog, scaleout_step_latency
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
 
@@ -92,6 +92,12 @@ def cmd_hardware_show(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         ["latency-bound below", f"{fmt_bytes(c.latency_bound_bytes)} per shard", "link bandwidth x hop latency"],
         ["scale-out per chip", fmt_rate(c.scaleout_bandwidth, "B/s"), src.get("scaleout_bandwidth", "")],
     ]
+    if c.nics_per_node:
+        nic = f"{c.nics_per_node} x {c.nic_bandwidth * 8 / 1e9:g} Gb/s per node" + (f", {c.fabric}" if c.fabric else "")
+        rows.append(["scale-out NICs", nic, src.get("nics_per_node", "")])
+    if c.topology == "switch":
+        lat = scaleout_step_latency(c)
+        rows.append(["step across nodes", fmt_seconds(lat), src.get("scaleout_latency_s", "") or "the chip's field"])
     if c.topology == "torus":
         rows.append(["wraparound", f"{c.wraparound_rule} ({c.wraparound_size})", src.get("wraparound_rule", "")])
     rows.append(

@@ -68,6 +68,9 @@ TRAIN_OPTIONS = (
     "attention_kernel",
     "elementwise",
     "tp_comm_overlap",
+    "zero_shard",
+    "no_dp_overlap",
+    "dp_bucket_mb",
 )
 MIN_MFU = 1e-3  # an MFU below 0.1% is a typo: large training runs reach 0.3-0.6 (the calibration set's Megatron runs)
 # A whole number of sequences: 4Mi = 4,194,304 = 512 x 8192 divides by every power-of-two --seq-len (4M does not)
@@ -151,6 +154,7 @@ def _layout(args: argparse.Namespace) -> Layout:
         **degrees,
         ep=args.ep,
         zero=args.zero,
+        zero_shard=args.zero_shard or 0,
         sequence_parallel=args.sequence_parallel,
         pp_schedule=args.pp_schedule,
         interleave=args.interleave,
@@ -225,6 +229,8 @@ def train_config(args: argparse.Namespace, chip) -> TrainConfig:
         elementwise=args.elementwise,
         tp_comm_overlap=args.tp_comm_overlap,
         capacity_factor=args.capacity_factor,
+        dp_overlap=not args.no_dp_overlap,
+        dp_bucket_bytes=args.dp_bucket_mb * 2**20,
     )
 
 
@@ -377,6 +383,9 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
             (f"--elementwise {cfg.elementwise}", cfg.elementwise != "fused"),
             ("--tp-comm-overlap", cfg.tp_comm_overlap),
             ("--pp-embedding-slots", lay.pp_embedding_slots),
+            (f"--zero-shard {lay.zero_shard}", bool(lay.zero_shard)),
+            ("--no-dp-overlap", not cfg.dp_overlap),
+            (f"--dp-bucket-mb {cfg.dp_bucket_bytes / 2**20:g}", cfg.dp_bucket_bytes != 25 * 2**20),
         )
         if given
     ]
@@ -710,6 +719,27 @@ def _register_train(sub, common, hw, with_chip) -> None:
         te.add_argument(f"--{k}", type=positive_int(f"--{k}"))
     te.add_argument("--ep", type=positive_int("--ep"), default=1)
     te.add_argument("--zero", type=nonneg_int("--zero"), choices=(0, 1, 2, 3), default=0)
+    te.add_argument(
+        "--zero-shard",
+        type=positive_int("--zero-shard"),
+        metavar="N",
+        help="ZeRO-1/2: shard the state over groups of N data-parallel ranks (a node's: DeepSpeed MiCS/hpZ, "
+        "Megatron's distributed-optimizer instances) instead of all of them; weights gathered inside a group",
+    )
+    te.add_argument(
+        "--no-dp-overlap",
+        action="store_true",
+        help="the data-parallel reduction (and ZeRO's weight gather) runs after the backward, exposed (DeepSpeed "
+        "ZeRO-1/2's default, overlap_comm false); default: in buckets under the backward",
+    )
+    te.add_argument(
+        "--dp-bucket-mb",
+        type=positive_float("--dp-bucket-mb", "25"),
+        default=25.0,
+        metavar="MIB",
+        help="the gradient reduction's bucket, MiB: its last one is exposed after the backward (default 25, PyTorch "
+        "DDP's; Megatron 40M parameters, DeepSpeed 5e8 elements)",
+    )
     te.add_argument("--sequence-parallel", action="store_true")
     te.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b")
     te.add_argument("--interleave", type=positive_int("--interleave"), default=1)

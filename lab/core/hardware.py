@@ -36,6 +36,19 @@ if TYPE_CHECKING:
     from typing import Any
 
 KINDS = ("tpu", "gpu", "cpu")
+# Scale-out fabrics and the latency of one step of a collective across nodes on each (docs/reference/microbenchmarks-
+# added.md N13: a tiny all-reduce between two single-A100 nodes over HDR InfiniBand takes 19-21 us, two steps: about
+# 10 us a step; 68-69 us between two 8-GPU p5 nodes over EFA, about 25 us a step, derived; RoCE taken as InfiniBand,
+# GCP's TCPX as EFA; grade C). "" leaves the chip's scaleout_latency_s in force; "dcn" is a TPU slice's.
+FABRICS = ("", "infiniband", "roce", "efa", "tcpx", "dcn")
+FABRIC_STEP_LATENCY = {"infiniband": 10e-6, "roce": 10e-6, "efa": 25e-6, "tcpx": 25e-6}
+
+
+def scaleout_step_latency(chip: Chip) -> float:
+    """Seconds one step of a collective across nodes costs: the fabric's (FABRIC_STEP_LATENCY), else the chip's."""
+    return FABRIC_STEP_LATENCY.get(chip.fabric, chip.scaleout_latency_s)
+
+
 # The collective kinds the cost model prices (lab.predict.collectives.KINDS) and a calibration's collective_factor
 # may correct, and the scopes a collective can span: here, where the chip's data is, so that the command line lists
 # them without importing the cost model.
@@ -84,7 +97,11 @@ def _check_types(c: Chip) -> None:
             raise bad(fname, "a finite number")
     if c.price_per_hour is not None and not (_real(c.price_per_hour) and c.price_per_hour >= 0):
         raise bad("price_per_hour", "a finite number >= 0 (US dollars per chip-hour)")
-    for fname in ("torus_dims", "wraparound_size", "node_size"):
+    if not isinstance(c.fabric, str):
+        raise bad("fabric", f"a string, one of {', '.join(repr(f) for f in FABRICS if f)}")
+    if c.nic_bandwidth is not None and not (_real(c.nic_bandwidth) and c.nic_bandwidth > 0):
+        raise bad("nic_bandwidth", "a positive number of bytes/s one way per NIC, e.g. 5e10 for 400 Gb/s")
+    for fname in ("torus_dims", "wraparound_size", "node_size", "nics_per_node"):
         v = getattr(c, fname)
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
             raise bad(fname, "a positive integer")
@@ -183,6 +200,12 @@ class Chip:
     calibrated: bool = False
     notes: str = ""
     calibration: Mapping[str, Any] = field(default_factory=dict)
+    # The scale-out network as a cluster states it: NICs per node, each one's rate (bytes/s one way: 400 Gb/s = 5e10)
+    # and the fabric (FABRICS). In a hardware file they set scaleout_bandwidth (NICs x rate / node_size); the fabric
+    # sets the per-step latency of a collective across nodes (FABRIC_STEP_LATENCY).
+    nics_per_node: int | None = None
+    nic_bandwidth: float | None = None
+    fabric: str = ""
 
     def __post_init__(self) -> None:
         _check_types(self)  # a hand-written or corrupt file gives any JSON value: refused by name, not a crash
@@ -248,6 +271,24 @@ class Chip:
         for fname in ("hop_latency_s", "scaleout_latency_s", "launch_latency_s"):
             if getattr(self, fname) < 0:
                 raise UserError(f"{where}: {fname} must be >= 0, got {getattr(self, fname)!r}")
+        self._check_network(where)
+
+    def _check_network(self, where: str) -> None:
+        """The scale-out fields: a known fabric; NICs and their rate together, on a switched node (a hardware file's
+        NICs set its scale-out bandwidth: _coerce_chip)."""
+        if self.fabric not in FABRICS:
+            raise UserError(f"{where}: fabric {self.fabric!r} is not one of {', '.join(f for f in FABRICS if f)}")
+        nics, rate = self.nics_per_node, self.nic_bandwidth
+        if nics is None and rate is None:
+            return
+        if nics is None or rate is None:
+            raise UserError(
+                f"{where}: give nics_per_node and nic_bandwidth together (e.g. 8 and 5e10 for 8 x 400 Gb/s)"
+            )
+        if self.topology != "switch":
+            raise UserError(
+                f"{where}: nics_per_node describes a GPU node; a TPU's DCN share is scaleout_bandwidth per chip"
+            )
 
     # ----- derived quantities -------------------------------------------------------------
 
@@ -416,7 +457,8 @@ def _tpu(
     )
 
 
-def _gpu(name, *, peak, hbm_bytes, hbm_bw, nvlink, scaleout, price, aliases, extra_sources, notes=""):
+def _gpu(name, *, peak, hbm_bytes, hbm_bw, nvlink, scaleout, price, aliases, extra_sources, notes="", nics=None):
+    """A GPU of an 8-GPU node; ``nics``: ``(count, bytes/s each, fabric, source)``: its cluster's scale-out."""
     sources = {
         **{f"peak_flops.{dt}": BOOK_GPU + " (dense figures)" for dt in peak},
         "hbm_bytes": BOOK_GPU,
@@ -431,6 +473,10 @@ def _gpu(name, *, peak, hbm_bytes, hbm_bw, nvlink, scaleout, price, aliases, ext
     if price is not None:
         sources["price_per_hour"] = BOOK_PRICE
     sources.update(extra_sources)
+    count, rate, fabric, where = nics or (None, None, "", "")
+    if nics:
+        sources |= {"nics_per_node": where, "nic_bandwidth": where, "fabric": where}
+        sources["scaleout_latency_s"] = f"FABRIC_STEP_LATENCY[{fabric!r}] (microbenchmarks-added.md N13)"
     return Chip(
         name=name,
         kind="gpu",
@@ -441,13 +487,16 @@ def _gpu(name, *, peak, hbm_bytes, hbm_bw, nvlink, scaleout, price, aliases, ext
         link_bandwidth=nvlink,
         hop_latency_s=2.5e-6,
         scaleout_bandwidth=scaleout,
-        scaleout_latency_s=2.5e-6,
+        scaleout_latency_s=FABRIC_STEP_LATENCY.get(fabric, 2.5e-6),
         launch_latency_s=0.0,
         node_size=8,
         price_per_hour=price,
         aliases=aliases,
         sources=sources,
         notes=notes,
+        nics_per_node=count,
+        nic_bandwidth=rate,
+        fabric=fabric,
     )
 
 
@@ -565,6 +614,12 @@ CATALOG: tuple[Chip, ...] = (
             "hbm_bytes": "NVIDIA A100 datasheet: 40 GB HBM2",
             "hbm_bandwidth": "NVIDIA A100 datasheet: 1,555 GB/s (40 GB SXM4)",
         },
+        nics=(
+            8,
+            2.5e10,
+            "infiniband",
+            "DGX A100: 8 x 200 Gb/s HDR InfiniBand ConnectX-6 (microbenchmarks-added.md N1)",
+        ),
     ),
     _gpu(
         "a100-80gb",
@@ -583,6 +638,12 @@ CATALOG: tuple[Chip, ...] = (
             "scaleout_bandwidth": _A100_NIC,
             "hbm_bandwidth": "NVIDIA A100 datasheet: 2,039 GB/s (80 GB SXM4)",
         },
+        nics=(
+            8,
+            2.5e10,
+            "infiniband",
+            "DGX A100: 8 x 200 Gb/s HDR InfiniBand ConnectX-6 (microbenchmarks-added.md N1)",
+        ),
     ),
     _gpu(
         "h100",
@@ -598,6 +659,7 @@ CATALOG: tuple[Chip, ...] = (
             "hbm_bandwidth": "NVIDIA H100 SXM datasheet: 3.35 TB/s (the book's table rounds to 3.4e12)",
             "peak_flops.bf16": "scaling-book gpus.md: 1.979e15 listed is 2x for sparsity; 9.89e14 dense",
         },
+        nics=(8, 5.0e10, "infiniband", "DGX H100/H200/B200: 8 x 400 Gb/s NDR InfiniBand ConnectX-7 (N2)"),
     ),
     _gpu(
         "h100-pcie",
@@ -633,6 +695,7 @@ CATALOG: tuple[Chip, ...] = (
             "peak_flops.fp32": _H_FP32 + "; the H200 uses the same GH100 die",
             "price_per_hour": "scaling-book gpus.md: H200 about $10/h",
         },
+        nics=(8, 5.0e10, "infiniband", "DGX H100/H200/B200: 8 x 400 Gb/s NDR InfiniBand ConnectX-7 (N2)"),
     ),
     _gpu(
         "b200",
@@ -651,6 +714,7 @@ CATALOG: tuple[Chip, ...] = (
         },
         notes="HGX/DGX B200 at 1000 W; GB200 parts run faster (2.5e15 bf16). NVIDIA lists 7.7 TB/s HBM for HGX "
         "B200; the book's 8 TB/s is used.",
+        nics=(8, 5.0e10, "infiniband", "DGX H100/H200/B200: 8 x 400 Gb/s NDR InfiniBand ConnectX-7 (N2)"),
     ),
     # Inference cards (PCIe, no NVLink): docs/reference/microbenchmarks-added.md §1 (D rows). Their scale-up "link" is
     # PCIe Gen4 x16 one way (32 GB/s; L4-to-L4 traffic goes through host memory, D12); across instances the AWS G5/G6
@@ -868,6 +932,9 @@ class Catalog:
 # 2.5 us per hop, about $12 per chip-hour, 8 GPUs per node (the largest NVLink domain announced: 576). Each entry:
 # (least, most, unit, example). Only files are held to them: a --scale what-if may go past them on purpose.
 PLAUSIBLE = {
+    # first: a file's NICs set its scale-out bandwidth, so a bad NIC is named before the figure derived from it
+    "nics_per_node": (1, 1024, "NICs", "8"),  # DGX H100: 8; no node carries a thousand
+    "nic_bandwidth": (1e6, 1e13, "bytes/s", "5e10 for 400 Gb/s"),  # 8 Mb/s to 80 Tb/s per NIC
     "peak_flops": (1e3, 1e18, "FLOP/s", "9.89e14"),  # at most 100x the fastest peak of any chip
     "hbm_bytes": (1e3, 1e15, "bytes", "8e10 for 80 GB"),  # 1 PB: 5,000x the largest HBM
     "hbm_bandwidth": (1e3, 1e15, "bytes/s", "3.35e12"),  # 1 PB/s: over 100x B200's 8 TB/s
@@ -916,6 +983,21 @@ def _coerce_chip(entry: Mapping[str, Any], base: Chip | None, where: str) -> Chi
     if not isinstance(entry, Mapping):
         raise UserError(f"{where}: expected a table of chip fields, got {type(entry).__name__} {entry!r:.60}")
     data = dict(entry)
+    fab_lat = FABRIC_STEP_LATENCY.get(data.get("fabric"))  # a file the lab wrote repeats both; a person's may clash
+    if fab_lat is not None and "scaleout_latency_s" in data and data["scaleout_latency_s"] != fab_lat:
+        raise UserError(
+            f"{where}: fabric {data['fabric']!r} sets the step latency across nodes ({fab_lat:g} s); give fabric or "
+            f"scaleout_latency_s = {data['scaleout_latency_s']!r}, not both"
+        )
+    node = data.get("node_size", base.node_size if base else 8)
+    stated = (data.get("nics_per_node"), data.get("nic_bandwidth"), node)
+    if "scaleout_bandwidth" in data and all(_real(x) for x in stated) and stated[2]:
+        derived = stated[0] * stated[1] / stated[2]
+        if not math.isclose(derived, data["scaleout_bandwidth"], rel_tol=1e-9):
+            raise UserError(
+                f"{where}: nics_per_node x nic_bandwidth / node_size = {derived:g} sets scaleout_bandwidth; give the "
+                f"NICs or scaleout_bandwidth = {data['scaleout_bandwidth']!r}, not both"
+            )
     data.pop("base", None)
     data.pop("derived", None)  # files written by to_dict() carry derived figures; they are recomputed
     unknown = sorted(set(data) - known)
@@ -924,6 +1006,12 @@ def _coerce_chip(entry: Mapping[str, Any], base: Chip | None, where: str) -> Chi
     for key in ("peak_flops", "sources", "calibration"):
         if key in data and not isinstance(data[key], Mapping):
             raise UserError(f"{where}: {key} = {data[key]!r:.60} must be a table")
+    if "nics_per_node" in data or "nic_bandwidth" in data:  # the stated NICs give the scale-out share per chip
+        nics = data.get("nics_per_node", base.nics_per_node if base is not None else None)
+        rate = data.get("nic_bandwidth", base.nic_bandwidth if base is not None else None)
+        node = data.get("node_size", base.node_size if base is not None else None)
+        if _real(nics) and _real(rate) and _real(node) and node > 0:
+            data["scaleout_bandwidth"] = nics * rate / node
     if base is not None:
         merged = base.fields()
         merged["peak_flops"] = {**base.peak_flops, **dict(data.pop("peak_flops", {}))}

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from lab.core.errors import UserError
 from lab.core.hardware import COLLECTIVE_KINDS as KINDS
 from lab.core.hardware import COLLECTIVE_SCOPES as SCOPES
-from lab.core.hardware import Chip
+from lab.core.hardware import Chip, scaleout_step_latency
 
 TYPE_CHECKING = False  # typing is not imported at run time: annotations only
 if TYPE_CHECKING:
@@ -198,7 +198,7 @@ def _switched(kind: str, v: float, g: int, chip: Chip, scope: str, per_node: int
     else:
         link = "nvlink" if m == 1 else ("network" if d == 1 else "nvlink+network")
     # Per step latency: NVLink steps inside a node, network steps across nodes.
-    lat_in, lat_out = chip.hop_latency_s, chip.scaleout_latency_s
+    lat_in, lat_out = chip.hop_latency_s, scaleout_step_latency(chip)
     if kind in ("all-gather", "reduce-scatter"):
         bw = v * max((d - 1) / (d * w_link), (m - 1) / (m * w_node))
         hops_lat = (d - 1) * lat_in + (m - 1) * lat_out

@@ -154,7 +154,8 @@ class Search:
             comms = self.comms.get(content)
             if comms is None:
                 comms = self.comms[content] = role_comms(self.config(lay, mb, remat), name)
-            out = self.priced[key] = _PRICE[name](self.job.chip, lay, comms)
+            extra = (self.job.dp_bucket_bytes,) if name == "dp" else ()
+            out = self.priced[key] = _PRICE[name](self.job.chip, lay, comms, *extra)
         return out
 
     def layout_terms(self, lay: Layout, mb: int, remat: str, local: float) -> LayoutTerms:
@@ -168,8 +169,8 @@ class Search:
             content_key("batch", lay, remat, rg),
         )
         where = (_where(lay, "dp", grads), _where(lay, "edp", experts), _where(lay, "batch", loss))
-        dp_s, loss_s = self.term("dp", (grads, experts, loss), where, lay, mb, remat)
-        return layout_terms(j.model, j.chip, lay, j.optimizer, dp_s, loss_s, local)
+        dp_s, loss_s, tail, gather = self.term("dp", (grads, experts, loss), where, lay, mb, remat)
+        return layout_terms(j.model, j.chip, lay, j.optimizer, dp_s, loss_s, local, tail, gather, j.dp_overlap)
 
     def microbatch_keys(self, lay: Layout, remat: str) -> tuple[tuple, tuple, tuple, tuple]:
         """A layout's content keys (less the microbatch) and groups of the collectives once per microbatch: PP's

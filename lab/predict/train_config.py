@@ -50,6 +50,11 @@ class Layout:
     # Uneven pipeline stages: the layers each stage holds, first to last (e.g. fewer on the first and last stage,
     # which also hold the embedding and the loss); empty: layers / pp on every stage.
     stage_split: tuple[int, ...] = ()
+    # The data-parallel ranks ZeRO shards the optimizer state (and, from stage 2, the gradients) over: 0 for every rank
+    # of the DP group; a smaller group (a node's: DeepSpeed's MiCS and hpZ partitions, Megatron's distributed-optimizer
+    # instances) keeps the states of each group, gathers the updated weights inside it and all-reduces gradients
+    # across groups.
+    zero_shard: int = 0
 
     @property
     def chips(self) -> int:
@@ -66,6 +71,11 @@ class Layout:
         return 1 if self.zero == 3 else self.dp
 
     @property
+    def zero_group(self) -> int:
+        """DP ranks one copy of the ZeRO-sharded state spans (zero_shard, or the whole DP group)."""
+        return self.zero_shard or self.dp
+
+    @property
     def v(self) -> int:
         return self.interleave if self.pp_schedule == "interleaved" else 1
 
@@ -80,7 +90,7 @@ class Layout:
     def describe(self) -> str:
         parts = [f"{k}={getattr(self, k)}" for k in ("dp", "fsdp", "tp", "pp", "cp", "ep") if getattr(self, k) > 1]
         if self.zero:
-            parts.append(f"zero={self.zero}")
+            parts.append(f"zero={self.zero}" + (f"/{self.zero_shard}" if self.zero_shard else ""))
         if self.sequence_parallel:
             parts.append("sp")
         if self.pp > 1:
@@ -116,6 +126,13 @@ class TrainConfig:
     # follows (Transformer Engine's userbuffers: Megatron-Core's --tp-comm-overlap, NeMo's ub_tp_comm_overlap, set by
     # NVIDIA's MLPerf recipes); off, they are exposed, as Megatron-LM ran them (Korthikanti et al. 2022).
     tp_comm_overlap: bool = False
+    # The data-parallel gradient reduction runs in buckets of ``dp_bucket_bytes`` issued as the backward fills them
+    # (PyTorch DDP's 25 MiB by default; Megatron's 40M parameters, DeepSpeed's 5e8 elements: microbenchmarks-added.md
+    # P1, P3), so all but the last bucket hide behind the last microbatch's backward and, under ZeRO, the gathered
+    # weights behind the next forward (``dp_overlap``); off, the reduction runs after the backward, exposed (DeepSpeed's
+    # ZeRO-1/2 default, overlap_comm false).
+    dp_overlap: bool = True
+    dp_bucket_bytes: float = 25 * 2**20
     # How the program is written, where XLA or a framework does it differently (the lab's own Transformer keeps
     # fp32 weights and separate Q/K/V and gate/up projections; Megatron-style defaults below).
     param_dtype: str = "bf16"  # bf16: mixed precision (fp32 master copy in the optimizer state); fp32: weights are it
@@ -214,6 +231,22 @@ def check_config(cfg: TrainConfig) -> None:
             raise UserError(f"--{name} must be a positive integer, got {v!r}")
     if lay.zero not in (0, 1, 2, 3):
         raise UserError(f"--zero {lay.zero} is not one of 0, 1, 2, 3")
+    if lay.zero_shard and (not isinstance(lay.zero_shard, int) or lay.zero_shard < 1 or lay.dp % lay.zero_shard):
+        raise UserError(
+            f"--zero-shard {lay.zero_shard!r} must divide --dp {lay.dp} (the DP ranks one copy of the state spans), "
+            f"e.g. {_nearest_divisor(lay.dp, max(int(lay.zero_shard) if isinstance(lay.zero_shard, int) else 1, 1))}"
+        )
+    if lay.zero_shard and lay.zero not in (1, 2):
+        raise UserError(
+            f"--zero-shard shards ZeRO-1 or -2's state over part of the DP group; give --zero 1 or 2 "
+            f"(got --zero {lay.zero})"
+        )
+    b = cfg.dp_bucket_bytes
+    if isinstance(b, bool) or not isinstance(b, int | float) or not 2**10 <= b <= 2**40:
+        raise UserError(
+            f"--dp-bucket-mb {b / 2**20 if isinstance(b, int | float) else b!r} must be between 1 KiB and "
+            "1 TiB in MiB, e.g. 25"
+        )
     if cfg.attention_kernel not in ("fa2", "fa3"):
         raise UserError(f"--attention-kernel {cfg.attention_kernel!r} is not one of fa2, fa3")
     if cfg.elementwise not in ELEMENTWISE:

@@ -134,8 +134,9 @@ def content_key(role: str, lay: Layout, remat: str, regathers_norms: bool = Fals
         again = regathers_norms and remat != "none"
         return (role, lay.tp, lay.ep, lay.pp, again) if lay.fsdp_eff > 1 else (role, None)
     carved = experts_from_dp(lay)  # the routed experts' gradients go to edp
-    if role == "dp":  # a tp/ep rank's stage gradients over fsdp
-        return (role, lay.tp, lay.ep, lay.pp, lay.fsdp_eff, carved) if lay.dp_eff > 1 else (role, None)
+    if role == "dp":  # a tp/ep rank's stage gradients over fsdp; ZeRO splits their reduction (training_step.dp_times)
+        zero = (lay.zero >= 1, lay.zero_group)
+        return (role, lay.tp, lay.ep, lay.pp, lay.fsdp_eff, carved, *zero) if lay.dp_eff > 1 else (role, None)
     if role == "edp":  # the routed experts' share of them
         return (role, lay.tp, lay.ep, lay.pp, lay.fsdp_eff) if carved and lay.dp_eff > lay.ep else (role, None)
     if role == "batch":  # the loss

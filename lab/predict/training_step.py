@@ -19,6 +19,7 @@ What each role's collectives depend on is :func:`lab.predict.training_comm.conte
 
 from __future__ import annotations
 
+import dataclasses
 from collections import namedtuple
 from dataclasses import dataclass
 
@@ -26,8 +27,9 @@ from lab.core.hardware import Chip
 from lab.core.models import ModelConfig
 from lab.predict import efficiency as eff
 from lab.predict.axis_costs import bubble_over_work
+from lab.predict.placement import placement
 from lab.predict.train_config import UPDATE_BYTES, Layout, TrainConfig
-from lab.predict.training_comm import Comm, collectives, layout_group, placement
+from lab.predict.training_comm import Comm, collectives, layout_group
 from lab.predict.training_memory import local_params
 
 
@@ -125,10 +127,14 @@ def comm_time(cfg: TrainConfig, c: Comm) -> float:
 # slots: the embedding and the loss take a layer's slot on the first and last stage; dp: the data-parallel gradient
 # reduction, once per step (0 without one); loss: the loss mean over the batch axes; optimizer: the optimizer's
 # memory-bound pass over this chip's share of the state. (Plain named tuples: typing is not imported at run time.)
-LayoutTerms = namedtuple("LayoutTerms", "layers split slots dp loss optimizer")
+LayoutTerms = namedtuple("LayoutTerms", "layers split slots dp loss optimizer dp_tail dp_gather dp_overlap")
+# dp_tail: the last bucket of the gradient reduction (exposed after the backward when it overlaps); dp_gather: under
+# ZeRO, the updated weights gathered after the optimizer (behind the next forward when it overlaps); dp_overlap: the
+# job's TrainConfig.dp_overlap. dp is the reduction, bucket by bucket.
 # FSDP's collectives per layer (ahead of the forward, in the backward) and per microbatch (seconds), and those once a
-# step, exposed (the lab's SPMD pipeline gathers a stage's weights before its loop and reduces their gradients after).
-FsdpTerms = namedtuple("FsdpTerms", "fwd bwd rest step")
+# step, exposed (the lab's SPMD pipeline gathers a stage's weights before its loop and reduces their gradients after);
+# scatter: a layer's gradient ReduceScatter (the backward's last has no layer left to hide behind).
+FsdpTerms = namedtuple("FsdpTerms", "fwd bwd rest step scatter")
 # A layout and microbatch size's part of the step: n_mb microbatches per pipeline per step; pp: pipeline sends per
 # microbatch, seconds; tp: TP collectives once per microbatch (the vocab-parallel embedding and loss, SP's norm
 # gradients); bubble: the pipeline bubble as a multiple of the work (axis_costs.bubble_over_work).
@@ -148,28 +154,60 @@ def role_comms(cfg: TrainConfig, term: str) -> tuple[Comm, ...]:
     return tuple(collectives(cfg, roles=TERMS[term], per=_PER.get(term)))
 
 
-def dp_times(chip: Chip, lay: Layout, comms: tuple[Comm, ...]) -> tuple[float, float]:
-    """The DP gradient reduction (with the SPMD pipeline's reductions over the stages) and the loss mean over the
-    batch axes (``role_comms(cfg, "dp")``): seconds of one call each, once per step."""
-    grads = loss = 0
+def dp_times(
+    chip: Chip, lay: Layout, comms: tuple[Comm, ...], bucket: float = 25 * 2**20
+) -> tuple[float, float, float, float]:
+    """The DP gradient reduction (with the SPMD pipeline's reductions over the stages), the loss mean over the batch
+    axes, the reduction's last bucket and ZeRO's gather of the updated weights (``role_comms(cfg, "dp")``): seconds,
+    once per step. Under ZeRO sharded over the whole DP group the all-reduce is a
+    ReduceScatter of the gradients and an AllGather of the weights, half each; sharded over part of it (zero_shard),
+    the gradients are all-reduced whole and the weights gathered inside the part. The whole reduction is priced at its
+    size (NCCL keeps the buckets in flight back to back); its last bucket, which the backward's end leaves exposed, at
+    the bucket's (``bucket``: TrainConfig.dp_bucket_bytes)."""
+    grads = loss = tail = 0.0
+    dp_bytes = 0.0
     for c, t in zip(comms, prices(chip, lay, comms), strict=True):
         if c.role == "batch":
             loss += t
         elif c.role in ("dp", "edp", "pp", "cp"):
             grads += t
-    return grads, loss
+            if c.role in ("dp", "edp"):
+                last = t if c.bytes <= bucket else prices(chip, lay, (dataclasses.replace(c, bytes=bucket),))[0]
+                tail = max(tail, last)
+                dp_bytes += c.bytes if c.role == "dp" else 0.0
+    gather = 0.0
+    if lay.zero >= 1 and lay.dp > 1 and grads:
+        if lay.zero_group >= lay.dp:  # the all-reduce's AllGather half moves out of the backward
+            gather = grads / 2
+            grads -= gather
+            tail = min(tail, grads)
+        elif lay.zero_group > 1:  # the weights gathered inside the shard group (as the gradients were reduced)
+            _, stride, cross = layout_group(lay, "dp")
+            gather = eff.comm_time(
+                chip, "all-gather", dp_bytes, lay.zero_group, **placement(chip, lay.zero_group, stride, cross)
+            )
+    return grads, loss, tail, gather
 
 
 def layout_terms(
-    model: ModelConfig, chip: Chip, lay: Layout, optimizer: str, dp: float, loss: float, local: float | None = None
+    model: ModelConfig,
+    chip: Chip,
+    lay: Layout,
+    optimizer: str,
+    dp: float,
+    loss: float,
+    local: float | None = None,
+    tail: float = 0.0,
+    gather: float = 0.0,
+    overlap: bool = True,
 ) -> LayoutTerms:
-    """The layout's terms, with its DP reduction and loss mean (:func:`dp_times`) priced (``local``: the layout's
-    ``training_memory.local_params``, when at hand)."""
-    shard = lay.dp * lay.fsdp if lay.zero >= 1 else lay.fsdp_eff
+    """The layout's terms, with its DP reduction, loss mean, last bucket and ZeRO gather (:func:`dp_times`) priced
+    (``local``: the layout's ``training_memory.local_params``, when at hand; ``overlap``: TrainConfig.dp_overlap)."""
+    shard = lay.zero_group * lay.fsdp if lay.zero >= 1 else lay.fsdp_eff
     local = local_params(model, lay) if local is None else local
     update = eff.memory_time(chip, local / shard * UPDATE_BYTES[optimizer])
     slots = lay.pp > 1 and lay.pp_embedding_slots
-    return LayoutTerms(lay.stage_layers(model.layers), lay.stage_split, slots, dp, loss, update)
+    return LayoutTerms(lay.stage_layers(model.layers), lay.stage_split, slots, dp, loss, update, tail, gather, overlap)
 
 
 def fsdp_terms(chip: Chip, lay: Layout, comms: tuple[Comm, ...]) -> FsdpTerms | None:
@@ -177,18 +215,20 @@ def fsdp_terms(chip: Chip, lay: Layout, comms: tuple[Comm, ...]) -> FsdpTerms | 
     None without FSDP."""
     if lay.fsdp_eff <= 1:
         return None
-    fwd = bwd = 0.0  # a gather issued twice per layer is one forward and one backward; once, a backward one
+    fwd = bwd = scatter = 0.0  # a gather issued twice per layer is one forward and one backward; once, a backward one
     rest = step = 0
     for c, t in zip(comms, prices(chip, lay, comms), strict=True):
         if c.per == "layer":
             ahead = c.calls // 2 if c.kind == "all-gather" else 0
             fwd += t * ahead
             bwd += t * (c.calls - ahead)
+            if c.kind == "reduce-scatter":
+                scatter += t * c.calls
         elif c.per == "microbatch":
             rest += c.calls * t
         elif c.per == "step":
             step += c.calls * t
-    return FsdpTerms(fwd, bwd, rest, step)
+    return FsdpTerms(fwd, bwd, rest, step, scatter)
 
 
 def pp_time(chip: Chip, lay: Layout, comms: tuple[Comm, ...]) -> float:
@@ -209,12 +249,27 @@ def microbatch_terms(lay: Layout, n_mb: int, pp: float, tp: float) -> Microbatch
 
 
 def fsdp_exposed(slowdown: float, ft: FsdpTerms, lc: LayerCost, layers: float) -> float:
-    """FSDP per microbatch: each layer's gathers and scatter beyond the same layer's compute, the embeddings'
-    beyond the logits'. Hidden is not free: the overlapped compute runs ``slowdown`` slower on a GPU
+    """FSDP per microbatch: each layer's gathers and scatter beyond the compute they overlap (a layer's gather runs
+    under the layer before it, prefetched; its scatter under the one after), the embeddings' beyond the logits'; and
+    the schedule's ends, which nothing covers: the first layer's gather before the forward starts and the last
+    scatter after the backward ends. Hidden is not free: the overlapped compute runs ``slowdown`` slower on a GPU
     (efficiency.overlap_slowdown, efficiency.overlapped)."""
     hide = eff.overlapped
     exposed = layers * (hide(slowdown, ft.fwd, lc.fwd) + hide(slowdown, ft.bwd, lc.bwd + lc.recompute))
+    exposed += ft.fwd + ft.scatter if layers else 0.0
     return exposed + hide(slowdown, ft.rest, lc.logits) if ft.rest else exposed
+
+
+def dp_exposed(slowdown: float, lt: LayoutTerms, lc: LayerCost) -> float:
+    """The data-parallel reduction per step: with overlap, every bucket but the last under the last microbatch's
+    backward (the last bucket after it), and ZeRO's weight gather under the next step's first forward; without, all of
+    it after the backward. The loss mean besides."""
+    layers = lt.layers
+    if not lt.dp_overlap:
+        return lt.dp + lt.dp_gather + lt.loss
+    under = eff.overlapped(slowdown, max(lt.dp - lt.dp_tail, 0.0), layers * (lc.bwd + lc.recompute))
+    after = eff.overlapped(slowdown, lt.dp_gather, layers * lc.fwd) if lt.dp_gather else 0.0
+    return min(lt.dp_tail, lt.dp) + under + after + lt.loss
 
 
 def step_parts(
@@ -240,11 +295,11 @@ def step_parts(
     offload_mb = layers * lc.offload
     t_mb = compute_mb + tp_mb + ep_mb + cp_mb + pp_mb + fsdp_mb + offload_mb
     bubble = mt.bubble * n_mb * t_mb  # (p - 1) / v microbatch times (axis_costs)
-    # Data parallelism: one gradient reduction per step, behind the last microbatch's backward; the loss mean.
-    dp_exposed = eff.overlapped(slowdown, lt.dp, layers * (lc.bwd + lc.recompute)) + lt.loss
+    # Data parallelism: the gradient reduction in buckets behind the last microbatch's backward (dp_exposed)
+    dp_exposed_s = dp_exposed(slowdown, lt, lc)
     fsdp_step = 0.0 if ft is None else ft.step
-    step = n_mb * t_mb + bubble + dp_exposed + fsdp_step + lt.optimizer
-    return step, compute_mb, tp_mb, ep_mb, cp_mb, pp_mb, fsdp_mb, offload_mb, bubble, dp_exposed, fsdp_step
+    step = n_mb * t_mb + bubble + dp_exposed_s + fsdp_step + lt.optimizer
+    return step, compute_mb, tp_mb, ep_mb, cp_mb, pp_mb, fsdp_mb, offload_mb, bubble, dp_exposed_s, fsdp_step
 
 
 def breakdown(parts: tuple[float, ...], lt: LayoutTerms, mt: MicrobatchTerms) -> dict[str, float]:
@@ -262,7 +317,7 @@ def breakdown(parts: tuple[float, ...], lt: LayoutTerms, mt: MicrobatchTerms) ->
         "comm_pp_s": n_mb * pp_mb,
         "comm_fsdp_s": n_mb * fsdp_mb + fsdp_step,
         "comm_dp_s": dp_exposed,
-        "dp_reduction_s": lt.dp,
+        "dp_reduction_s": lt.dp + lt.dp_gather,
         "offload_s": n_mb * offload_mb,
     }
 
@@ -275,6 +330,7 @@ __all__ = [
     "MicrobatchTerms",
     "breakdown",
     "comm_time",
+    "dp_exposed",
     "dp_times",
     "forget_prices",
     "fsdp_exposed",

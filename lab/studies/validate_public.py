@@ -114,8 +114,10 @@ def _chip(run: PublicRun):
     chip = get_chip(run.chip)
     if run.node_network_gbps is None:
         return chip
-    per_chip = run.node_network_gbps / 8 * 1e9 / (chip.node_size or 1)
-    return dataclasses.replace(chip, scaleout_bandwidth=per_chip)
+    per_node = run.node_network_gbps / 8 * 1e9  # the node's stated egress, as one NIC of that rate
+    return dataclasses.replace(
+        chip, scaleout_bandwidth=per_node / (chip.node_size or 1), nics_per_node=1, nic_bandwidth=per_node
+    )
 
 
 def _train(run: PublicRun) -> tuple[float, float, str]:
