@@ -238,3 +238,61 @@ def test_the_planner_prices_zero_layouts_as_the_estimator_does():
     result = plan(get_model("llama3-8b"), get_chip("h100"), 64, 64 * 4096, 4096, top=6)
     for est in result.top:
         assert est.step_time_s == estimate(est.config).step_time_s
+
+
+# ----- a calibrated host: the lab's Transformer step's op factors (lab/run/calibrate_step.py) -----------------------
+
+
+def test_the_step_calibration_takes_measured_over_estimated_per_kind_of_op():
+    from lab.run.calibrate_step import factors
+
+    report = {
+        "estimated_ops": [
+            {"name": "mlp/up", "kind": "matmul", "estimated_s": 0.2, "measured_s": 0.3},
+            {"name": "logits", "kind": "matmul", "estimated_s": 0.1, "measured_s": 0.3},
+            {"name": "attention/scores", "kind": "attention", "estimated_s": 0.05, "measured_s": 0.25},
+            {"name": "norm", "kind": "elementwise", "estimated_s": 0.01, "measured_s": 0.04},
+            {"name": "FSDP: weights", "kind": "all-gather", "estimated_s": 0.02, "measured_s": 0.06},
+            {"name": "unmatched", "kind": "matmul", "estimated_s": 0.5, "measured_s": None},
+        ]
+    }
+    got = factors(report)["op_factor"]
+    assert got == pytest.approx({"matmul": 0.6 / 0.3, "attention": 5.0, "elementwise": 4.0, "collective": 3.0})
+
+
+def test_a_calibrated_host_prices_each_kind_of_op_at_its_factor():
+    from lab.predict.train_config import Layout, TrainConfig
+    from lab.predict.training import _compute_ops, _logits_time
+
+    base = get_chip("cpu")
+    factored = dataclasses.replace(base, calibration={"op_factor": {"matmul": 2.0, "attention": 5.0}})
+    m = dataclasses.replace(
+        get_model("llama3-8b"), layers=2, d_model=256, d_ff=1024, heads=8, kv_heads=4, head_dim=32, vocab=2048
+    )
+    cfg = TrainConfig(m, base, Layout(fsdp=8), seq_len=256, global_batch=32, flash_attention=False)
+    plain = {o[0]: o for o in _compute_ops(cfg)}
+    scaled = {o[0]: o for o in _compute_ops(dataclasses.replace(cfg, chip=factored))}
+    for name, (_, kind, fwd, bwd, *_) in plain.items():
+        want = {"matmul": 2.0, "attention": 5.0}.get(kind, 1.0)
+        assert scaled[name][2] == pytest.approx(fwd * want) and scaled[name][3] == pytest.approx(bwd * want), name
+    assert _logits_time(dataclasses.replace(cfg, chip=factored)) > 1.9 * _logits_time(cfg)
+    assert eff.host_factor(get_chip("h100"), "matmul") == 1.0  # an accelerator is never scaled
+
+
+@pytest.mark.slow
+def test_the_reference_step_runs_and_yields_a_factor_per_kind(tmp_path):
+    """The reference program of calibrate_step runs on the emulated devices against the placeholder spec; every kind
+    of op is measured (the factors, whatever this host's speed, are positive and finite)."""
+    import json
+
+    from lab.core.hardware import get_chip
+    from lab.run.calibrate_step import measure_step
+    from lab.run.environment import ensure_devices
+
+    ensure_devices(8)
+    spec = tmp_path / "cpu.json"
+    spec.write_text(json.dumps(get_chip("cpu").fields()))
+    found = measure_step(spec, 8, quick=True)
+    assert set(found["op_factor"]) == {"matmul", "attention", "elementwise", "collective"}
+    assert all(0 < v < 1e4 for v in found["op_factor"].values())
+    assert found["op_factor_step"]["measured_s"] > 0

@@ -11,6 +11,7 @@ from typing import Any
 from lab.cli.args import add_calls, add_target, in_path, positive_int, text_arg
 from lab.cli.commands import help_of
 from lab.core.errors import UserError
+from lab.core.table import render
 
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"  # the checkout's shipped experiments
 
@@ -211,7 +212,18 @@ def cmd_calibrate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     say = None if (args.quiet or args.json) else Progress()
     cal = calibrate(mesh, quick=args.quick, progress=say, force=args.force)
     path = write_spec(cal, args.out)
-    return cal.to_dict() | {"path": str(path)}, cal.table() + f"\n\nwrote {path}"
+    # the lab's own Transformer step against the new spec: the op factors the microbenchmarks cannot see
+    from lab.run.calibrate_step import apply, measure_step
+
+    if say is not None:
+        say("last step: the lab's Transformer train step on every device, priced against the new spec")
+    found = measure_step(path, n, args.quick, say)
+    apply(path, found)
+    rows = [[k, f"{v:.2f}"] for k, v in found["op_factor"].items()]
+    step = found["op_factor_step"]
+    text = render(["op kind", "measured / estimated"], rows, title=f"the lab's Transformer step: {step['program']}")
+    data = cal.to_dict() | {"path": str(path), "op_factor": found["op_factor"], "op_factor_step": step}
+    return data, cal.table() + "\n\n" + text + f"\n\nwrote {path}"
 
 
 def _calibrate_device(args: argparse.Namespace) -> tuple[dict[str, Any], str]:

@@ -181,6 +181,22 @@ def family(chip: Chip) -> str:
     return fam
 
 
+# A calibrated host's factors per kind of op (matmul, attention, elementwise, collective): what the lab's own
+# Transformer step took on this host's emulated devices over what the estimator priced its ops at, measured by
+# `shardlab calibrate` on a reference program (lab/run/calibrate_step.py). Emulated devices share the host's cores, so
+# an op in a sharded step runs slower than its microbenchmark alone, and XLA:CPU's batched small matmuls (attention
+# scores) and reductions (norms) far slower than its square matmuls and copies: the microbenchmarks see neither.
+HOST_OP_KINDS = ("matmul", "attention", "elementwise", "collective")
+
+
+def host_factor(chip: Chip, kind: str) -> float:
+    """The calibrated host's factor for ops of ``kind`` (HOST_OP_KINDS); 1 off a calibrated host."""
+    if chip.kind != "cpu":
+        return 1.0
+    factors = chip.calibration.get("op_factor") if chip.calibration else None
+    return float(factors.get(kind, 1.0)) if factors else 1.0
+
+
 def tile(chip: Chip) -> float:
     # v6e's MXU is 256x256 (tpus.md); the other TPUs' are 128x128.
     return 256.0 if chip.name == "tpu-v6e" else TILE[chip.kind]
@@ -487,7 +503,7 @@ def _achievable(
     chip: Chip, kind: str, nbytes: float, time_s: float, bandwidth_s: float, group: int, scope: str
 ) -> float:
     """The modelled time and bandwidth term of a collective at the fabric's measured efficiency."""
-    frac = collective_fraction(chip, kind, group, scope, nbytes)
+    frac = collective_fraction(chip, kind, group, scope, nbytes) / host_factor(chip, "collective")
     if scope == "node":  # the bandwidth term at its size's share of the plateau (NVLINK_SWEEP)
         return max(time_s, bandwidth_s / nvlink_ramp(chip, kind, nbytes, group)) / frac
     if chip.kind == "gpu":  # across nodes the NIC's measured share (NIC_CURVE) is of its line rate: the bandwidth

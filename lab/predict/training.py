@@ -291,6 +291,8 @@ def _compute_ops(cfg: TrainConfig) -> list[tuple[str, str, float, float, float, 
     sp_div = t if lay.sequence_parallel else 1
     mem("norms", tokens / sp_div * d * 2 * NORM_BYTES[cfg.elementwise])  # two per layer
     mem("residuals", tokens / sp_div * d * (12.0 + (2.0 if m.dropout else 0.0)))  # two (bias-dropout-)adds
+    if chip.kind == "cpu" and chip.calibration.get("op_factor"):  # a calibrated host: its measured op factors
+        ops = [(o[0], o[1], *(x * eff.host_factor(chip, o[1]) for x in o[2:4]), *o[4:]) for o in ops]
     return ops
 
 
@@ -416,7 +418,8 @@ def _logits_time(cfg: TrainConfig) -> float:
     tokens = cfg.microbatch * cfg.seq_len / lay.cp
     mm = eff.matmul_time(cfg.chip, tokens, m.d_model, m.vocab / lay.tp, _wide(cfg.dtype))
     ce = eff.memory_time(cfg.chip, tokens * m.vocab / lay.tp * 10.0)  # bf16 logits in, fp32 softmax, grads out
-    return 3 * mm + ce
+    chip = cfg.chip
+    return 3 * mm * eff.host_factor(chip, "matmul") + ce * eff.host_factor(chip, "elementwise")
 
 
 def step_terms(cfg: TrainConfig) -> tuple[LayoutTerms, MicrobatchTerms, FsdpTerms | None]:
