@@ -26,6 +26,7 @@ def test_the_stored_table_is_the_development_sets_residuals_as_the_model_stands(
     for name, c in fresh.items():
         s = stored[name]
         assert (s.runs, s.sources) == (c["runs"], c["sources"]), name
+        assert (s.dof, s.k) == (c["dof"], c["k"]), name
         for k in ("mu", "s_between", "s_within"):
             assert getattr(s, k) == pytest.approx(c[k], abs=1e-9), (name, k)
 
@@ -74,8 +75,12 @@ def test_a_class_spread_is_between_its_sources_and_within_them():
 def test_an_interval_widens_with_its_constant_shifts_and_sits_on_the_class_centre():
     spread = iv.table()["GPU training"]
     plain = iv.interval(2.0, "GPU training")
-    assert plain.lo == pytest.approx(2.0 * math.exp(spread.mu - iv.Z80 * spread.s))
-    assert plain.hi == pytest.approx(2.0 * math.exp(spread.mu + iv.Z80 * spread.s))
+    # a new source's run: the between-source spread widened by 1 + 1/k, Student's t with k - 1 degrees of freedom
+    s = math.hypot(spread.s_between * math.sqrt(1 + 1 / spread.k), spread.s_within)
+    q = {4: 1.533, 5: 1.476, 6: 1.440}[spread.dof]
+    assert spread.dof == spread.k - 1 == spread.sources - 1
+    assert plain.lo == pytest.approx(2.0 * math.exp(spread.mu - q * s))
+    assert plain.hi == pytest.approx(2.0 * math.exp(spread.mu + q * s))
     wide = iv.interval(2.0, "GPU training", {"attention.h100.fa3": 0.8})
     assert wide.lo < plain.lo and wide.hi > plain.hi and wide.leaning_on[0][0] == "attention.h100.fa3"
     assert iv.interval(2.0, "GPU training", {"x": 1.0}).hi == pytest.approx(plain.hi)  # no shift, no widening
@@ -157,3 +162,10 @@ def test_one_case_shows_its_interval_and_an_unexpressible_one_is_refused(capsys)
     assert len(err) == 1 and "PS44 is not expressible" in err[0] and "no interval" in err[0]
     assert main(["validate", "--case", "nope"]) == 2
     assert "--case 'nope' is no published run; valid: PT01" in capsys.readouterr().err
+
+
+def test_students_t_quantiles_narrow_towards_the_normal():
+    assert iv.t90(1) == 3.078 and iv.t90(5) == 1.476 and iv.t90(11) == 1.372  # between entries: the wider
+    assert iv.t90(500) == iv.Z80
+    qs = [iv.t90(d) for d in range(1, 200)]
+    assert all(a >= b for a, b in zip(qs, qs[1:], strict=False))

@@ -52,7 +52,8 @@ def fit(dev: PublicValidation) -> dict[str, Any]:
         res = -math.log(_time_ratio(r.error))  # log(measured / predicted)
         by_class.setdefault(r.run.group, {}).setdefault(r.run.source_name, []).append(res)
     source_means = {g: {s: statistics.mean(v) for s, v in srcs.items()} for g, srcs in by_class.items()}
-    pooled_between = _sd([m for g in source_means.values() for m in g.values()])
+    all_means = [m for g in source_means.values() for m in g.values()]
+    pooled_between = _sd(all_means)
     classes = []
     for g, srcs in by_class.items():
         means = source_means[g]
@@ -69,6 +70,8 @@ def fit(dev: PublicValidation) -> dict[str, Any]:
                 mu=0.0 if few else statistics.mean(means.values()),
                 s_between=pooled_between if few else _sd(list(means.values())),
                 s_within=s_within,
+                dof=(len(all_means) if few else len(srcs)) - 1,
+                k=len(all_means) if few else len(srcs),
             ).to_dict()
         )
     return {
