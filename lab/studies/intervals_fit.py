@@ -13,14 +13,39 @@ import math
 import statistics
 from typing import Any
 
+from lab.core.errors import UserError
 from lab.predict import constants as K
 from lab.predict import intervals as iv
-from lab.studies.validate_public import PublicValidation, run_public_validation
+from lab.studies.validate_public import PublicValidation, predict, run_public_validation
 
 
 def _time_ratio(error: float) -> float:
     """A row's error as predicted time over measured time (errors read as a time: validate_public)."""
     return 1.0 + error
+
+
+def touched(c: K.Constant, run) -> bool:
+    """Whether the constant ``c`` can move the run's prediction (it touches the run's chip family or kind)."""
+    from lab.core.hardware import get_chip
+    from lab.predict.efficiency import family
+
+    try:
+        chip = get_chip(run.chip)
+    except UserError:
+        return False
+    return c.touches(family(chip), chip.kind)
+
+
+def repriced(v: PublicValidation, c: K.Constant) -> dict[str, float]:
+    """With the constant ``c`` swapped for its alternative: each answered run it touches, its error (as a time)."""
+    runs = [r.run for r in v.predicted if touched(c, r.run)]
+    out = {}
+    with K.swapped(c.name):
+        for run in runs:
+            row = predict(run)
+            if row.error is not None:
+                out[run.case_id] = row.error
+    return out
 
 
 def run_shifts(split: str, base: PublicValidation | None = None) -> dict[str, dict[str, float]]:
@@ -29,15 +54,10 @@ def run_shifts(split: str, base: PublicValidation | None = None) -> dict[str, di
     built = {r.run.case_id: r.error for r in base.rows if r.error is not None}
     out: dict[str, dict[str, float]] = {case: {} for case in built}
     for c in K.uncertain():
-        with K.swapped(c.name):
-            swapped = run_public_validation(split)
-        for r in swapped.rows:
-            e0 = built.get(r.run.case_id)
-            if e0 is None or r.error is None:
-                continue
-            ratio = _time_ratio(r.error) / _time_ratio(e0)
+        for case, error in repriced(base, c).items():
+            ratio = _time_ratio(error) / _time_ratio(built[case])
             if abs(ratio - 1) > 1e-9:
-                out[r.run.case_id][c.name] = ratio
+                out[case][c.name] = ratio
     return out
 
 
@@ -102,4 +122,4 @@ if __name__ == "__main__":
     print(json.dumps(write(), indent=1))
 
 
-__all__ = ["fit", "run_shifts", "with_intervals", "write"]
+__all__ = ["fit", "repriced", "run_shifts", "touched", "with_intervals", "write"]

@@ -9,6 +9,7 @@ the development set).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,12 +100,20 @@ class Sensitivity:
 
 
 def run_sensitivity(splits: tuple[str, ...] = ("development", "test")) -> Sensitivity:
-    """Price every split as built and with each B/C constant swapped (module docstring)."""
-    baseline = {s: _class_means(run_public_validation(s)) for s in splits}
+    """Price every split as built and with each B/C constant swapped (module docstring); a swap reprices only the
+    runs on chips it touches, the others keep their error."""
+    from lab.studies.intervals_fit import repriced
+
+    built = {s: run_public_validation(s) for s in splits}
+    baseline = {s: _class_means(v) for s, v in built.items()}
     swaps = []
     for c in K.uncertain():
-        with K.swapped(c.name):
-            swaps.append((c, {s: _class_means(run_public_validation(s)) for s in splits}))
+        by_split = {}
+        for s, v in built.items():
+            moved = repriced(v, c)
+            rows = tuple(dataclasses.replace(r, error=moved.get(r.run.case_id, r.error)) for r in v.rows)
+            by_split[s] = _class_means(dataclasses.replace(v, rows=rows))
+        swaps.append((c, by_split))
     return Sensitivity(baseline, tuple(swaps))
 
 
