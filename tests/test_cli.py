@@ -282,7 +282,7 @@ def test_a_command_imports_only_its_own_group():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stderr.strip().splitlines()[-1] == str(
-        ["lab.cli.analytic", "lab.cli.args", "lab.cli.commands", "lab.cli.fast_start", "lab.cli.main"]
+        ["lab.cli.analytic", "lab.cli.args", "lab.cli.commands", "lab.cli.main"]
     )
 
 
@@ -302,35 +302,6 @@ def test_a_command_builds_its_own_parser_and_lists_its_groups_others():
     assert main(["validate", "--group", "development", "--json"]) == 0
 
 
-CTX = ("--context", "8")
-
-
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["train", "estimate", "--model", "llama3-8b", "--hardware", "h100", "--chips", "8"],
-        ["infer", "estimate", "--model", "llama3-8b", "--hardware", "h100", *("--chips", "1", "--batch", "1"), *CTX],
-        ["roofline", "matmul", "--b", "8", "--d", "8", "--f", "8", "--hardware", "h100"],
-        ["validate", "--group", "development"],
-    ],
-)
-def test_an_analytic_command_never_loads_inspect_and_inspect_still_works_after(argv):
-    """dataclasses imports inspect only to write a missing docstring: an analytic command defers it (start-up), so
-    every dataclass on its path has a docstring; the first use of inspect then loads the real module."""
-    code = (
-        "import contextlib, io, sys\nfrom lab.cli.main import main\n"
-        f"with contextlib.redirect_stdout(io.StringIO()):\n    rc = main({argv!r})\n"
-        "print(rc, type(sys.modules['inspect']).__name__, 'ast' in sys.modules, 'dis' in sys.modules)\n"
-        "import inspect\nfrom dataclasses import dataclass\n@dataclass\nclass NoDoc:\n    x: int\n"
-        "print(inspect.signature(NoDoc), NoDoc.__doc__, inspect.isfunction(main), sys.modules['inspect'].__name__)\n"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    # from 3.12 dataclasses read every class's annotations through inspect: nothing is deferred there
-    first = "0 _Deferred False False" if sys.version_info < (3, 12) else "0 module True True"
-    assert r.stdout.splitlines() == [first, "(x: int) -> None NoDoc(x: int) True inspect"]
-
-
 def test_a_dense_training_estimate_loads_neither_the_program_table_nor_numbers():
     """Start-up: the program table (lab.core.programs, about 4 ms) is for MoE models and the lab's own programs,
     ``numbers`` only for a byte count that is neither int nor float, the book's thresholds (lab.predict.limits) for
@@ -344,17 +315,6 @@ def test_a_dense_training_estimate_loads_neither_the_program_table_nor_numbers()
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.stdout.splitlines() == ["0 False False False", "lab.predict.limits lab.predict.limits"], r.stderr
-
-
-def test_a_jax_command_loads_the_real_inspect_and_compiles_dataclasses_as_python_does():
-    """Run as the process's own command (``main()``), a JAX command keeps none of lab.cli.fast_start's shortcuts."""
-    code = (
-        "import dataclasses, sys\nfrom lab.cli.main import main\nsys.argv = ['shardlab', 'run', '--bogus']\n"
-        "try:\n    main()\nexcept SystemExit:\n    pass\nimport inspect\n"
-        "print(type(sys.modules['inspect']).__name__, inspect.signature(len), 'exec' in vars(dataclasses))"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert r.stdout.strip() == "module (obj, /) False", r.stderr
 
 
 @pytest.mark.parametrize(

@@ -91,3 +91,26 @@ def test_the_sensitivity_table_names_what_moves_a_class(capsys):
     assert tpu["TPU serving"] != base["TPU serving"] and tpu["GPU training"] == base["GPU training"]
     assert main(["validate", "--group", "calibration", "--sensitivity"]) == 2
     assert "--sensitivity prices the development set and the test split" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("chip", ["h100", "a100-80gb", "tpu-v5e", "tpu-v4"])
+def test_a_constant_said_to_enter_one_estimator_leaves_the_other_alone(chip):
+    """The intervals swap only the constants an estimate can lean on (Constant.prices): a decode step's figures never
+    move a training step, an attention kernel's or the overlap's never a decode step."""
+    from lab.predict.train_config import Layout, TrainConfig
+    from lab.predict.training import estimate
+
+    c = get_chip(chip)
+    m = get_model("llama3-8b")
+    train = TrainConfig(m, c, Layout(fsdp=4, tp=2), seq_len=4096, global_batch=32)
+    serve = InferConfig(m, c, batch=8, context=2048, tp=2, prefill_len=512, achievable=True, weights="int8")
+    base_t, base_s = estimate(train).step_time_s, estimate_inference(serve)
+    for k in K.uncertain():
+        if k.prices == ("training", "serving"):
+            continue
+        with K.swapped(k.name):
+            if "training" not in k.prices:
+                assert estimate(train).step_time_s == base_t, k.name
+            if "serving" not in k.prices:
+                got = estimate_inference(serve)
+                assert (got.decode_step_s, got.prefill_s) == (base_s.decode_step_s, base_s.prefill_s), k.name

@@ -66,21 +66,12 @@ def _command(argv: Sequence[str] | None) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command: exit 0, 2 for a user mistake, 130 on Ctrl-C, 1 for a bug (traceback with --debug).
 
-    Called without ``argv`` (the ``shardlab`` script, ``python -m lab``) the process is the command's own, and an
-    analytic command also skips what Python would spend on every start and exit (:mod:`lab.cli.fast_start`)."""
-    whole_process = argv is None
+    Called without ``argv`` (the ``shardlab`` script, ``python -m lab``) the process is the command's own."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     sys.unraisablehook = keep_interrupts  # a Ctrl-C inside a finalizer is kept, not printed and lost
     argv = [a for a in argv if a != "--debug"]
     chosen = _command(argv)
-    analytic = chosen not in JAX_COMMANDS | {None}
-    if analytic:
-        from lab.cli import fast_start
-
-        fast_start.defer_inspect()
-        if whole_process:
-            fast_start.cache_dataclass_methods()
     if "jax" not in sys.modules and chosen in JAX_COMMANDS | {None}:  # libtpu on a host without TPUs: no screen
         from lab.compile.target import quiet_absent_tpu  # of its warnings (analytic commands never start JAX)
 
@@ -88,8 +79,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser(argv).parse_args(argv)
         data, text = args.func(args)
-        if analytic and whole_process:
-            fast_start.skip_collection_at_exit()
         if args.json:
             from lab.core.table import dumps
 

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from lab.core.errors import UserError
 
 GRADES = ("A", "B", "C")
+# constants that enter one estimator only (the rest, GEMM, HBM, collective and fabric figures, enter both)
+SERVING_ONLY = ("decode.",)
+TRAINING_ONLY = ("attention.", "overlap.", "host.", "eager.")
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,16 @@ class Constant:
 
     def touches(self, family: str, kind: str) -> bool:
         return "*" in self.chips or family in self.chips or kind in self.chips
+
+    @property
+    def prices(self) -> tuple[str, ...]:
+        """What the constant enters: ``training`` and/or ``serving`` estimates (by its name's family: a decode step's
+        figures price serving only; attention kernels, compute overlap, host offload and eager ops training only)."""
+        if self.name.startswith(SERVING_ONLY):
+            return ("serving",)
+        if self.name.startswith(TRAINING_ONLY):
+            return ("training",)
+        return ("training", "serving")
 
 
 _E = "lab.predict.efficiency"
@@ -525,9 +538,10 @@ def get(name: str) -> Constant:
         raise UserError(f"unknown constant {name!r}; valid: {', '.join(BY_NAME)}") from None
 
 
-def uncertain(family: str | None = None, kind: str | None = None) -> list[Constant]:
-    """The B and C constants (those touching ``family`` / ``kind``, when given)."""
-    out = [c for c in CONSTANTS if c.grade != "A"]
+def uncertain(family: str | None = None, kind: str | None = None, what: str | None = None) -> list[Constant]:
+    """The B and C constants (those touching ``family`` / ``kind``, and entering ``what``: ``training`` or
+    ``serving``, when given)."""
+    out = [c for c in CONSTANTS if c.grade != "A" and (what is None or what in c.prices)]
     if family is None:
         return out
     return [c for c in out if c.touches(family, kind or "")]

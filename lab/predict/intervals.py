@@ -175,14 +175,14 @@ def interval(estimate: float, klass: str, shifts: dict[str, float] | None = None
     return Interval(lo, hi, estimate, klass, c.s, s_k, tuple((n, math.exp(v)) for n, v in top if abs(v) > 1e-3))
 
 
-def constant_shifts(price, family: str, kind: str) -> dict[str, float]:
+def constant_shifts(price, family: str, kind: str, what: str | None = None) -> dict[str, float]:
     """Each B/C constant touching a chip of ``family`` and ``kind``, swapped in turn: ``price()`` under it over
     ``price()`` as built (``price`` returns seconds)."""
     from lab.predict import constants as K
 
     base = price()
     out = {}
-    for c in K.uncertain(family, kind):
+    for c in K.uncertain(family, kind, what):
         with K.swapped(c.name):
             t = price()
         if base > 0 and t > 0 and t != base:
@@ -206,7 +206,8 @@ def for_training(est) -> Interval | None:
     klass = _class_or_none(cfg.chip, "training")
     if klass is None:
         return None
-    shifts = constant_shifts(lambda: estimate(cfg, check=False).step_time_s, family(cfg.chip), cfg.chip.kind)
+    price = lambda: estimate(cfg, check=False).step_time_s  # noqa: E731
+    shifts = constant_shifts(price, family(cfg.chip), cfg.chip.kind, "training")
     return interval(est.step_time_s, klass, shifts)
 
 
@@ -230,7 +231,7 @@ def for_inference(cfg, what: str = "decode_step_s") -> Interval | None:
     t = price()
     if not t:
         return None
-    return interval(t, klass, constant_shifts(price, family(cfg.chip), cfg.chip.kind))
+    return interval(t, klass, constant_shifts(price, family(cfg.chip), cfg.chip.kind, "serving"))
 
 
 def for_program(program) -> Interval | None:

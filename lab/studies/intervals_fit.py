@@ -33,7 +33,7 @@ def touched(c: K.Constant, run) -> bool:
         chip = get_chip(run.chip)
     except UserError:
         return False
-    return c.touches(family(chip), chip.kind)
+    return c.touches(family(chip), chip.kind) and run.kind in c.prices
 
 
 def repriced(v: PublicValidation, c: K.Constant) -> dict[str, float]:
