@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from lab.core.collective_kinds import KINDS as KINDS_TABLE
+from lab.core.collective_kinds import SCOPES as SCOPES_TABLE
 from lab.core.errors import UserError
 from lab.core.schema import parse_positive_float
 from lab.core.units import canonical_dtype
@@ -52,8 +54,7 @@ def scaleout_step_latency(chip: Chip) -> float:
 # The collective kinds the cost model prices (lab.predict.collectives.KINDS) and a calibration's collective_factor
 # may correct, and the scopes a collective can span: here, where the chip's data is, so that the command line lists
 # them without importing the cost model.
-COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "permute")
-COLLECTIVE_SCOPES = ("node", "cross-node")
+COLLECTIVE_KINDS, COLLECTIVE_SCOPES = KINDS_TABLE, SCOPES_TABLE  # lab.core.collective_kinds: one table
 TOPOLOGIES = ("torus", "switch")
 WRAPAROUND_RULES = ("full-axis", "cube", "always", "never")
 MAX_TORUS_DIMS = 3  # every torus built for accelerators is 2D (TPU v5e, v6e) or 3D (v4, v5p); a 1D ring is one too

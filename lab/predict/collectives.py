@@ -41,38 +41,14 @@ from collections import namedtuple
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lab.core.collective_kinds import KINDS as KINDS  # re-exported: the cost model names its kinds
+from lab.core.collective_kinds import SCOPES, canonical_kind
 from lab.core.errors import UserError
-from lab.core.hardware import COLLECTIVE_KINDS as KINDS
-from lab.core.hardware import COLLECTIVE_SCOPES as SCOPES
 from lab.core.hardware import Chip, scaleout_step_latency
 
 TYPE_CHECKING = False  # typing is not imported at run time: annotations only
 if TYPE_CHECKING:
     from typing import Any
-
-_KIND_ALIASES = {
-    "allgather": "all-gather",
-    "ag": "all-gather",
-    "reducescatter": "reduce-scatter",
-    "rs": "reduce-scatter",
-    "allreduce": "all-reduce",
-    "ar": "all-reduce",
-    "psum": "all-reduce",
-    "alltoall": "all-to-all",
-    "a2a": "all-to-all",
-    "ppermute": "permute",
-    "collective-permute": "permute",
-    "collectivepermute": "permute",
-}
-
-
-def canonical_kind(kind: str) -> str:
-    """``AllGather``, ``all_gather``, ``ag`` -> ``all-gather``."""
-    key = str(kind).strip().lower().replace("_", "-")
-    key = _KIND_ALIASES.get(key.replace("-", ""), key)
-    if key not in KINDS:
-        raise UserError(f"unknown collective {kind!r}; valid: {', '.join(KINDS)}")
-    return key
 
 
 @dataclass(frozen=True)

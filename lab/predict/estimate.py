@@ -11,11 +11,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from lab.core.collective_kinds import KINDS
 from lab.core.hardware import Chip
 from lab.core.plan import Plan
 from lab.predict.collectives import collective_time, over_axes
 
-COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "permute")
+COLLECTIVE_KINDS = KINDS  # lab.core.collective_kinds
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from lab.core.collective_kinds import from_hlo
 from lab.core.errors import UserError
 from lab.core.hardware import Chip
 from lab.core.notation import parse_matmul
@@ -125,7 +126,7 @@ def infer_config(plan: Plan, chip: Chip) -> InferConfig:
 
 
 def _op(plan: Plan, d: dict[str, Any]) -> OpEstimate:
-    kind = "permute" if d["kind"] == "collective-permute" else d["kind"]
+    kind = from_hlo(d["kind"])
     collective = kind in COLLECTIVE_KINDS
     axes = plan.roles().get(d.get("role", ""), ()) if collective else ()
     return OpEstimate(

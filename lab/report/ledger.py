@@ -31,21 +31,12 @@ from lab.compile.hlo import (
     operand_shapes,
     parse_module,
 )
+from lab.core.collective_kinds import HLO_NAME, HLO_NAMES
 from lab.core.hardware import Chip
 from lab.predict.collectives import collective_time, over_axes
 from lab.predict.roofline import roofline
 
-KINDS = (
-    "matmul",
-    "all-gather",
-    "reduce-scatter",
-    "all-reduce",
-    "all-to-all",
-    "collective-permute",
-    "attention",
-    "elementwise",
-    "other",
-)
+KINDS = ("matmul", *HLO_NAMES, "attention", "elementwise", "other")
 _NO_WORK = {
     "parameter",
     "constant",
@@ -164,7 +155,7 @@ def predict_ops(hlo_text: str, chip: Chip, mesh: dict[str, int], slow: tuple[str
         coll_t, axes = _collective_price(held, chip, mesh, slow) if held else (0.0, ())
         v = sum(c.bytes for c in held)
         if held and not dots:  # a collective, or a fusion around collectives (the TPU's async collective fusions)
-            kind = "collective-permute" if held[0].kind == "permute" else held[0].kind
+            kind = HLO_NAME[held[0].kind]
             out.append(PredictedOp(instr.name, kind, coll_t, 0.0, nbytes, v, times, axes, scope))
             continue
         if dots:  # a matmul; fused with a collective (a TPU collective matmul) it overlaps the collective
@@ -311,7 +302,7 @@ def join(
 
 # ----- the estimator's column -------------------------------------------------------------------------------------
 
-COLLECTIVE_ROWS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+COLLECTIVE_ROWS = HLO_NAMES
 
 
 def _segments(op_name: str) -> str:

@@ -23,10 +23,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from lab.core.collective_kinds import HLO_NAMES
+
 BAND = (0.67, 1.5)  # the measured/predicted band the validation criterion judges by
 TINY_S = 1e-6  # ops shorter than this are left out of the per-op chart (and counted)
 LABELLED = 5  # how many of the heaviest ops are named on a chart
-COMM_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute", "permute")
+COMM_KINDS = (*HLO_NAMES, "permute")  # a ledger row's HLO name, or an estimator op's kind
 COLORS = {"compute": "#4c72b0", "communication": "#dd8452", "other": "#8c8c8c", "idle": "#e5e5e5"}
 
 

@@ -12,9 +12,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from lab.core.collective_kinds import is_collective
 from lab.core.table import dumps, render
 from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
-from lab.report.ledger import COLLECTIVE_ROWS
 from lab.report.plots import BAND
 
 BAND_WIDTH = BAND[1] / BAND[0]
@@ -287,7 +287,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def _part(kind: str) -> str:
-    if kind in COLLECTIVE_ROWS or kind in ("permute",):
+    if is_collective(kind):
         return "communication"
     return "compute" if kind in ("matmul", "attention") else "other"
 
