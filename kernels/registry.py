@@ -14,6 +14,7 @@ elements per device.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -37,6 +38,7 @@ from lab.core.errors import UserError
 from lab.core.notation import parse_matmul
 from lab.core.plan import Plan
 from lab.core.programs import PROGRAMS, ProgramSpec
+from lab.core.units import numpy_name
 
 
 @dataclass(frozen=True)
@@ -60,13 +62,11 @@ class Kernel:
     build: Callable[..., Built]
 
 
-_DTYPES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16"}
-
-
 def _dtype(dtype) -> np.dtype:
     """A numpy dtype from ``np.float32``, ``jnp.bfloat16``, ``"bf16"``, ``"float32"``..."""
     if isinstance(dtype, str):
-        dtype = _DTYPES.get(dtype.lower(), dtype)
+        with contextlib.suppress(UserError):  # a spelling the lab does not know: jnp.dtype's to take or refuse below
+            dtype = numpy_name(dtype)
     try:
         return jnp.dtype(dtype)
     except TypeError:

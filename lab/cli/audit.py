@@ -14,6 +14,7 @@ from lab.cli.commands import help_of
 from lab.core.errors import UserError
 from lab.core.plan import Plan, kernel_plan
 from lab.core.programs import PROGRAMS, get_program
+from lab.core.units import RUN_DTYPES
 
 DEFAULT_MESH = {"X": 2, "Y": 4}
 DEFAULT_MATMUL_SIZES = {"I": 512, "J": 1024, "K": 2048}
@@ -160,7 +161,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     a.add_argument("--list", action="store_true", help="list the kernels")
     a.add_argument("--mesh", help=f"mesh axis sizes (default {','.join(f'{k}={v}' for k, v in DEFAULT_MESH.items())})")
     a.add_argument("--sizes", help="sizes, e.g. I=512,J=1024,K=2048 (collectives: N=elements per device; batch=16)")
-    a.add_argument("--dtype", choices=("float32", "bfloat16", "fp32", "bf16"))
+    a.add_argument("--dtype", choices=RUN_DTYPES)
     a.add_argument(
         "--model",
         metavar="FIELD=VALUE,...",

@@ -12,6 +12,7 @@ from lab.cli.args import add_calls, add_target, in_path, positive_int, text_arg
 from lab.cli.commands import help_of
 from lab.core.errors import UserError
 from lab.core.table import render
+from lab.core.units import RUN_DTYPES
 
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"  # the checkout's shipped experiments
 
@@ -333,7 +334,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     )
     r.add_argument("--mesh", metavar="AXIS=N,...", help="the mesh instead of the experiment's, e.g. data=1,model=8")
     r.add_argument("--sizes", metavar="DIM=N,...", help="sizes to change, e.g. batch=16,seq=2048")
-    r.add_argument("--dtype", choices=("float32", "bfloat16", "fp32", "bf16"), help="the compute dtype")
+    r.add_argument("--dtype", choices=RUN_DTYPES, help="the compute dtype")
     r.add_argument(
         "--model",
         metavar="FIELD=VALUE,...",

@@ -37,7 +37,7 @@ from lab.cli.commands import help_of
 from lab.core.errors import UserError
 from lab.core.models import CATALOG, resolve_model
 from lab.core.table import render
-from lab.core.units import canonical_dtype, fmt_bytes, fmt_count, fmt_seconds
+from lab.core.units import NUMPY_NAME, canonical_dtype, fmt_bytes, fmt_count, fmt_seconds, numpy_name
 from lab.predict.intervals import for_training
 from lab.predict.intervals import text as interval_text
 from lab.predict.remat import ALL as REMAT_ALL
@@ -518,7 +518,7 @@ def cmd_plan(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
         return result.to_dict(), result.table()
     from lab.run.plan_validate import table, validate_plan
 
-    dtype = "bfloat16" if args.dtype == "bf16" else "float32"
+    dtype = numpy_name(args.dtype) if args.dtype in NUMPY_NAME else "float32"
     calls = {k: v for k, v in calls.items() if v is not None}
     out = args.out or "runs/plan"
     data = validate_plan(result, model, chip, args.validate, out, target=args.topology, dtype=dtype, **calls)

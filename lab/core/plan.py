@@ -34,7 +34,7 @@ from lab.core.programs import (
     get_program,
 )
 from lab.core.rules import FIELDS, NOT_EXECUTED, ShardingRules
-from lab.core.units import canonical_dtype
+from lab.core.units import NUMPY_NAME, canonical_dtype, numpy_name
 
 LINKS = {"fast": "ICI / NVLink: inside a slice or node", "slow": "DCN / scale-out: across slices or nodes"}
 COMPUTE_DTYPES = ("fp32", "bf16")
@@ -401,7 +401,7 @@ class Plan:
                 return "[" + ", ".join(val(x) for x in v) + "]"
             return repr(v)
 
-        dt = {"fp32": "float32", "bf16": "bfloat16"}.get(self.dtype, self.dtype)
+        dt = numpy_name(self.dtype) if self.dtype in NUMPY_NAME else self.dtype
         lines = [f"# {question or 'Written by shardlab from a Plan.'}", "[experiment]"]
         lines += [f"name = {val(self.name or self.program)}", f"program = {val(self.program)}"]
         lines += [f"hardware = {val(self.hardware)}", f"dtype = {val(dt)}"]

@@ -41,6 +41,18 @@ _DTYPE_ALIASES = {
 }
 
 
+# The numpy name of each short name a program can run in (kernels and experiment files spell dtypes this way), and the
+# spellings a command's --dtype accepts for a program that runs.
+NUMPY_NAME = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+RUN_DTYPES = ("float32", "bfloat16", "fp32", "bf16")
+
+
+def numpy_name(name: str) -> str:
+    """``bf16`` -> ``bfloat16``: the numpy spelling of a dtype a program runs in (other dtypes keep their name)."""
+    dt = canonical_dtype(name)
+    return NUMPY_NAME.get(dt, dt)
+
+
 def canonical_dtype(name: str) -> str:
     """Map a dtype spelling (``bfloat16``, ``f32``, ``float8_e4m3fn``...) to the lab's short name."""
     key = str(name).strip().lower()

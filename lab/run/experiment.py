@@ -47,10 +47,10 @@ from lab.core.plan import LINKS, REMAT, MeshAxis, Options, Plan
 from lab.core.programs import complete_mesh, get_program
 from lab.core.rules import FIELDS, PRESETS, rules_from_table
 from lab.core.schema import Field, check_value, read_table
-from lab.core.units import canonical_dtype
+from lab.core.units import RUN_DTYPES, canonical_dtype
 from lab.predict.train_config import MAX_CHECKPOINTS_PER_LAYER
 
-DTYPES = ("float32", "bfloat16", "fp32", "bf16", "f32", "fp8")  # fp8: priced by the estimators, not run
+DTYPES = (*RUN_DTYPES, "f32", "fp8")  # fp8: priced by the estimators, not run
 EXPERIMENT = {
     "name": Field("str", "the run directory's default name"),
     "program": Field("str", "what to build and run"),
