@@ -10,8 +10,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the lab, run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _callgrind beside it
 
-from lab.core.callgrind import MISSING, available, instructions
+from _callgrind import MISSING, available, instructions
+
 from lab.core.errors import UserError
 
 COMMANDS = {

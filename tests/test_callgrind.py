@@ -1,11 +1,15 @@
-"""lab.core.callgrind: the benchmarks' instruction counts, the same on a busy host as on an idle one."""
+"""scripts/_callgrind.py: the benchmarks' instruction counts, the same on a busy host as on an idle one."""
 
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 
-from lab.core import callgrind
 from lab.core.errors import UserError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))  # benchmark helpers live there
+import _callgrind as callgrind
 
 needs_valgrind = pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed here")
 # Python under valgrind starts in about 5 s: the counts themselves run with the slow tests

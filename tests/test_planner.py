@@ -28,6 +28,18 @@ def llama70b_64(h100):
     return plan(get_model("llama3-70b"), h100, 64, 16 * MI, 8192, top=ALL)
 
 
+def _bench(name: str = "_bench_planner"):
+    """A benchmark module of scripts/ (benchmarks live outside the product)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    scripts = str(Path(__file__).resolve().parent.parent / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    return importlib.import_module(name)
+
+
 def _assert_well_formed(result: PlanResult, chips: int):
     assert result.top, "a plan always has at least one result"
     assert len(result.top) <= result.feasible <= result.evaluated <= result.screened
@@ -237,7 +249,7 @@ def test_repeated_options_are_searched_once(h100):
 
 def test_benchmark_runs_and_prints_json(capsys):
     """A smoke test of scripts/bench_planner's module (one run per case; no timing is asserted)."""
-    from lab.predict import planner_bench
+    planner_bench = _bench()
 
     assert planner_bench.main(["--json", "--repeat", "1"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -367,8 +379,8 @@ def test_counts_and_top_k_equal_a_brute_force_loop(
 def test_instruction_counts_are_the_differences_of_three_processes(monkeypatch):
     """--instructions: a case's first search is what the process making one search executes beyond the one making
     none, a later search what a second search adds; per priced configuration, of the case's own search."""
-    from lab.core import callgrind
-    from lab.predict import planner_bench
+    callgrind = _bench("_callgrind")
+    planner_bench = _bench()
 
     seen = []
 
@@ -378,14 +390,14 @@ def test_instruction_counts_are_the_differences_of_three_processes(monkeypatch):
 
     monkeypatch.setattr(callgrind, "instructions", counted)
     r = planner_bench.count_case(4)
-    assert seen == [["-m", "lab.predict.planner_bench", "--child", f"4,{k}"] for k in range(3)]
+    assert seen == [[planner_bench.__file__, "--child", f"4,{k}"] for k in range(3)]
     assert (r["model"], r["chips"], r["priced"]) == ("llama3-405b", 16384, 950)
     assert (r["first_instructions"], r["later_instructions"]) == (4_000, 2_500)
     assert r["first_per_priced"] == 4_000 / 950 and r["later_per_priced"] == 2_500 / 950
 
 
 def test_a_counted_child_makes_the_searches_it_is_given(monkeypatch):
-    from lab.predict import planner_bench
+    planner_bench = _bench()
 
     calls = []
     monkeypatch.setattr(planner_bench, "plan", lambda *a: calls.append(a))
@@ -397,7 +409,7 @@ def test_a_counted_child_makes_the_searches_it_is_given(monkeypatch):
 def test_counting_without_valgrind_says_what_to_install(monkeypatch, capsys):
     import shutil
 
-    from lab.predict import planner_bench
+    planner_bench = _bench()
 
     monkeypatch.setattr(shutil, "which", lambda name: None)
     assert planner_bench.main(["--instructions"]) == 2
@@ -409,7 +421,7 @@ def test_counting_without_valgrind_says_what_to_install(monkeypatch, capsys):
 
 @pytest.mark.parametrize("child", ["x", "1", "9,1", "1,two"])
 def test_a_malformed_child_is_one_line_not_a_traceback(capsys, child):
-    from lab.predict import planner_bench
+    planner_bench = _bench()
 
     assert planner_bench.main(["--child", child]) == 2
     assert capsys.readouterr().err == f"bench_planner: --child takes CASE,SEARCHES (0-4,0-2), got {child!r}\n"

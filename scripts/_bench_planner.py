@@ -19,7 +19,11 @@ import platform
 import statistics
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the lab, run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _callgrind beside it
 
 from lab.core.errors import UserError
 from lab.core.hardware import get_chip
@@ -84,11 +88,11 @@ def _searches(case: int, searches: int) -> None:
 
 
 def count_case(case: int) -> dict[str, Any]:
-    """Instructions of the case's first search in a fresh process and of a second one after it (lab.core.callgrind:
+    """Instructions of the case's first search in a fresh process and of a second one after it (scripts/_callgrind.py:
     three processes making 0, 1 and 2 searches; the differences), and per priced configuration."""
-    from lab.core.callgrind import instructions
+    from _callgrind import instructions
 
-    n = [instructions(["-m", "lab.predict.planner_bench", "--child", f"{case},{k}"]) for k in range(3)]
+    n = [instructions([str(Path(__file__).resolve()), "--child", f"{case},{k}"]) for k in range(3)]
     model, hardware, chips, batch_tokens, seq_len = CASES[case]
     priced = plan(get_model(model), get_chip(hardware), chips, batch_tokens, seq_len).evaluated
     first, later = n[1] - n[0], n[2] - n[1]
