@@ -430,16 +430,13 @@ def test_killing_one_process_stops_the_launch_naming_it_and_leaves_no_orphans(tm
         for pid in children:  # every connection the processes hold is on loopback
             assert _tcp_peers(pid) - ANY <= LOOPBACK, _tcp_peers(pid)
         rank1 = next(p for p in children if f"{dist.PROCESS_ID}=1" in Path(f"/proc/{p}/environ").read_text("latin-1"))
-        killed = time.monotonic()
         os.kill(rank1, signal.SIGKILL)
-        _, err = launch.communicate(timeout=60)
-        took = time.monotonic() - killed
+        _, err = launch.communicate(timeout=300)  # a hang guard, not a speed bound (benchmarks time things)
     finally:
         if launch.poll() is None:
             launch.kill()
     assert launch.returncode not in (0, None)
-    assert "shardlab: error: process 1 of 2 was killed by SIGKILL; stopped the others" in err
-    assert took < 15, f"launch took {took:.1f} s to notice and stop"
+    assert "shardlab: error: process 1 of 2 was killed by SIGKILL; stopped the others" in err  # noticed, not hung
     assert not [p for p in children if _alive(p)]
 
 
@@ -452,7 +449,7 @@ def test_killing_the_launcher_takes_its_processes_with_it(tmp_path):
     finally:
         launch.kill()
         launch.wait()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # a hang guard: the children must go, however busy the host
     while time.monotonic() < deadline and any(_alive(p) for p in children):
         time.sleep(0.1)
     assert not [p for p in children if _alive(p)]
@@ -478,17 +475,17 @@ def _by_hand(rank: int, processes: int, port: int, local: int) -> subprocess.Pop
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _errors(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, list[str], float]:
-    start = time.monotonic()
+def _errors(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, list[str]]:
+    """The process's exit code and its shardlab lines; ``timeout`` guards against a hang (it bounds no speed)."""
     _, err = proc.communicate(timeout=timeout)
     lines = [x for x in err.splitlines() if x.startswith("shardlab: ")]
-    return proc.returncode, lines, time.monotonic() - start
+    return proc.returncode, lines
 
 
 def test_an_unreachable_coordinator_is_named_within_the_timeout():
     port = free_port(None)  # nothing listens there
-    code, lines, took = _errors(_by_hand(1, 2, port, 4))
-    assert code == 2 and took < 30
+    code, lines = _errors(_by_hand(1, 2, port, 4))
+    assert code == 2
     assert lines == [
         f"shardlab: error: process 1 found nothing listening at the coordinator 127.0.0.1:{port} within 4 s "
         f"(Connection refused); start process 0 with the same address, or fix {dist.COORDINATOR}"
@@ -497,8 +494,8 @@ def test_an_unreachable_coordinator_is_named_within_the_timeout():
 
 def test_a_missing_peer_ends_the_wait_with_one_line_not_a_hang():
     port = free_port(None)
-    code, lines, took = _errors(_by_hand(0, 2, port, 4))
-    assert code == 2 and took < 30
+    code, lines = _errors(_by_hand(0, 2, port, 4))
+    assert code == 2
     assert lines == [
         f"shardlab: error: process 0 of 2 could not join the distributed runtime at 127.0.0.1:{port} within 4 s "
         f"({dist.TIMEOUT_ENV}): not every process registered; check that every process was started, with the same "
@@ -511,7 +508,7 @@ def test_mismatched_process_counts_are_refused_by_every_process():
     first = _by_hand(0, 2, port, 4)
     second = _by_hand(1, 3, port, 4)
     for proc in (first, second):
-        code, lines, _ = _errors(proc)
+        code, lines = _errors(proc)
         assert code == 2
         assert lines == [
             "shardlab: error: the processes were told different process counts (2, 3, in rank order; "
@@ -523,7 +520,7 @@ def test_a_mesh_larger_than_all_processes_devices_is_refused(tmp_path):
     port = free_port(None)
     procs = [_by_hand(rank, 2, port, 2) for rank in range(2)]  # 4 devices in all, the mesh wants 8
     for proc in procs:
-        code, lines, _ = _errors(proc)
+        code, lines = _errors(proc)
         assert code == 2
         assert lines == [
             f"shardlab: error: the mesh {{'X': 2, 'Y': 4}} of {MATMUL} has 8 devices but the 2 processes have 4 "
