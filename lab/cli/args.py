@@ -523,11 +523,23 @@ def hardware_parent(required: bool = True) -> argparse.ArgumentParser:
     return hw
 
 
+def check_checkpoints(k: float | None) -> None:
+    """--checkpoints-per-layer: a few to a few hundred saved [tokens, d_model] tensors; more is a typo."""
+    from lab.predict.train_config import MAX_CHECKPOINTS_PER_LAYER
+
+    if k is not None and k > MAX_CHECKPOINTS_PER_LAYER:
+        raise UserError(
+            f"--checkpoints-per-layer {k:g}: a layer saves a few to a few hundred [tokens, d_model] tensors, never "
+            f"that many; give at most {MAX_CHECKPOINTS_PER_LAYER}, e.g. 2 or 4.5"
+        )
+
+
 __all__ = [
     "MAX_SEQ_LEN",
     "MODEL_FLAGS",
     "Parser",
     "chart_path",
+    "check_checkpoints",
     "check_model_path",
     "chip_of",
     "command",

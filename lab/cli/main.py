@@ -42,9 +42,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         module = importlib.import_module(f"lab.cli.{group}")
         if group in ("analytic",):
             module.register(sub, common, hw)
-        elif group == "train":  # five commands: the chosen one's parser alone
-            module.register(sub, common, hw, with_chip, only=chosen)
-        elif group == "infer":
+        elif group in ("train", "model", "infer", "plan", "study", "validate"):
             module.register(sub, common, hw, with_chip)
         else:
             module.register(sub, common)

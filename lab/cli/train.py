@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 
 from lab.cli.args import (
-    MAX_SEQ_LEN,
     Parser,
-    add_calls,
-    add_target,
-    chart_path,
-    check_model_path,
+    check_checkpoints,
     chip_of,
     command,
-    dtype_arg,
     fraction,
     hardware_parent,
     in_path,
@@ -29,19 +23,16 @@ from lab.cli.args import (
     positive_float,
     positive_int,
     positive_ints,
-    scale_arg,
     warn,
-    write_chart,
 )
 from lab.cli.commands import help_of
 from lab.core.errors import UserError
-from lab.core.models import CATALOG, resolve_model
 from lab.core.table import render
-from lab.core.units import NUMPY_NAME, canonical_dtype, fmt_bytes, fmt_count, fmt_seconds, numpy_name
+from lab.core.units import fmt_count, fmt_seconds
 from lab.predict.intervals import for_training
 from lab.predict.intervals import text as interval_text
 from lab.predict.remat import ALL as REMAT_ALL
-from lab.predict.train_config import ELEMENTWISE, MAX_CHECKPOINTS_PER_LAYER
+from lab.predict.train_config import ELEMENTWISE
 from lab.predict.training import OPTIMIZERS, SCHEDULES, Layout, TrainConfig, estimate
 
 TYPE_CHECKING = False  # typing is not imported at run time: annotations only
@@ -75,53 +66,6 @@ TRAIN_OPTIONS = (
 MIN_MFU = 1e-3  # an MFU below 0.1% is a typo: large training runs reach 0.3-0.6 (the calibration set's Megatron runs)
 # A whole number of sequences: 4Mi = 4,194,304 = 512 x 8192 divides by every power-of-two --seq-len (4M does not)
 BATCH_TOKENS_HELP = "tokens per optimizer step, all sequences together: a multiple of --seq-len (e.g. 4Mi or 4194304)"
-
-
-def cmd_model_list(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    rows = [
-        [
-            m.name,
-            fmt_count(m.params),
-            fmt_count(m.active_params),
-            m.layers,
-            m.d_model,
-            m.d_ff,
-            m.heads,
-            m.kv_heads,
-            m.vocab,
-            m.source,
-        ]
-        for m in CATALOG
-    ]
-    text = render(["name", "params", "active", "L", "D", "F", "N", "K", "V", "source"], rows)
-    return {"models": [m.to_dict() for m in CATALOG]}, text
-
-
-def cmd_model_show(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    m = model_of(args)
-    kv = canonical_dtype(args.kv_dtype)
-    d = m.to_dict(seq_len=args.seq_len, kv_dtype=kv)
-    rows = [
-        ["params", f"{fmt_count(m.params)} ({m.params:,})"],
-        [
-            "active params",
-            f"{fmt_count(m.active_params)}"
-            + (f" ({m.experts_per_token} of {m.experts} experts)" if m.is_moe else "")
-            + (f" + {m.shared_experts} shared" if m.shared_experts else "")
-            + (f"; {m.dense_layers} dense layers (d_ff {m.dense_ff})" if m.dense_layers else ""),
-        ],
-        ["layers / d_model / d_ff", f"{m.layers} / {m.d_model} / {m.d_ff}" + (" (gated)" if m.gated_mlp else "")],
-        ["heads / kv_heads / head_dim", f"{m.heads} / {m.kv_heads} / {m.head_dim}"],
-        ["vocab", f"{m.vocab}" + (" (tied)" if m.tied_embeddings else "")],
-        [f"KV cache per token ({kv})", fmt_bytes(m.kv_bytes_per_token(kv))],
-        [
-            "training FLOPs per token",
-            f"{fmt_count(d['flops_per_token'])} ({d['flops_convention']}"
-            + (f", seq {args.seq_len})" if args.seq_len else ")"),
-        ],
-        ["source", m.source],
-    ]
-    return d, render(["quantity", "value"], rows, title=m.name)
 
 
 def _layout(args: argparse.Namespace) -> Layout:
@@ -299,15 +243,7 @@ def _check_train_flags(args: argparse.Namespace) -> None:
             f"--mfu {args.mfu:g} is below {MIN_MFU:g}: no training run is that idle (large runs reach 0.3-0.6); give "
             f"a fraction from {MIN_MFU:g} to 1, e.g. 0.4"
         )
-    _check_checkpoints(args.checkpoints_per_layer)
-
-
-def _check_checkpoints(k: float | None) -> None:
-    if k is not None and k > MAX_CHECKPOINTS_PER_LAYER:
-        raise UserError(
-            f"--checkpoints-per-layer {k:g}: a layer saves a few to a few hundred [tokens, d_model] tensors, never "
-            f"that many; give at most {MAX_CHECKPOINTS_PER_LAYER}, e.g. 2 or 4.5"
-        )
+    check_checkpoints(args.checkpoints_per_layer)
 
 
 def cmd_train_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -429,261 +365,6 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
     return path
 
 
-def cmd_train_limits(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
-    d_ff, model = args.d_ff, None
-    if args.model is not None:  # read even when --d-ff overrides its d_ff: a bad name is an error, never ignored
-        check_model_path(args.model)
-        model = resolve_model(args.model)
-        d_ff = d_ff or model.d_ff
-    if args.checkpoints_per_layer is not None and (model is None or args.batch_tokens is None):
-        raise UserError("--checkpoints-per-layer needs --model and --batch-tokens (the job whose memory it counts)")
-    _check_checkpoints(args.checkpoints_per_layer)
-    # M_X and M_Y count physical torus axes (training.md); a switched fabric (NVLink, a host's threads) is one
-    most = (chip.torus_dims or 1) if chip.topology == "torus" else 1
-    for flag, v in (("--axes", args.axes), ("--tp-axes", args.tp_axes)):
-        if v > most and chip.topology == "torus":
-            raise UserError(f"{flag} {v}: {chip.name}'s torus has {most} axes; give 1 to {most}")
-        if v > most:
-            raise UserError(f"{flag} {v}: {chip.name}'s switched fabric ({chip.kind} node) is one axis; give 1")
-    if args.batch_tokens is not None and args.chips is None and args.checkpoints_per_layer is None:
-        raise UserError(
-            f"--batch-tokens {args.batch_tokens} goes with --chips (the best FSDP degree) or --checkpoints-per-layer "
-            "(the chips that hold the job); give one, or drop --batch-tokens"
-        )
-    if args.chips is not None:
-        from lab.predict.planner import MAX_CHIPS
-
-        if d_ff is None or args.batch_tokens is None:
-            raise UserError(
-                f"--chips {args.chips} sets the best FSDP degree, which also needs --batch-tokens and --d-ff (or "
-                "--model); give them, or drop --chips"
-            )
-        if args.chips > MAX_CHIPS:
-            raise UserError(f"--chips {args.chips} is more chips than any machine has; give at most {MAX_CHIPS}")
-    from lab.predict.limits import limits
-
-    lim = limits(
-        chip,
-        d_ff,
-        axes=args.axes,
-        tp_axes=args.tp_axes,
-        chips=args.chips,
-        batch_tokens=args.batch_tokens,
-        dtype=args.dtype,
-        model=model,
-        checkpoints=args.checkpoints_per_layer,
-    )
-    rows = [
-        ["alpha = C / W", f"{lim.alpha:.0f} FLOPs per byte"],
-        ["DP/FSDP compute-bound above", f"{lim.dp_min_tokens_per_chip:,.0f} tokens per chip ({lim.axes} axis/axes)"],
-        ["  across nodes / slices", f"{lim.dp_min_tokens_per_chip_cross_node:,.0f} tokens per chip"],
-    ]
-    if lim.dcn_min_tokens_per_slice:
-        rows.append(["pure DP over DCN above", f"{lim.dcn_min_tokens_per_slice:,.0f} tokens per slice"])
-    if lim.tp_max_degree is not None:
-        rows += [
-            ["TP compute-bound up to", f"{lim.tp_max_degree:.1f}-way (F = {d_ff})"],
-            ["FSDP+TP compute-bound above", f"{lim.fsdp_tp_min_tokens_per_chip:,.0f} tokens per chip"],
-        ]
-    if lim.fsdp_opt_degree is not None:
-        rows.append(["best FSDP degree", f"{lim.fsdp_opt_degree:.1f} (sqrt(B/F * M_X/M_Y * N))"])
-    if lim.min_chips_to_hold is not None:
-        said = (
-            f"bf16 weights, fp32 Adam moments, {lim.checkpoints_per_layer:g} bf16 checkpoints of D per token and layer"
-        )
-        rows.append(["chips to hold the job", f"{lim.min_chips_to_hold:.1f} ({said})"])
-    return lim.to_dict(), render(["threshold", "value"], rows, title=f"{chip.name}: the book's thresholds")
-
-
-def cmd_plan(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
-    from lab.predict.planner import plan
-
-    model = model_of(args)
-    seq = args.seq_len or model.max_seq_len
-    calls = {"warmup": args.warmup, "repeats": args.repeats}
-    given = [f"--{k}" for k, v in calls.items() if v is not None]
-    if args.validate is None and (args.topology is not None or args.out is not None or given):
-        raise UserError(
-            "--target, --out, --warmup and --repeats belong to --validate K "
-            "(compile and run the planner's best layouts)"
-        )
-    if args.topology is not None and given:
-        raise UserError(f"{' and '.join(given)} time the layouts run on this host; --target only compiles: drop them")
-    if args.validate is not None:
-        _check_validate(args)
-    top = args.top if args.validate is None else max(args.top, 500)  # enough to find K the train step runs
-    result = plan(model, chip, args.chips, args.batch_tokens, seq, top=top, dtype=args.dtype, optimizer=args.optimizer)
-    shown = dataclasses.replace(result, top=result.top[: args.top])
-    if args.validate is None:
-        return result.to_dict(), result.table()
-    from lab.run.plan_validate import table, validate_plan
-
-    dtype = numpy_name(args.dtype) if args.dtype in NUMPY_NAME else "float32"
-    calls = {k: v for k, v in calls.items() if v is not None}
-    out = args.out or "runs/plan"
-    data = validate_plan(result, model, chip, args.validate, out, target=args.topology, dtype=dtype, **calls)
-    return shown.to_dict() | {"validation": data}, shown.table() + "\n\n" + table(data)
-
-
-def _check_validate(args: argparse.Namespace) -> None:
-    """--validate K: the devices it runs on (emulated ones prepared before JAX starts), or the TPU topology."""
-    from lab.run.environment import MAX_EMULATED, ensure_devices
-
-    if args.topology is not None:
-        from lab.compile.target import parse_target, require_libtpu
-
-        t = parse_target(args.topology)
-        if t.chips != args.chips:
-            raise UserError(f"--target {t.name} has {t.chips} chips; give --chips {t.chips}")
-        require_libtpu()
-        return
-    if args.chips > MAX_EMULATED:
-        raise UserError(f"--validate runs on this host's devices; --chips {args.chips} is more than it can emulate")
-    ensure_devices(args.chips, exact=True)
-
-
-def cmd_study_generations(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-
-    from lab.studies.generations import generations
-
-    check_model_path(args.model)
-    if args.seq_len > MAX_SEQ_LEN:
-        raise UserError(
-            f"--seq-len {args.seq_len} is longer than any model's context; give at most {MAX_SEQ_LEN:,} (e.g. 2048)"
-        )
-    study = generations(
-        args.model, chips=args.chips, tokens=args.tokens, seq_len=args.seq_len, global_batch=args.global_batch
-    )
-    png = write_chart(args.png, f"runs/study/generations_{study.model}.png", study.plot)
-    d = study.to_dict() | {"png": png}
-    return d, study.table() + f"\n\nchart: {png}"
-
-
-def _study_memtech(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    from lab.cli.infer import cmd_study_memtech
-
-    return cmd_study_memtech(args)
-
-
-def _unfit_row(key: str, row) -> bool:
-    """A memory-tech row where the model does not fit has no step time (``inf``) and no speed-up."""
-    return row.get("fits") is False and key in ("decode_step_s", "speedup_vs_first", "efficiency")
-
-
-def cmd_validate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    if args.hardware_file:  # read (and checked) by command(); the published runs are priced on the catalog's chips
-        raise UserError(
-            f"validate prices the published runs on the catalog's chips (a100-80gb, h100, ...) and reads no "
-            f"--hardware-file; drop --hardware-file {args.hardware_file}"
-        )
-    from lab.studies.intervals_fit import with_intervals
-    from lab.studies.validate import run_validation
-    from lab.studies.validate_public import run_public_validation
-
-    if args.write_intervals:
-        from lab.predict.intervals import TABLE
-        from lab.studies.intervals_fit import write
-
-        data = write()
-        rows = [
-            [c["name"], c["runs"], c["sources"], f"{c['mu']:+.3f}", f"{c['s_between']:.3f}", f"{c['s_within']:.3f}"]
-            for c in data["classes"]
-        ]
-        return data, render(
-            ["class", "runs", "sources", "mu", "s between", "s within"],
-            rows,
-            title=f"wrote {TABLE}: the development set's residuals, log(measured / predicted)",
-        )
-    if args.case is not None:
-        return _validate_case(args.case)
-    group = "development" if args.group == "public" else args.group  # 'public': the development set's old name
-    data: dict[str, Any] = {}
-    texts = []
-    if group in ("calibration", "all"):
-        v = run_validation()
-        data["calibration"] = v.to_dict()
-        texts.append(v.table())
-    heads = []
-    for split in ("development", "test"):
-        if group in (split, "all"):
-            pv = with_intervals(run_public_validation(split))
-            data[split] = pv.to_dict()
-            texts.append(pv.table())
-            heads.append(pv.headline())
-    if group == "all":
-        texts.append("\n".join(heads))
-    if args.sensitivity:
-        from lab.studies.sensitivity import run_sensitivity
-
-        splits = tuple(s for s in ("development", "test") if group in (s, "all"))
-        if not splits:
-            raise UserError(
-                "--sensitivity prices the development set and the test split; give --group development, test or all"
-            )
-        sens = run_sensitivity(splits)
-        texts.append(sens.table())
-        if group != "all":
-            data = {group: data[group]}
-        data["sensitivity"] = sens.to_dict()
-        return data, "\n\n".join(texts)
-    return (data if group == "all" else next(iter(data.values()))), "\n\n".join(texts)
-
-
-def _validate_case(case: str) -> tuple[dict[str, Any], str]:
-    """One published run: its prediction, error and 80% interval, and the constants that move it most."""
-    from lab.predict.intervals import interval
-    from lab.studies.intervals_fit import run_shifts
-    from lab.studies.validate_public import PublicValidation, predict, split_runs
-
-    runs = {r.case_id: r for s in ("development", "test") for r in split_runs(s)}
-    run = runs.get(case.strip().upper())
-    if run is None:
-        raise UserError(
-            f"--case {case!r} is no published run; valid: {', '.join(list(runs)[:6])}, ... (validate lists them all)"
-        )
-    row = predict(run)
-    if row.error is None:
-        why = row.detail.removeprefix("not expressible: ").removeprefix("refused: ")
-        raise UserError(
-            f"--case {run.case_id} is not expressible ({why}): it has no prediction, so no interval; "
-            "pick an answered run"
-        )
-    alone = PublicValidation((row,), run.split)
-    iv = interval(1.0, run.group, run_shifts(run.split, alone).get(run.case_id))
-    inside = iv.lo <= 1 / (1 + row.error) <= iv.hi
-    lean = ", ".join(f"{n} x{f:.3f}" for n, f in iv.leaning_on) or "none"
-    rows = [
-        ["run", f"{run.case_id} ({run.split}): {run.group}, {run.model} on {run.chips} {run.chip}"],
-        ["source", run.source],
-        ["measured", f"{run.measured:.4g} {run.unit}" + (f"  ({run.quote})" if run.quote else "")],
-        ["predicted", f"{row.predicted:.4g} {run.unit}: {row.detail}"],
-        ["error (as a time)", f"{100 * row.error:+.1f}%"],
-        [
-            "80% interval (time)",
-            f"{100 * (iv.lo - 1):+.0f}% to {100 * (iv.hi - 1):+.0f}% of the prediction: measured "
-            + ("inside" if inside else "OUTSIDE"),
-        ],
-        ["leans on", lean],
-    ]
-    data = row.to_dict() | {"interval_ratio": iv.as_list(), "inside": inside, "interval": iv.to_dict()}
-    return data, render(["quantity", "value"], rows)
-
-
-def _register_model(sub, common, hw, with_chip) -> None:
-    mp = sub.add_parser("model", help=help_of("model"))
-    msub = mp.add_subparsers(dest="model_command", required=True, parser_class=Parser, metavar="list|show")
-    ml = msub.add_parser("list", parents=[common], help="every catalog model")
-    command(ml, cmd_model_list)
-    ms = msub.add_parser(
-        "show",
-        parents=[common, model_parent(positional=True)],
-        help="params, FLOPs per token, KV bytes of a catalog or custom model",
-    )
-    ms.add_argument("--kv-dtype", type=dtype_arg, default="bf16")
-    ms.add_argument("--seq-len", type=positive_int("--seq-len"), help="FLOPs per token at this context")
-    command(ms, cmd_model_show)
-
-
 def _register_train(sub, common, hw, with_chip) -> None:
     tp = sub.add_parser("train", help=help_of("train"))
     tsub = tp.add_subparsers(dest="train_command", required=True, parser_class=Parser, metavar="estimate|limits")
@@ -699,6 +380,18 @@ def _register_train(sub, common, hw, with_chip) -> None:
         help="price exactly what this experiment file runs (its model, mesh, rules, sizes; its hardware unless "
         "--hardware), as named ops",
     )
+    _job_flags(te)
+    _layout_flags(te)
+    _stack_flags(te)
+    plan_options(te, *TRAIN_OPTIONS)
+    command(te, cmd_train_estimate)
+    from lab.cli.limits import register_limits
+
+    register_limits(tsub, common, hw, with_chip)
+
+
+def _job_flags(te) -> None:
+    """train estimate's job: chips, the Plan written, tokens and MFU for days, batch and sequence."""
     te.add_argument("--chips", type=positive_int("--chips"), help="chips (required without --plan)")
     te.add_argument(
         "--save-plan",
@@ -715,6 +408,10 @@ def _register_train(sub, common, hw, with_chip) -> None:
     bg.add_argument("--batch-tokens", type=positive_int("--batch-tokens"), metavar="B", help=BATCH_TOKENS_HELP)
     te.add_argument("--seq-len", type=positive_int("--seq-len"), help="default: the model's context")
     te.add_argument("--microbatch", type=positive_int("--microbatch"), default=1)
+
+
+def _layout_flags(te) -> None:
+    """train estimate's parallel degrees and how each runs (ZeRO, data-parallel overlap, pipeline, experts)."""
     for k in ("dp", "fsdp", "tp", "pp", "cp"):
         te.add_argument(f"--{k}", type=positive_int(f"--{k}"))
     te.add_argument("--ep", type=positive_int("--ep"), default=1)
@@ -764,6 +461,10 @@ def _register_train(sub, common, hw, with_chip) -> None:
         help="the embedding and the loss each take a layer's slot in the pipeline split (Megatron-Core's "
         "account_for_embedding/loss_in_pipeline_split): layers + 2 must divide by pp x interleave",
     )
+
+
+def _stack_flags(te) -> None:
+    """train estimate's recomputation, dtypes and how the stack runs its kernels."""
     te.add_argument(
         "--remat",
         choices=REMAT_ALL,
@@ -802,141 +503,11 @@ def _register_train(sub, common, hw, with_chip) -> None:
         help="with --sequence-parallel: TP's AllGathers and ReduceScatters in chunks under the GEMMs, as Transformer "
         "Engine's userbuffers run them (Megatron-Core --tp-comm-overlap, NeMo's MLPerf recipes) (default: exposed)",
     )
-    plan_options(te, *TRAIN_OPTIONS)
-    command(te, cmd_train_estimate)
-
-    tl = tsub.add_parser("limits", parents=[common, hw], help="the book's DP, TP and FSDP thresholds")
-    tl.add_argument("--model", metavar="NAME", help="take --d-ff from this model")
-    tl.add_argument("--d-ff", type=positive_int("--d-ff"))
-    tl.add_argument("--axes", type=positive_int("--axes"), default=1, help="ICI axes the DP/FSDP group spans (M_X)")
-    tl.add_argument("--tp-axes", type=positive_int("--tp-axes"), default=1, help="ICI axes of the TP group (M_Y)")
-    tl.add_argument("--chips", type=positive_int("--chips"))
-    tl.add_argument("--batch-tokens", type=positive_int("--batch-tokens"))
-    tl.add_argument("--dtype", type=dtype_arg, default="bf16")
-    tl.add_argument(
-        "--checkpoints-per-layer",
-        type=positive_float("--checkpoints-per-layer", "3 or 4"),
-        metavar="K",
-        help="with --model and --batch-tokens: the chips whose HBM holds the job, the book's way (K saved [tokens, D] "
-        "per layer, bf16 weights, fp32 Adam moments)",
-    )
-    command(tl, with_chip(cmd_train_limits))
 
 
-def _register_plan(sub, common, hw, with_chip) -> None:
-    pl = sub.add_parser(
-        "plan",
-        parents=[common, hw, model_parent(positional=False)],
-        help=help_of("plan"),
-    )
-    pl.add_argument("--chips", type=positive_int("--chips"), required=True)
-    pl.add_argument("--batch-tokens", type=positive_int("--batch-tokens"), required=True, help=BATCH_TOKENS_HELP)
-    pl.add_argument("--seq-len", type=positive_int("--seq-len"), help="default: the model's context")
-    pl.add_argument("--top", type=positive_int("--top"), default=10)
-    pl.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
-    pl.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam")
-    pl.add_argument(
-        "--validate",
-        type=positive_int("--validate"),
-        metavar="K",
-        help="compile and run the K best layouts the train step executes, and compare the rankings",
-    )
-    add_target(pl, "with --validate: ")
-    pl.add_argument("--out", type=in_path("--out"), help="with --validate: where the runs go (default runs/plan)")
-    add_calls(
-        pl,
-        "with --validate on this host: untraced calls of each layout's step before the profiled ones (default 3)",
-        "with --validate on this host: profiled calls of each layout's step (default 5); more for a steadier "
-        "measured ranking",
-    )
-    command(pl, with_chip(cmd_plan))
-
-
-def _register_study(sub, common, hw, with_chip) -> None:
-    st = sub.add_parser("study", help=help_of("study"))
-    ssub = st.add_subparsers(
-        dest="study_command", required=True, parser_class=Parser, metavar="generations|memory-tech"
-    )
-    sg = ssub.add_parser(
-        "generations",
-        parents=[common],
-        help="one model's training time on A100, H100, H200 and B200 systems of one size",
-    )
-    sg.add_argument("--model", default="gpt3-175b", metavar="NAME")
-    sg.add_argument("--chips", type=positive_int("--chips"), default=1024)
-    sg.add_argument("--tokens", type=positive_float("--tokens", "3e11"), default=300e9)
-    sg.add_argument("--seq-len", type=positive_int("--seq-len"), default=2048)
-    sg.add_argument("--global-batch", type=positive_int("--global-batch"), default=1536)
-    sg.add_argument(
-        "--png",
-        type=chart_path("--png"),
-        metavar="PATH",
-        help="bar chart (default: runs/study/generations_<model>.png)",
-    )
-    command(sg, cmd_study_generations)
-    sm = ssub.add_parser(
-        "memory-tech",
-        parents=[common],
-        help="decode latency and throughput against HBM generations and on-chip bandwidth",
-    )
-    sm.add_argument("--model", default="llama3-70b", metavar="NAME")
-    sm.add_argument("--hardware", default="h100", metavar="NAME")
-    sm.add_argument("--scale", type=scale_arg, metavar="FIELD=X,...")
-    sm.add_argument("--stacks", type=positive_int("--stacks"), help="HBM stacks (default: the chip's own)")
-    sm.add_argument("--context", type=positive_int("--context"), default=8192)
-    sm.add_argument("--batch", type=positive_int("--batch"), help="fixed batch (default: the largest that fits)")
-    sm.add_argument("--tp", type=positive_int("--tp"), default=8)
-    sm.add_argument("--weights", choices=("bf16", "fp8", "int8", "int4"), default="bf16")
-    sm.add_argument("--kv", choices=("bf16", "fp8", "int8", "int4"), default="bf16")
-    sm.add_argument("--png", type=chart_path("--png"), metavar="PATH")
-    command(sm, _study_memtech, allowed=_unfit_row)
-
-
-def _register_validate(sub, common, hw, with_chip) -> None:
-    v = sub.add_parser("validate", parents=[common], help=help_of("validate"))
-    v.add_argument(
-        "--group",
-        choices=("calibration", "development", "test", "all", "public"),
-        default="all",
-        help="calibration: the published Megatron runs the efficiency model was chosen on; development: public "
-        "measured runs looked at while the model changed (in-sample; 'public' is its old name); test: runs committed "
-        "before the estimators saw them and never tuned on, the honest figure; all: the three (default)",
-    )
-    v.add_argument("--case", metavar="ID", help="one run (PT01, T201, ...): its prediction, error and 80%% interval")
-    v.add_argument(
-        "--write-intervals",
-        action="store_true",
-        help="derive the residual table behind every estimate's 80%% interval from the development set and write it "
-        "(lab/predict/data/intervals.json); the test split is never read",
-    )
-    v.add_argument(
-        "--sensitivity",
-        action="store_true",
-        help="also price the development set and test split with each B or C graded constant (lab/predict/"
-        "constants.py) swapped for its stated alternative: the change of each class's mean |err|",
-    )
-    command(v, cmd_validate)
-
-
-_REGISTER = {
-    "model": _register_model,
-    "train": _register_train,
-    "plan": _register_plan,
-    "study": _register_study,
-    "validate": _register_validate,
-}
-
-
-def register(
-    sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, with_chip, only: str | None = None
-) -> None:
-    """Add ``model``, ``train``, ``plan``, ``study`` and ``validate`` to the ``shardlab`` parser; with ``only``, build
-    that command's parser alone and list the others by name and help (start-up: a command builds its own flags)."""
-    for name, build in _REGISTER.items():
-        if only in (None, name):
-            build(sub, common, hw, with_chip)
-        else:
-            sub.add_parser(name, help=help_of(name))
+def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, with_chip) -> None:
+    """Add ``train`` (estimate, limits) to the ``shardlab`` parser."""
+    _register_train(sub, common, hw, with_chip)
 
 
 __all__ = ["register"]
