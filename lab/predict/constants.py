@@ -360,7 +360,7 @@ CONSTANTS: tuple[Constant, ...] = (
         2.5e-6,
         "NCCL's own tuning model (hwLat, 2.5 us a network step)",
         ["gpu"],
-        module="lab.core.hardware",
+        module="lab.core.chip",
     ),
     _c(
         "fabric.roce",
@@ -371,7 +371,7 @@ CONSTANTS: tuple[Constant, ...] = (
         2.5e-6,
         "NCCL's tuning model",
         ["gpu"],
-        module="lab.core.hardware",
+        module="lab.core.chip",
     ),
     _c(
         "fabric.efa",
@@ -382,7 +382,7 @@ CONSTANTS: tuple[Constant, ...] = (
         10e-6,
         "InfiniBand's step",
         ["gpu"],
-        module="lab.core.hardware",
+        module="lab.core.chip",
     ),
     _c(
         "fabric.tcpx",
@@ -393,7 +393,7 @@ CONSTANTS: tuple[Constant, ...] = (
         10e-6,
         "InfiniBand's step",
         ["gpu"],
-        module="lab.core.hardware",
+        module="lab.core.chip",
     ),
     _c(
         "collective.gpu.other",
