@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lab.core.collective_kinds import HLO_NAMES
+
 HLO_DTYPES = {
     "f32": ("fp32", 4),
     "bf16": ("bf16", 2),
@@ -45,18 +47,8 @@ HLO_DTYPES = {
     "u4": ("uint4", 0.5),
     "s16": ("int16", 2),
 }
-COLLECTIVES = {
-    "all-gather": "all-gather",
-    "all-gather-start": "all-gather",
-    "reduce-scatter": "reduce-scatter",
-    "reduce-scatter-start": "reduce-scatter",
-    "all-reduce": "all-reduce",
-    "all-reduce-start": "all-reduce",
-    "all-to-all": "all-to-all",
-    "all-to-all-start": "all-to-all",
-    "collective-permute": "collective-permute",
-    "collective-permute-start": "collective-permute",
-}
+# HLO collective ops (and their async -start halves) by the kind the lab reads them as: lab.core.collective_kinds
+COLLECTIVES = {name + half: name for name in HLO_NAMES for half in ("", "-start")}
 
 _SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](?:\{[^}]*\})?")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
