@@ -337,9 +337,17 @@ def cmd_study_memtech(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, with_chip) -> dict[str, Any]:
-    """Add ``infer estimate`` (and return the ``infer`` subparsers for the other inference commands)."""
+    """Add ``infer`` (estimate, sweep, topology, disaggregate); return the ``infer`` subparsers."""
     ip = sub.add_parser("infer", help=help_of("infer"))
     isub = ip.add_subparsers(dest="infer_command", required=True, parser_class=Parser, metavar="COMMAND")
+    ie = _register_estimate(isub, common)
+    _register_sweep(isub, common)
+    _register_topology(isub, common)
+    _register_disaggregate(isub, common, hw, with_chip, ie)
+    return {"infer": isub}
+
+
+def _register_estimate(isub, common):
     ie = isub.add_parser(
         "estimate",
         parents=[common, hardware_parent(required=False), model_parent(positional=False)],
@@ -408,12 +416,16 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
         ie, "weights", "kv", "compute", "mfu", "achievable", "fp8_scaling", "moe_weights", "step_overhead", "continuous"
     )
     command(ie, cmd_infer_estimate)
+    return ie
 
-    def serving_args(p) -> None:
-        p.add_argument("--context", type=positive_int("--context"), default=8192, help="tokens per KV cache")
-        p.add_argument("--weights", type=_storage_dtype, default="bf16")
-        p.add_argument("--kv", type=_storage_dtype, default="bf16")
 
+def _serving_args(p) -> None:
+    p.add_argument("--context", type=positive_int("--context"), default=8192, help="tokens per KV cache")
+    p.add_argument("--weights", type=_storage_dtype, default="bf16")
+    p.add_argument("--kv", type=_storage_dtype, default="bf16")
+
+
+def _register_sweep(isub, common) -> None:
     sw = isub.add_parser(
         "sweep",
         parents=[common, model_parent(positional=False)],
@@ -421,7 +433,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     )
     sw.add_argument("--hardware", required=True, metavar="NAME")
     sw.add_argument("--scale", type=scale_arg, metavar="FIELD=X,...")
-    serving_args(sw)
+    _serving_args(sw)
     sw.add_argument(
         "--chips", type=positive_ints("--chips"), metavar="N,N,...", help="topologies (tensor-parallel degrees) to try"
     )
@@ -435,6 +447,8 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     sw.add_argument("--png", type=chart_path("--png"), metavar="PATH")
     command(sw, cmd_infer_sweep)
 
+
+def _register_topology(isub, common) -> None:
     tp_ = isub.add_parser(
         "topology",
         parents=[common, model_parent(positional=False)],
@@ -445,6 +459,9 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
     tp_.add_argument("--context", type=positive_int("--context"), default=8192)
     command(tp_, cmd_infer_topology)
 
+
+def _register_disaggregate(isub, common, hw, with_chip, ie) -> None:
+    """``infer disaggregate`` takes ``infer estimate``'s serving flags (``ie``'s actions) as they are."""
     dg = isub.add_parser(
         "disaggregate",
         parents=[common, hw, model_parent(positional=False)],
@@ -469,4 +486,3 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, 
         ):
             dg._add_action(action)
     command(dg, with_chip(cmd_infer_disaggregate))
-    return {"infer": isub}

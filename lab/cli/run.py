@@ -309,6 +309,13 @@ def main_job() -> dict[str, Any]:
 
 def register(sub, common: argparse.ArgumentParser) -> None:
     """Add ``run``, ``calibrate`` and ``demo`` to the ``shardlab`` parser."""
+    r = _register_run(sub, common)
+    _register_launch(sub, common, r)
+    _register_calibrate(sub, common)
+    _register_demo(sub, common)
+
+
+def _register_run(sub, common):
     r = sub.add_parser("run", parents=[common], help=help_of("run"))
     r.add_argument("experiment", metavar="EXPERIMENT", help="an experiments/*.toml file")
     r.add_argument("--devices", type=positive_int("--devices"), help="emulated host devices (CPU; default: the mesh's)")
@@ -360,7 +367,10 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     )
     r.add_argument("--quiet", action="store_true", help="no progress lines")
     r.set_defaults(func=cmd_run)
+    return r
 
+
+def _register_launch(sub, common, r) -> None:
     la = sub.add_parser(
         "launch",
         parents=[common],
@@ -374,6 +384,8 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     la.add_argument("run_args", nargs=argparse.REMAINDER, metavar="[RUN OPTIONS]", help="passed to `shardlab run`")
     la.set_defaults(func=cmd_launch, run_parser=r)
 
+
+def _register_calibrate(sub, common) -> None:
     c = sub.add_parser("calibrate", parents=[common], help=help_of("calibrate"))
     c.add_argument(
         "--out",
@@ -393,6 +405,8 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     c.add_argument("--quiet", action="store_true")
     c.set_defaults(func=cmd_calibrate)
 
+
+def _register_demo(sub, common) -> None:
     d = sub.add_parser("demo", parents=[common], help=help_of("demo"))
     d.add_argument("--hardware", default="tpu-v5e", metavar="NAME", help="target chip to predict for")
     d.add_argument("--analytic-only", action="store_true", help="skip the run (compile, profile, ledger)")
