@@ -165,7 +165,8 @@ def test_join_timeout_is_read_and_checked(monkeypatch):
 def test_the_slow_axis_is_priced_on_the_scale_out_link_by_estimate_and_ledger_alike():
     """The train step's gradient AllReduce over a slow data axis costs what DCN charges, in the estimate and in
     the ledger's pricing of the same bytes; over a fast axis, what ICI charges."""
-    from lab.predict.collectives import collective_time, over_axes
+    from lab.predict.collectives import collective_time
+    from lab.predict.placement import on_mesh
     from lab.predict.program import estimate_program
 
     chip = default_catalog().get("tpu-v5e")
@@ -183,9 +184,9 @@ def test_the_slow_axis_is_priced_on_the_scale_out_link_by_estimate_and_ledger_al
     # DCN per chip (6.25 GB/s) is far below a v5e ICI link (45 GB/s): the same bytes take several times longer
     assert slow_op.time_s > 3 * fast_op.time_s
     mesh = slow.shape
-    assert over_axes(("data",), mesh, slow.slow_axes) == {"scope": "cross-node", "members_per_node": 1}
-    assert over_axes(("model",), mesh, slow.slow_axes) == {}
-    assert over_axes(("data", "model"), mesh, slow.slow_axes) == {"scope": "cross-node", "members_per_node": 4}
+    assert on_mesh(("data",), mesh, slow.slow_axes) == {"scope": "cross-node", "members_per_node": 1}
+    assert on_mesh(("model",), mesh, slow.slow_axes) == {}
+    assert on_mesh(("data", "model"), mesh, slow.slow_axes) == {"scope": "cross-node", "members_per_node": 4}
     # the ledger prices an HLO collective over `data` with the same keywords the estimator used
     from lab.report.ledger import predict_ops
 

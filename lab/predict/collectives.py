@@ -368,12 +368,3 @@ def price_fields(
     if kind == "all-reduce" and not factor:
         return _composed_all_reduce(v, sizes, wraps, chip, scope, members_per_node)
     return _priced(_parts(kind, v, sizes, wraps, chip, scope, members_per_node, factor))
-
-
-def over_axes(axes: Sequence[str], mesh: dict[str, int], slow: Sequence[str] = ()) -> dict[str, Any]:
-    """Where a collective over the mesh ``axes`` runs, as :func:`collective_time`'s keywords: inside a slice or
-    node unless one of its axes crosses the slow link, and then across nodes with the members of its fast axes
-    sharing one (a data-parallel axis over DCN has one member per slice)."""
-    if not any(a in slow and mesh.get(a, 1) > 1 for a in axes):
-        return {}
-    return {"scope": "cross-node", "members_per_node": math.prod(mesh.get(a, 1) for a in axes if a not in slow)}

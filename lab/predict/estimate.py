@@ -14,7 +14,8 @@ from typing import Any
 from lab.core.collective_kinds import KINDS
 from lab.core.hardware import Chip
 from lab.core.plan import Plan
-from lab.predict.collectives import collective_time, over_axes
+from lab.predict.collectives import collective_time
+from lab.predict.placement import on_mesh
 
 COLLECTIVE_KINDS = KINDS  # lab.core.collective_kinds
 
@@ -119,7 +120,7 @@ def live(axes: tuple[str, ...], mesh: dict[str, int]) -> tuple[str, ...]:
 def collective_op(
     kind: str, axes: tuple[str, ...], v: float, dtype: str, chip: Chip, plan: Plan, name: str, steps: int = 1
 ) -> OpEstimate:
-    mesh, where = plan.shape, over_axes(axes, plan.shape, plan.slow_axes)  # a slow axis: priced across nodes
+    mesh, where = plan.shape, on_mesh(axes, plan.shape, plan.slow_axes)  # a slow axis: priced across nodes
     one = collective_time(kind, v / steps, [mesh[a] for a in axes], chip, **where).time_s
     return OpEstimate(name, kind, steps * one, bytes=v, calls=steps, axes=axes, dtype=dtype)
 

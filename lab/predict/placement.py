@@ -1,14 +1,21 @@
 """Where a parallel group sits on the fabric, for every estimate that prices a collective: one rule.
 
-Training (:mod:`lab.predict.training_comm`), inference (:mod:`lab.predict.inference`), the Plan's programs and the
-audit's expectations ask the same question (which link does this group of chips use?) and get this answer: a group
-inside one fast domain (an NVLink node; a TPU pod, taken as the slice) uses the fast links; a larger one is priced in
-two levels, as NCCL runs it across nodes and XLA across slices.
+Training (:mod:`lab.predict.training_comm`), inference (:mod:`lab.predict.inference`), the Plan's programs
+(:mod:`lab.predict.estimate`) and the audit's expectations (:mod:`lab.report.ledger`) ask the same question (which
+link does this group of chips use?) and get this answer: a group inside one fast domain (an NVLink node; a TPU pod,
+taken as the slice) uses the fast links; a group that crosses the slow link (DCN, the scale-out network) is priced
+in two levels, as NCCL runs it across nodes and XLA across slices: inside each domain on the fast links, and only a
+domain's share of the bytes over the slow one, with ``members_per_node`` members in each domain.
+
+Two forms ask it. The analytic estimators know a group by its size and stride over the chips (:func:`placement`);
+a Plan's program knows it by its mesh axes, some of them declared slow (:func:`on_mesh`). Both answer in
+:func:`lab.predict.collectives.collective_time`'s keywords.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from lab.core.hardware import Chip
 
@@ -33,13 +40,27 @@ def placement(chip: Chip, size: int, stride: int, cross_node: bool = False) -> d
         return {}
     domain = fast_domain(chip)
     if cross_node:
-        return {"scope": "cross-node", "members_per_node": 1}
+        return _across(1)
     if size * stride <= domain:
         return {"scope": "node"}
     per_domain = max(1, min(size, domain // stride)) if stride < domain else 1
     while size % per_domain:
         per_domain -= 1
-    return {"scope": "cross-node", "members_per_node": per_domain}
+    return _across(per_domain)
 
 
-__all__ = ["fast_domain", "placement"]
+def on_mesh(axes: Sequence[str], mesh: dict[str, int], slow: Sequence[str] = ()) -> dict[str, Any]:
+    """Where a collective over the mesh ``axes`` runs: inside a slice or node (no keywords: the default scope)
+    unless one of its axes crosses the slow link (``slow``), and then across nodes with the members on its fast
+    axes sharing one domain (a data-parallel axis over DCN has one member per slice)."""
+    if not any(a in slow and mesh.get(a, 1) > 1 for a in axes):
+        return {}
+    return _across(math.prod(mesh.get(a, 1) for a in axes if a not in slow))
+
+
+def _across(members_per_node: int) -> dict[str, Any]:
+    """A group across the slow link, ``members_per_node`` of it inside each fast domain."""
+    return {"scope": "cross-node", "members_per_node": members_per_node}
+
+
+__all__ = ["fast_domain", "on_mesh", "placement"]

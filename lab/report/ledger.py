@@ -33,7 +33,8 @@ from lab.compile.hlo import (
 )
 from lab.core.collective_kinds import HLO_NAME, HLO_NAMES
 from lab.core.hardware import Chip
-from lab.predict.collectives import collective_time, over_axes
+from lab.predict.collectives import collective_time
+from lab.predict.placement import on_mesh
 from lab.predict.roofline import roofline
 
 KINDS = ("matmul", *HLO_NAMES, "attention", "elementwise", "other")
@@ -117,7 +118,7 @@ def _collective_price(held: list, chip: Chip, mesh: dict[str, int], slow: tuple[
         first_axes = tuple(axes) if first_axes is None else first_axes
         sizes = [mesh[a] for a in axes] or [max(c.group_size, 1)]
         if math.prod(sizes) > 1 and c.bytes:
-            total += collective_time(c.kind, c.bytes, sizes, chip, **over_axes(axes, mesh, slow)).time_s
+            total += collective_time(c.kind, c.bytes, sizes, chip, **on_mesh(axes, mesh, slow)).time_s
     return total, first_axes or ()
 
 
