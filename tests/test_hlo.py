@@ -20,12 +20,12 @@ from lab.compile.hlo import (
     axes_of_groups,
     axes_of_pairs,
     collectives,
-    dots,
     mesh_groups,
     parse_module,
     parse_replica_groups,
     parse_shapes,
 )
+from lab.compile.hlo_dots import dots
 
 MESH = {"X": 2, "Y": 4}
 F32, BF16 = 4, 2  # bytes per element

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lab.cli.main import main
-from lab.compile.hlo import _taps
+from lab.compile.hlo_dots import _taps
 from lab.compile.target import parse_target
 from lab.core.errors import UserError
 
@@ -291,7 +291,8 @@ def test_the_parallel_kernels_audit_all_match_on_tpu_too(capsys, name):
 def test_the_ledger_prices_the_collectives_inside_tpu_fusions(mid_v5e):
     # libtpu wraps all-gathers in async collective fusions and fuses some with their matmuls: the ledger must
     # still price every collective byte and every matmul FLOP the audit's parser finds in the HLO
-    from lab.compile.hlo import collectives, dots, parse_module
+    from lab.compile.hlo import collectives, parse_module
+    from lab.compile.hlo_dots import dots
     from lab.core.hardware import get_chip
     from lab.report.ledger import predict_ops
 

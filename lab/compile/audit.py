@@ -25,7 +25,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from lab.compile.hlo import collectives, dots, parse_module
+from lab.compile.hlo import collectives, parse_module
+from lab.compile.hlo_dots import dots
 from lab.compile.match import FLOP_TOLERANCE, AuditEntry, Key, compare, group_compiled, listed, total_bytes
 from lab.compile.target import Target, compile_for, for_target, target_mesh
 from lab.core.hardware import Chip

@@ -27,10 +27,10 @@ from lab.compile.hlo import (
     axes_of_groups,
     axes_of_pairs,
     collectives,
-    convolution_flops,
     operand_shapes,
     parse_module,
 )
+from lab.compile.hlo_dots import convolution_flops
 from lab.core.collective_kinds import HLO_NAME, HLO_NAMES
 from lab.core.hardware import Chip
 from lab.predict.collectives import collective_time
