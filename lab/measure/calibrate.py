@@ -325,6 +325,10 @@ def calibrate(
 ) -> Calibration:
     """Measure this host's emulated devices and fit a calibrated ``cpu`` chip (see the module docstring).
 
+    One function of about 100 lines on purpose: its numbered phases run top to bottom in the order the progress
+    lines name them, each handing its fits to the next; the measuring and the fitting themselves live in
+    :mod:`lab.measure.microbench` and :mod:`lab.measure.fit`.
+
     Args:
         mesh: axis name to size, major first; default ``{"X": 2, "Y": 4}`` (8 devices). Collectives span
             every axis; single axes give the latency regime's smaller groups.

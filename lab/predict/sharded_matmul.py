@@ -197,7 +197,9 @@ class _Planner:
         self.emit("all-gather", operand, arr, after, extra, dim)
         return after
 
-    def run(self) -> ShardedMatmulPlan:
+    def dims(self) -> tuple[list[str], list[str], list[str]]:
+        """The operands' shared dims, and which of them are contracted and which are batch dims (kept in the
+        output); an expression whose dims do not make a matmul is refused here, naming the dim."""
         e = self.expr
         lhs, rhs = e.lhs, e.rhs
         for arr in (lhs, rhs) + ((e.out,) if e.out else ()):
@@ -229,6 +231,12 @@ class _Planner:
                 f"{e}: the operands share no dim to contract; name the contracting dim the same "
                 f"in both, e.g. {_example_fix(lhs, rhs)}"
             )
+        return shared, contracting, batch
+
+    def run(self) -> ShardedMatmulPlan:
+        e = self.expr
+        lhs, rhs = e.lhs, e.rhs
+        shared, contracting, batch = self.dims()
 
         cases: set[int] = set()
         # Cases 2 and 3: contracting (and batch) dims must be sharded alike; gather what differs.

@@ -223,8 +223,16 @@ def _nearest(n: int, options: list[int]) -> int:
 
 
 def check_config(cfg: TrainConfig) -> None:
-    """Raise a UserError naming the bad value and a nearby valid one."""
-    m, lay = cfg.model, cfg.layout
+    """Raise a UserError naming the bad value and a nearby valid one: the layout's own values, then the options,
+    then how the layout fits the model and the batch (in that order, so the first error names the first cause)."""
+    _check_layout(cfg)
+    _check_options(cfg)
+    _check_fit(cfg)
+
+
+def _check_layout(cfg: TrainConfig) -> None:
+    """Degrees, ZeRO and its shard group, the DP bucket."""
+    lay = cfg.layout
     for name in ("dp", "fsdp", "tp", "pp", "cp", "ep", "interleave"):
         v = getattr(lay, name)
         if not isinstance(v, int) or v < 1:
@@ -247,6 +255,11 @@ def check_config(cfg: TrainConfig) -> None:
             f"--dp-bucket-mb {b / 2**20 if isinstance(b, int | float) else b!r} must be between 1 KiB and "
             "1 TiB in MiB, e.g. 25"
         )
+
+
+def _check_options(cfg: TrainConfig) -> None:
+    """Kernels, schedule, overlap, remat, MoE capacity, dtypes, optimizer, sizes."""
+    lay = cfg.layout
     if cfg.attention_kernel not in ("fa2", "fa3"):
         raise UserError(f"--attention-kernel {cfg.attention_kernel!r} is not one of fa2, fa3")
     if cfg.elementwise not in ELEMENTWISE:
@@ -277,6 +290,11 @@ def check_config(cfg: TrainConfig) -> None:
         if not isinstance(v, int) or v < 1:
             raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
     cfg.chip.flops(cfg.dtype)
+
+
+def _check_fit(cfg: TrainConfig) -> None:
+    """The degrees against the model's heads, layers and experts and the batch's sequences and microbatches."""
+    m, lay = cfg.model, cfg.layout
     if m.heads % lay.tp:
         raise UserError(
             f"--tp {lay.tp} does not divide {m.heads} attention heads; try --tp {_nearest(lay.tp, _divisors(m.heads))}"

@@ -44,8 +44,8 @@ from lab.core.errors import UserError
 from lab.core.models import ModelConfig, model_from_fields
 from lab.core.notation import AXIS_NAME  # the names --mesh takes
 from lab.core.plan import LINKS, REMAT, MeshAxis, Options, Plan
-from lab.core.programs import complete_mesh, get_program
-from lab.core.rules import FIELDS, PRESETS, rules_from_table
+from lab.core.programs import ProgramSpec, complete_mesh, get_program
+from lab.core.rules import FIELDS, PRESETS, ShardingRules, rules_from_table
 from lab.core.schema import Field, check_value, read_table
 from lab.core.units import RUN_DTYPES, canonical_dtype
 from lab.predict.train_config import MAX_CHECKPOINTS_PER_LAYER
@@ -331,20 +331,8 @@ def _sweep(r: _Reader, sizes: dict[str, int]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v) for k, v in table.items()}
 
 
-def load_experiment(path: str | Path) -> Experiment:
-    """Read and validate an experiment file into a Plan; errors name the file, the line and what is valid."""
-    r = _Reader(Path(path))
-    for sec in r.doc:
-        if sec not in SECTIONS:
-            raise r.error(sec, None, f"is not a known section; valid: {', '.join(SECTIONS)}")
-    if not isinstance(r.doc.get("experiment"), dict):
-        raise UserError(f'{r.path}: missing the [experiment] table (with at least program = "...")')
-    exp = r.table("experiment", EXPERIMENT)
-    run = r.table("run", RUN)
-    options = r.table("options", OPTIONS)
-    rules_table = r.table("rules", RULES)
-    preset = rules_table.pop("preset", run.get("rules"))
-    mesh = _mesh(r)
+def _check_hardware_and_axes(r: _Reader, exp: dict[str, Any], mesh: tuple[MeshAxis, ...]) -> None:
+    """[experiment]'s hardware names a chip, and its axes (one name becomes a list) are mesh axes, each once."""
     if "hardware" in exp and not exp["hardware"].strip():
         raise r.error(
             "experiment",
@@ -365,6 +353,42 @@ def load_experiment(path: str | Path) -> Experiment:
             )
         if a in exp["axes"][:i]:
             raise r.error("experiment", "axes", f"names {a!r} twice; name each mesh axis once")
+
+
+def _rules(
+    r: _Reader, rules_table: dict[str, Any], preset: str | None, spec: ProgramSpec, shape: dict[str, int]
+) -> ShardingRules | None:
+    """[rules] over the completed mesh: every axis it names is the mesh's; a program with a model always has rules
+    (the preset's, or the single-device default)."""
+    for key, axes in rules_table.items():
+        for a in (axes,) if isinstance(axes, str) else axes:
+            if a not in shape:
+                raise r.error(
+                    "rules", key, f"= {axes!r} names mesh axis {a!r}, which the mesh lacks; valid: {', '.join(shape)}"
+                )
+    if spec.needs_model or rules_table or preset:
+        try:
+            return rules_from_table(rules_table, preset if spec.needs_model or preset else None)
+        except UserError as exc:
+            raise UserError(f"{r.where('rules')(None)}: {exc}") from None
+    return None
+
+
+def load_experiment(path: str | Path) -> Experiment:
+    """Read and validate an experiment file into a Plan; errors name the file, the line and what is valid."""
+    r = _Reader(Path(path))
+    for sec in r.doc:
+        if sec not in SECTIONS:
+            raise r.error(sec, None, f"is not a known section; valid: {', '.join(SECTIONS)}")
+    if not isinstance(r.doc.get("experiment"), dict):
+        raise UserError(f'{r.path}: missing the [experiment] table (with at least program = "...")')
+    exp = r.table("experiment", EXPERIMENT)
+    run = r.table("run", RUN)
+    options = r.table("options", OPTIONS)
+    rules_table = r.table("rules", RULES)
+    preset = rules_table.pop("preset", run.get("rules"))
+    mesh = _mesh(r)
+    _check_hardware_and_axes(r, exp, mesh)
     program = exp.get("program", exp.get("kernel"))
     if program is None:
         raise r.error("experiment", None, 'needs program = "<name>" (see `shardlab audit --list`)')
@@ -380,18 +404,7 @@ def load_experiment(path: str | Path) -> Experiment:
         raise UserError(f"{r.where('experiment')('model')}: {exc}") from None
     shape = complete_mesh(spec, {a.name: a.size for a in mesh})
     mesh = mesh + tuple(MeshAxis(a, 1) for a in shape if a not in {m.name for m in mesh})
-    for key, axes in rules_table.items():
-        for a in (axes,) if isinstance(axes, str) else axes:
-            if a not in shape:
-                raise r.error(
-                    "rules", key, f"= {axes!r} names mesh axis {a!r}, which the mesh lacks; valid: {', '.join(shape)}"
-                )
-    rules = None
-    if spec.needs_model or rules_table or preset:
-        try:
-            rules = rules_from_table(rules_table, preset if spec.needs_model or preset else None)
-        except UserError as exc:
-            raise UserError(f"{r.where('rules')(None)}: {exc}") from None
+    rules = _rules(r, rules_table, preset, spec, shape)
     saved = options.get("checkpoints_per_layer")
     if saved is not None and saved > MAX_CHECKPOINTS_PER_LAYER:
         raise r.error(

@@ -25,6 +25,7 @@ from typing import Any
 
 from lab.core.errors import Interrupted, UserError, raise_if_interrupted
 from lab.core.hardware import Chip
+from lab.core.plan import Plan
 from lab.core.table import dumps
 from lab.run import distributed as dist
 from lab.run import store
@@ -91,20 +92,8 @@ def run_experiment(
     """
     progress = Progress(quiet)
     exp, changed = _experiment(path, hardware, overrides, compile_only)
-    if scale_to_host and (exp.sweep or target is not None):
-        why = (
-            "drop --target (a cross-compiled run needs no host memory)"
-            if target
-            else ("a sweep's points would scale differently: run one point (--sizes)")
-        )
-        raise UserError(f"--scale-to-host scales one Plan on this host; {why}")
     name = plain_name(run_id) if run_id else plain_name(exp.name, "[experiment].name")
-    points = exp.points()
-    for label, plan in points:  # every point checked for what the kernels need, before JAX starts
-        try:
-            plan.validate()
-        except UserError as exc:
-            raise UserError(f"{exp.path}: {label + ': ' if label else ''}{exc}") from None
+    points = _checked_points(exp, scale_to_host, target)
     base = Path(out)
     chip_flags = _chip_flags(hardware, hardware_file)
     if resume:
@@ -148,6 +137,25 @@ def run_experiment(
 
     ctx = _Context(exp, path, chip, env, progress, compile_only, jax.process_index(), jax.process_count())
     return _dispatch(ctx, base, name, points, resume)
+
+
+def _checked_points(exp: Experiment, scale_to_host: bool, target: str | None) -> list[tuple[str, Plan]]:
+    """The experiment's points, each checked for what the kernels need before JAX starts (and --scale-to-host
+    refused where it cannot apply)."""
+    if scale_to_host and (exp.sweep or target is not None):
+        why = (
+            "drop --target (a cross-compiled run needs no host memory)"
+            if target
+            else ("a sweep's points would scale differently: run one point (--sizes)")
+        )
+        raise UserError(f"--scale-to-host scales one Plan on this host; {why}")
+    points = exp.points()
+    for label, plan in points:
+        try:
+            plan.validate()
+        except UserError as exc:
+            raise UserError(f"{exp.path}: {label + ': ' if label else ''}{exc}") from None
+    return points
 
 
 def _experiment(path: str, hardware: str | None, overrides: dict[str, Any] | None, compile_only: bool):

@@ -279,12 +279,7 @@ def run_point(
     clock = _Clock()
     if not compile_only:
         preload_plots()
-    if target is not None:  # priced as the TPU compiler builds it (lab.compile.target.for_target)
-        from lab.compile.target import for_target
-
-        est, note = estimate_or_refuse(for_target(plan), chip, compile_only, say=False)
-    else:
-        est, note = estimate_or_refuse(plan, chip, compile_only, say=False)  # said once, before the first point
+    est, note = _estimate(plan, chip, compile_only, target)
     built, compiled, audit = _compile_and_audit(plan, est, chip, env, progress, clock, compile_only, target)
     hlo_text = compiled.as_text()
     rank = dist.rank()
@@ -313,10 +308,7 @@ def run_point(
         rows, named, est_coverage = ledger.join_estimates(rows, est, audit.get("entries", []))
     row_dicts = [r.to_dict() for r in rows]
     xprof = _xprof_rows(files, env["backend"])
-    if xprof:  # xprof's own per-op device times beside the lab's parse, where its converter has the data
-        by_op = xprof_self_times(xprof)
-        for r in row_dicts:
-            r["xprof_self_s"] = by_op.get(r["name"])
+    _add_xprof_times(row_dicts, xprof)
     clock.lap("parse_s")
     data = {
         "experiment": exp.name,
@@ -349,16 +341,41 @@ def run_point(
         **processes,
         "audit": audit,
         **({"compiled_for": env["compiled_for"], "xla": audit.get("xla")} if target is not None else {}),
-        "tensorboard": str(final_dir / "tensorboard") if files else None,
-        "tensorboard_tools": _tools(files, env["backend"]),
-        "xprof_hlo_stats": _trim(xprof),
-        "perfetto_trace": str(final_dir / Path(files.perfetto).resolve().relative_to(out_dir.resolve()))
-        if files and files.perfetto
-        else None,
+        **_trace_fields(files, env["backend"], xprof, out_dir, final_dir),
     }
     written = report.write_all(data, out_dir, timings=lambda: _timings(clock))
     progress(f"wrote {', '.join(written)}")
     return data
+
+
+def _estimate(plan: Plan, chip: Chip, compile_only: bool, target) -> tuple[Any, str]:
+    """The Plan's estimate (or why there is none), priced as the TPU compiler builds it for a ``target``
+    (:func:`lab.compile.target.for_target`); the refusal is said once, before the first point."""
+    if target is not None:
+        from lab.compile.target import for_target
+
+        plan = for_target(plan)
+    return estimate_or_refuse(plan, chip, compile_only, say=False)
+
+
+def _add_xprof_times(row_dicts: list[dict[str, Any]], xprof: list[dict[str, Any]] | None) -> None:
+    """xprof's own per-op device times beside the lab's parse, where its converter has the data."""
+    if xprof:
+        by_op = xprof_self_times(xprof)
+        for r in row_dicts:
+            r["xprof_self_s"] = by_op.get(r["name"])
+
+
+def _trace_fields(files, backend: str, xprof, out_dir: Path, final_dir: Path) -> dict[str, Any]:
+    """Where the report's trace files are (named at ``final_dir``, where the finished run is moved)."""
+    perfetto = files.perfetto if files else None
+    where = str(final_dir / Path(perfetto).resolve().relative_to(out_dir.resolve())) if perfetto else None
+    return {
+        "tensorboard": str(final_dir / "tensorboard") if files else None,
+        "tensorboard_tools": _tools(files, backend),
+        "xprof_hlo_stats": _trim(xprof),
+        "perfetto_trace": where,
+    }
 
 
 XPROF_COLUMNS = ("hlo_op_name", "category", "occurrences", "avg_self_time", "total_self_time", "bound_by")

@@ -390,10 +390,9 @@ def _fixed_share(r: MemTechRow) -> float:
     return (r.comm_s + r.compute_s) / r.decode_step_s
 
 
-def _findings(gen: list[MemTechRow], bw: list[MemTechRow], batch: int | None) -> list[str]:
+def _generation_steps(fit_gen: list[MemTechRow], batch: int | None) -> list[str]:
+    """Each step between HBM generations: its bandwidth, capacity and tokens/s/chip ratios."""
     out: list[str] = []
-    fit_gen = [r for r in gen if r.fits]
-    # 1. Each step between HBM generations.
     for a, b in itertools.pairwise(fit_gen):
         bw_x = b.hbm_bandwidth / a.hbm_bandwidth
         cap_x = b.hbm_bytes / a.hbm_bytes
@@ -408,7 +407,12 @@ def _findings(gen: list[MemTechRow], bw: list[MemTechRow], batch: int | None) ->
                 " Above linear: capacity grew too, and the extra sequences share the same weight reads and collectives."
             )
         out.append(text)
-    # 2. Where the bandwidth-only series leaves the linear line, and what bounds the step instead.
+    return out
+
+
+def _bandwidth_findings(bw: list[MemTechRow], batch: int | None) -> list[str]:
+    """Where the bandwidth-only series leaves the linear line, and what bounds the step instead."""
+    out: list[str] = []
     if bw and all(r.fits for r in bw):
         knee = next(
             (
@@ -456,6 +460,14 @@ def _findings(gen: list[MemTechRow], bw: list[MemTechRow], batch: int | None) ->
             f"The bandwidth series does not fit: {bw[0].hbm_bytes / 1e9:.0f} GB per chip at this tp cannot hold "
             f"the weights and {'one sequence' if batch is None else f'{batch} sequences'}; use a larger tp."
         )
+    return out
+
+
+def _findings(gen: list[MemTechRow], bw: list[MemTechRow], batch: int | None) -> list[str]:
+    """What the two series show, in sentences: each HBM generation's step, where bandwidth alone stops paying,
+    and what capacity decides."""
+    fit_gen = [r for r in gen if r.fits]
+    out = _generation_steps(fit_gen, batch) + _bandwidth_findings(bw, batch)
     # 3. Capacity decides the batch.
     if batch is None and len(fit_gen) >= 2:
         a, b = fit_gen[0], fit_gen[-1]
