@@ -1,8 +1,8 @@
-"""Benchmark of :func:`lab.predict.planner.plan`: configurations priced per second on a few real searches.
+"""Benchmark of :func:`lab.predict.planner.layouts.plan`: configurations priced per second on a few real searches.
 
 ``scripts/bench_planner`` runs each case ``--repeat`` times (3 by default) as a process's first search, with
 no collective priced yet (``cold``: what one ``shardlab plan`` command does), then ``--repeat`` times again
-with the collectives the first searches priced held in the process's memo (``training_step.prices``: a
+with the collectives the first searches priced held in the process's memo (``training.step.prices``: a
 notebook's or a sweep's later searches). It prints the median rates of both (priced and screened configurations
 per second of search wall time), the search sizes and the wall time; ``--json`` prints one JSON object instead
 (``priced_per_s`` of the later searches, with ``configs_per_s`` its former name, ``cold_priced_per_s``,
@@ -30,8 +30,8 @@ from lab.core.hardware import get_chip
 from lab.core.models import get_model
 from lab.core.table import dumps, render
 from lab.core.units import fmt_count, fmt_seconds
-from lab.predict.planner import plan
-from lab.predict.training_step import forget_prices
+from lab.predict.planner.layouts import plan
+from lab.predict.training.step import forget_prices
 
 MI = 1024 * 1024
 

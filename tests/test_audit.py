@@ -69,7 +69,7 @@ def test_a_forced_reshard_is_reported_with_its_source_line(jax_devices):
     from lab.compile.audit import audit_compiled
     from lab.core.hardware import get_chip
     from lab.core.plan import kernel_plan
-    from lab.predict.program import estimate_program
+    from lab.predict.program.estimate import estimate_program
 
     mesh = {"X": 2, "Y": 4}
     jmesh = make_mesh(mesh)
@@ -219,7 +219,7 @@ def _got(name: str, kind: str, nbytes: float, times: float = 1.0):
 
 
 def _want(kind: str, nbytes: float, op: str):
-    from lab.predict.estimate import ExpectedCollective
+    from lab.predict.program.ops import ExpectedCollective
 
     return ExpectedCollective(kind, ("data",), nbytes, "bf16", op)
 

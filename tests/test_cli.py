@@ -304,17 +304,21 @@ def test_a_command_builds_its_own_parser_and_lists_its_groups_others():
 
 def test_a_dense_training_estimate_loads_neither_the_program_table_nor_numbers():
     """Start-up: the program table (lab.core.programs, about 4 ms) is for MoE models and the lab's own programs,
-    ``numbers`` only for a byte count that is neither int nor float, the book's thresholds (lab.predict.limits) for
-    ``train limits``; a dense model's estimate needs none of them."""
+    ``numbers`` only for a byte count that is neither int nor float, the book's thresholds
+    (lab.predict.training.limits) for ``train limits``; a dense model's estimate needs none of them."""
     argv = ["train", "estimate", "--model", "llama3-8b", "--hardware", "h100", "--chips", "8"]
     code = (
         "import contextlib, io, sys\nfrom lab.cli.main import main\n"
         f"with contextlib.redirect_stdout(io.StringIO()):\n    rc = main({argv!r})\n"
-        "print(rc, 'lab.core.programs' in sys.modules, 'numbers' in sys.modules, 'lab.predict.limits' in sys.modules)\n"
-        "from lab.predict.training import Limits, limits\nprint(Limits.__module__, limits.__module__)\n"
+        "print(rc, 'lab.core.programs' in sys.modules, 'numbers' in sys.modules,"
+        " 'lab.predict.training.limits' in sys.modules)\n"
+        "from lab.predict.training.estimate import Limits, limits\nprint(Limits.__module__, limits.__module__)\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert r.stdout.splitlines() == ["0 False False False", "lab.predict.limits lab.predict.limits"], r.stderr
+    assert r.stdout.splitlines() == [
+        "0 False False False",
+        "lab.predict.training.limits lab.predict.training.limits",
+    ], r.stderr
 
 
 @pytest.mark.parametrize(

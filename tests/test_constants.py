@@ -11,8 +11,8 @@ from lab.core.hardware import get_chip
 from lab.core.models import get_model
 from lab.predict import constants as K
 from lab.predict import efficiency as eff
-from lab.predict import training
-from lab.predict.inference import InferConfig, estimate_inference
+from lab.predict.inference.estimate import InferConfig, estimate_inference
+from lab.predict.training import estimate as training
 
 
 def _tables(module):
@@ -97,8 +97,8 @@ def test_the_sensitivity_table_names_what_moves_a_class(capsys):
 def test_a_constant_said_to_enter_one_estimator_leaves_the_other_alone(chip):
     """The intervals swap only the constants an estimate can lean on (Constant.prices): a decode step's figures never
     move a training step, an attention kernel's or the overlap's never a decode step."""
-    from lab.predict.train_config import Layout, TrainConfig
-    from lab.predict.training import estimate
+    from lab.predict.training.config import Layout, TrainConfig
+    from lab.predict.training.estimate import estimate
 
     c = get_chip(chip)
     m = get_model("llama3-8b")

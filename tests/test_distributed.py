@@ -167,7 +167,7 @@ def test_the_slow_axis_is_priced_on_the_scale_out_link_by_estimate_and_ledger_al
     the ledger's pricing of the same bytes; over a fast axis, what ICI charges."""
     from lab.predict.collectives import collective_time
     from lab.predict.placement import on_mesh
-    from lab.predict.program import estimate_program
+    from lab.predict.program.estimate import estimate_program
 
     chip = default_catalog().get("tpu-v5e")
     slow = dataclasses.replace(load_experiment(str(TRAIN)).plan, dtype="bfloat16")  # v5e has no fp32 peak

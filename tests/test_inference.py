@@ -10,7 +10,7 @@ from lab.cli.main import main
 from lab.core.errors import UserError
 from lab.core.hardware import get_chip
 from lab.core.models import get_model
-from lab.predict.inference import InferConfig, estimate_inference
+from lab.predict.inference.estimate import InferConfig, estimate_inference
 
 V5E, H100 = get_chip("v5e"), get_chip("h100")
 L70 = get_model("llama3-70b")
@@ -299,8 +299,8 @@ def test_a_gpu_decode_step_pays_its_kernels_fixed_costs():
 
     from lab.core.hardware import get_chip
     from lab.core.models import get_model
-    from lab.predict.inference import InferConfig, decode_step
-    from lab.predict.inference_ops import decode_ops
+    from lab.predict.inference.estimate import InferConfig, decode_step
+    from lab.predict.inference.ops import decode_ops
 
     m = get_model("llama2-70b")
     cfg = InferConfig(model=m, chip=get_chip("a100-80gb"), batch=1, context=512, tp=8, achievable=True)
@@ -322,8 +322,8 @@ def test_a_decode_steps_matmuls_run_at_the_tile_factor_of_their_rows():
     change, and the named ops still add up to the step."""
     import dataclasses
 
-    from lab.predict.inference import decode_step
-    from lab.predict.inference_ops import decode_ops
+    from lab.predict.inference.estimate import decode_step
+    from lab.predict.inference.ops import decode_ops
 
     m = get_model("llama2-70b")
     cfg = InferConfig(model=m, chip=get_chip("a100-80gb"), batch=128, context=512, tp=8, achievable=True)
@@ -343,7 +343,7 @@ def test_decode_weights_stream_at_the_skinny_gemm_share_of_each_gpus_own_copy_ra
     87%, T3 of microbenchmarks-added.md); the ideal roofline reads the weights at the full bandwidth."""
     import dataclasses
 
-    from lab.predict.inference import decode_step
+    from lab.predict.inference.estimate import decode_step
 
     m = get_model("llama2-70b")
     a100 = InferConfig(model=m, chip=get_chip("a100-80gb"), batch=1, context=512, tp=8, achievable=True)

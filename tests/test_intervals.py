@@ -108,8 +108,8 @@ def test_an_answer_resting_on_carried_over_constants_is_wider():
     the TPU's interval is relatively wider."""
     from lab.core.hardware import get_chip
     from lab.core.models import get_model
-    from lab.predict.train_config import Layout, TrainConfig
-    from lab.predict.training import estimate
+    from lab.predict.training.config import Layout, TrainConfig
+    from lab.predict.training.estimate import estimate
 
     def width(chip):
         cfg = TrainConfig(get_model("llama3-8b"), get_chip(chip), Layout(fsdp=8), seq_len=4096, global_batch=32)

@@ -199,7 +199,7 @@ def test_shard_map_hlo_has_the_planned_collectives(run, mesh_id, name):
     """The manual kernels emit exactly the collectives :func:`plan_sharded_matmul` names, over groups of its size."""
     from kernels.registry import get_kernel
     from lab.core.hardware import get_chip
-    from lab.predict.sharded_matmul import plan_sharded_matmul
+    from lab.predict.program.sharded_matmul import plan_sharded_matmul
 
     mesh = MESHES[mesh_id]
     # The collectives a plan names do not depend on the chip or dtype (v5e has no fp32 peak, so price bf16).

@@ -11,7 +11,7 @@ from lab.core.errors import UserError
 from lab.core.hardware import get_chip
 from lab.core.models import get_model
 from lab.predict import efficiency as eff
-from lab.predict.inference import InferConfig, decode_step, estimate_inference, prefill_time
+from lab.predict.inference.estimate import InferConfig, decode_step, estimate_inference, prefill_time
 from lab.predict.placement import placement
 
 # ----- attention by the sequence it sees (A4) ---------------------------------------------------------------------
@@ -176,15 +176,15 @@ def test_a_bad_network_description_is_refused_by_name(tmp_path, body, message):
 
 
 def _job(**kw):
-    from lab.predict.train_config import Layout, TrainConfig
+    from lab.predict.training.config import Layout, TrainConfig
 
     lay = kw.pop("layout", Layout(dp=64))
     return TrainConfig(get_model("llama3-8b"), get_chip("h100"), lay, seq_len=4096, global_batch=64, **kw)
 
 
 def test_the_gradient_reduction_leaves_its_last_bucket_exposed_or_all_of_it_without_overlap():
-    from lab.predict.training import estimate, layer_cost, step_terms
-    from lab.predict.training_step import prices, role_comms
+    from lab.predict.training.estimate import estimate, layer_cost, step_terms
+    from lab.predict.training.step import prices, role_comms
 
     cfg = _job()
     lt, _, _ = step_terms(cfg)
@@ -201,8 +201,8 @@ def test_the_gradient_reduction_leaves_its_last_bucket_exposed_or_all_of_it_with
 
 
 def test_zero_over_a_node_keeps_more_state_and_gathers_the_weights_inside_it():
-    from lab.predict.train_config import Layout
-    from lab.predict.training import estimate
+    from lab.predict.training.config import Layout
+    from lab.predict.training.estimate import estimate
 
     whole = estimate(_job(layout=Layout(dp=64, zero=1)))
     node = estimate(_job(layout=Layout(dp=64, zero=1, zero_shard=8)))
@@ -215,8 +215,8 @@ def test_zero_over_a_node_keeps_more_state_and_gathers_the_weights_inside_it():
 
 
 def test_fsdp_pays_the_first_gather_and_the_last_scatter_of_each_microbatch():
-    from lab.predict.train_config import Layout
-    from lab.predict.training import layer_cost, step_terms
+    from lab.predict.training.config import Layout
+    from lab.predict.training.estimate import layer_cost, step_terms
 
     cfg = _job(layout=Layout(fsdp=64))
     _, mt, ft = step_terms(cfg)
@@ -225,15 +225,15 @@ def test_fsdp_pays_the_first_gather_and_the_last_scatter_of_each_microbatch():
     per_layer = sum(eff.overlapped(0.189, c, t) for c, t in ((ft.fwd, lc.fwd), (ft.bwd, lc.bwd + lc.recompute)))
     ends = ft.fwd + ft.scatter
     want = layers * per_layer + ends + (eff.overlapped(0.189, ft.rest, lc.logits) if ft.rest else 0.0)
-    from lab.predict.training import estimate
+    from lab.predict.training.estimate import estimate
 
     got = estimate(cfg).breakdown["comm_fsdp_s"]
     assert got == pytest.approx(mt.n_mb * want, rel=1e-9) and ft.scatter > 0 and ft.fwd > 0
 
 
 def test_the_planner_prices_zero_layouts_as_the_estimator_does():
-    from lab.predict.planner import plan
-    from lab.predict.training import estimate
+    from lab.predict.planner.layouts import plan
+    from lab.predict.training.estimate import estimate
 
     result = plan(get_model("llama3-8b"), get_chip("h100"), 64, 64 * 4096, 4096, top=6)
     for est in result.top:
@@ -261,8 +261,8 @@ def test_the_step_calibration_takes_measured_over_estimated_per_kind_of_op():
 
 
 def test_a_calibrated_host_prices_each_kind_of_op_at_its_factor():
-    from lab.predict.train_config import Layout, TrainConfig
-    from lab.predict.training import _compute_ops, _logits_time
+    from lab.predict.training.config import Layout, TrainConfig
+    from lab.predict.training.estimate import _compute_ops, _logits_time
 
     base = get_chip("cpu")
     factored = dataclasses.replace(base, calibration={"op_factor": {"matmul": 2.0, "attention": 5.0}})

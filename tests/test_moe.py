@@ -182,7 +182,7 @@ def test_experiment_audit_finds_the_hand_counted_all_to_alls(jax_devices, path, 
 def test_estimate_prices_route_dispatch_experts_combine_in_sequence():
     from lab.core.hardware import get_chip
     from lab.core.plan import kernel_plan
-    from lab.predict.program import estimate_program
+    from lab.predict.program.estimate import estimate_program
 
     sizes = {"T": 1024, "D": 256, "F": 512, "E": 8}
     for dtype, nbytes in (("fp32", 4), ("bf16", 2)):

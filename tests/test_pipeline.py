@@ -148,7 +148,7 @@ def _bubble(note: str) -> tuple[int, int, float]:
 def test_the_estimate_notes_the_bubble(mesh, m, p):
     from lab.core.hardware import get_chip
     from lab.core.plan import kernel_plan
-    from lab.predict.program import estimate_program
+    from lab.predict.program.estimate import estimate_program
 
     sizes = {"B": 64, "D": 256, "F": 1024, "L": 8, "M": m}
     est = estimate_program(kernel_plan("pipeline_mlp", mesh, sizes), get_chip("h100"))
@@ -242,7 +242,7 @@ def test_train_estimate_prices_the_bubble_the_kernel_estimate_notes(m, p):
     estimate says a stage idles, (p - 1) / (M + p - 1), written here by hand."""
     from lab.core.hardware import get_chip
     from lab.core.models import get_model
-    from lab.predict.training import Layout, TrainConfig, estimate
+    from lab.predict.training.estimate import Layout, TrainConfig, estimate
 
     cfg = TrainConfig(get_model("llama3-8b"), get_chip("h100"), Layout(dp=2, pp=p), 4096, 2 * m, microbatch=1)
     e = estimate(cfg)

@@ -104,7 +104,7 @@ CIRCULAR2 = (24, 24 * 4 * 256 * 4, 2 * 3 * 2 * 256 * 1024 * 4, 12 * 4 * 256 * 10
 )
 def test_experiment_audit_finds_the_hand_counted_permutes(pipeline_audit, path, hand, bubble):
     from lab.core.hardware import get_chip
-    from lab.predict.program import estimate_program
+    from lab.predict.program.estimate import estimate_program
 
     r, plan = pipeline_audit(path, *hand)  # conftest: the audit against these hand counts
     permutes = hand[0]
@@ -124,8 +124,8 @@ def test_train_estimate_prices_the_interleaved_bubble_the_kernel_estimate_notes(
     from lab.core.hardware import get_chip
     from lab.core.models import get_model
     from lab.core.plan import kernel_plan
-    from lab.predict.program import estimate_program
-    from lab.predict.training import Layout, TrainConfig, estimate
+    from lab.predict.program.estimate import estimate_program
+    from lab.predict.training.estimate import Layout, TrainConfig, estimate
 
     hand = (p - 1) / (v * m + p - 1)
     sizes = {"B": 64 * m, "D": 256, "F": 1024, "L": p * v * 2, "M": m, "V": v}

@@ -17,9 +17,9 @@ from lab.core.hardware import get_chip
 from lab.core.models import get_model
 from lab.core.plan import MeshAxis, Options, Plan, kernel_plan, make_mesh_axes, plan_from_degrees
 from lab.core.rules import PRESETS, ShardingRules
-from lab.predict.program import estimate_program, train_config
-from lab.predict.train_config import Layout, TrainConfig
-from lab.predict.training import estimate
+from lab.predict.program.estimate import estimate_program, train_config
+from lab.predict.training.config import Layout, TrainConfig
+from lab.predict.training.estimate import estimate
 from lab.run.experiment import load_experiment
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -102,8 +102,8 @@ def _estimates(chip_name: str):
 
     from lab.core.hardware import get_chip
     from lab.core.models import get_model
-    from lab.predict.train_config import Layout, TrainConfig
-    from lab.predict.training import estimate
+    from lab.predict.training.config import Layout, TrainConfig
+    from lab.predict.training.estimate import estimate
 
     model = dataclasses.replace(
         get_model("llama3-8b"), layers=2, d_model=128, heads=4, kv_heads=2, head_dim=32, d_ff=512, vocab=1024

@@ -10,8 +10,8 @@ from lab.core.errors import UserError
 from lab.core.hardware import get_chip
 from lab.core.models import get_model
 from lab.core.table import dumps
-from lab.predict.planner import PlanResult, _space, plan, search_space_size
-from lab.predict.training import Layout, TrainConfig, check_config, estimate, memory_per_chip, state_min_chips
+from lab.predict.planner.layouts import PlanResult, _space, plan, search_space_size
+from lab.predict.training.estimate import Layout, TrainConfig, check_config, estimate, memory_per_chip, state_min_chips
 
 MI = 1024 * 1024
 ALL = 10**9  # a `top` larger than any search space: every feasible configuration comes back
@@ -268,7 +268,7 @@ def test_benchmark_runs_and_prints_json(capsys):
 def test_a_first_search_starts_with_no_collective_priced():
     """The benchmark's first searches (forget_prices) price every collective again: the memo is empty before one
     and holds what it priced after, and the result does not depend on it."""
-    from lab.predict import training_step
+    from lab.predict.training import step as training_step
 
     model, chip = get_model("llama3-8b"), get_chip("h100")
     warm = plan(model, chip, 16, 1024 * 8192, 8192)

@@ -145,8 +145,8 @@ def test_an_uneven_pipeline_split_with_embedding_and_loss_slots():
     405B configuration), 16 layers on the busiest stage; without the slots it is refused, naming them."""
     from lab.core.errors import UserError
     from lab.core.models import get_model
-    from lab.predict.train_config import Layout, TrainConfig
-    from lab.predict.training import estimate
+    from lab.predict.training.config import Layout, TrainConfig
+    from lab.predict.training.estimate import estimate
 
     m, h100 = get_model("llama3-405b"), get_chip("h100")
     kw = dict(tp=8, pp=8, cp=2, dp=4, pp_schedule="interleaved", interleave=8, sequence_parallel=True)
@@ -170,7 +170,7 @@ def test_a_per_token_figure_over_a_whole_generate_call_includes_its_prefill(publ
     import dataclasses
 
     from lab.core.models import get_model
-    from lab.predict.inference import InferConfig, estimate_inference
+    from lab.predict.inference.estimate import InferConfig, estimate_inference
 
     flagged = {r.case_id for r in RUNS if r.per_token_includes_prefill}
     bloom = {"PS04", "PS05", "PS06", "PS07", "PS08", "PS09"}
@@ -197,7 +197,7 @@ def test_a_figure_logged_at_the_end_of_generation_is_priced_at_the_full_cache(pu
     """SGLang's last logged decode throughput (1024 in / 512 out) is a step at 1536 cached tokens, turned into a step
     as batch / tokens/s; its fp8 rows keep a bf16 KV cache."""
     from lab.core.models import get_model
-    from lab.predict.inference import InferConfig, estimate_inference
+    from lab.predict.inference.estimate import InferConfig, estimate_inference
 
     rows = {r.run.case_id: r for r in public.rows}
     for case, batch, tp, dtype, tokens in (("PS31", 32, 1, "bf16", 2799.0), ("PS35", 32, 4, "fp8", 6159.0)):
@@ -278,7 +278,7 @@ def test_a_larger_collective_never_takes_less_time(chip):
 
 def _gpt3_tp4(**kw):
     from lab.core.models import get_model
-    from lab.predict.train_config import Layout, TrainConfig
+    from lab.predict.training.config import Layout, TrainConfig
 
     lay = Layout(dp=2, tp=4, sequence_parallel=True)
     return TrainConfig(get_model("gpt3-175b"), get_chip("h100"), lay, seq_len=2048, global_batch=8, **kw)
@@ -287,7 +287,7 @@ def _gpt3_tp4(**kw):
 def test_tp_comm_overlap_hides_each_collective_under_its_own_gemm():
     """Four sites (QKV, attention out, MLP up, MLP down), one collective each way: forward under the GEMM, backward
     under its input-gradient half; what a GEMM does not cover is exposed, the covered part costs 18.9% (GPU)."""
-    from lab.predict.training import _compute_ops, layer_cost
+    from lab.predict.training.estimate import _compute_ops, layer_cost
 
     cfg = _gpt3_tp4(dtype="fp8", tp_comm_overlap=True)
     plain = layer_cost(_gpt3_tp4(dtype="fp8"))
@@ -304,8 +304,8 @@ def test_tp_comm_overlap_hides_each_collective_under_its_own_gemm():
 def test_tp_comm_overlap_needs_sequence_parallelism():
     from lab.core.errors import UserError
     from lab.core.models import get_model
-    from lab.predict.train_config import Layout, TrainConfig
-    from lab.predict.training import estimate
+    from lab.predict.training.config import Layout, TrainConfig
+    from lab.predict.training.estimate import estimate
 
     cfg = TrainConfig(get_model("gpt3-175b"), get_chip("h100"), Layout(dp=2, tp=4), 2048, 8, tp_comm_overlap=True)
     with pytest.raises(UserError, match=r"--tp-comm-overlap .* --sequence-parallel"):
@@ -318,7 +318,7 @@ def test_fp8_training_pays_transformer_engines_casts():
     inputs (2 B x d each, the norms wrote them in fp8) and of the MLP-down input (2 B x 4d/4, the activation did),
     a cast and a transpose of the attention output (4 B x d/4); backward, the output gradients (3d/4 + d + 4d/4 + d)
     cast and transposed (4 B): 7d + 15d = 22 d bytes a token, each of the step's layer runs."""
-    from lab.predict.training import _compute_ops, estimate, step_ops
+    from lab.predict.training.estimate import _compute_ops, estimate, step_ops
 
     d, tokens = 12288, 2048
     cfg = _gpt3_tp4(dtype="fp8")
@@ -346,7 +346,7 @@ def test_across_nodes_the_nic_share_slows_the_bandwidth_term_not_the_latency():
 
 
 def test_the_step_ops_say_what_tp_overlap_hides():
-    from lab.predict.training import estimate, step_ops
+    from lab.predict.training.estimate import estimate, step_ops
 
     for overlap, hidden in ((False, {None}), (True, {"gemm"})):
         ops = step_ops(estimate(_gpt3_tp4(dtype="fp8", tp_comm_overlap=overlap)))

@@ -120,7 +120,7 @@ def test_experiment_audit_finds_the_hand_counted_permutes(jax_devices, path, c, 
 def test_estimate_prices_the_ring_overlapped_with_the_blocks():
     from lab.core.hardware import get_chip
     from lab.core.plan import kernel_plan
-    from lab.predict.program import estimate_program
+    from lab.predict.program.estimate import estimate_program
 
     sizes = {"B": 4, "T": 1024, "H": 8, "D": 64}
     for dtype, nbytes in (("fp32", 4), ("bf16", 2)):

@@ -3,7 +3,7 @@ import pytest
 from lab.core.errors import UserError
 from lab.core.hardware import get_chip
 from lab.predict.collectives import collective_time
-from lab.predict.sharded_matmul import plan_sharded_matmul
+from lab.predict.program.sharded_matmul import plan_sharded_matmul
 
 V5E = get_chip("v5e")
 MESH = {"X": 2, "Y": 4}

@@ -9,7 +9,7 @@ from lab.core.errors import UserError
 from lab.core.hardware import get_chip
 from lab.core.models import get_model
 from lab.core.table import dumps
-from lab.predict.training import estimate
+from lab.predict.training.estimate import estimate
 from lab.studies.generations import (
     Attribution,
     GenerationRow,

@@ -244,7 +244,7 @@ def test_real_size_train_step_memory_and_flops_on_v5e(tmp_path, capsys):
 @pytest.mark.slow  # 10 s of libtpu compilation on 2 cores
 @needs_libtpu
 def test_real_size_train_step_memory_with_nothing_recomputed_on_v5e(capsys):
-    """The shipped experiment as it is (remat none): the activations JAX saves (training_memory, jax_saved), the
+    """The shipped experiment as it is (remat none): the activations JAX saves (training.memory, jax_saved), the
     probabilities once in bf16; the compiler held 1.47x the estimate before both were counted."""
     exp = str(ROOT / "experiments" / "llama3_8b_train_2layer.toml")
     assert main(["audit", exp, "--target", "v5e:2x4", "--json"]) == 0

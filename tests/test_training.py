@@ -7,7 +7,7 @@ import pytest
 from lab.core.errors import UserError
 from lab.core.hardware import get_chip, scale_chip
 from lab.core.models import get_model
-from lab.predict.training import (
+from lab.predict.training.estimate import (
     Layout,
     TrainConfig,
     check_config,
@@ -185,7 +185,7 @@ def test_fsdp_of_fp32_weights_cast_first_gathers_in_the_compute_dtype():
     """The TPU compiler's FSDP of fp32 weights computed in bf16 (cast moved ahead of the gather), by hand for
     LLaMA-3-8B with fsdp=8: per layer the matmul weights are q, o 4096^2, k, v 4096 x 1024, gate, up, down
     4096 x 14336 = 218,103,808 parameters, the norm scales 2 x 4096; each table 128,256 x 4096."""
-    from lab.predict.training_comm import collectives
+    from lab.predict.training.comm import collectives
 
     base = dataclasses.replace(cfg(fsdp=8, batch=8), param_dtype="fp32", dtype="bf16")
     first = {c.what: (c.kind, c.bytes, c.calls, c.per) for c in collectives(dataclasses.replace(base, cast_first=True))}
@@ -210,7 +210,7 @@ def test_fsdp_of_fp32_weights_cast_first_gathers_in_the_compute_dtype():
     assert collectives(bf16) == collectives(dataclasses.replace(bf16, cast_first=True))
 
 
-# ----- named recomputation policies (lab.predict.remat) ------------------------------------------------------
+# ----- named recomputation policies (lab.predict.training.remat) ------------------------------------------------------
 
 
 def _named(remat, **layout):
@@ -312,8 +312,8 @@ def test_fsdp_hidden_behind_the_layer_still_slows_a_gpu():
     """llama2-7b, FSDP over 128 A100s (16 nodes): each layer's gathers and scatter hide behind its compute, and
     that compute runs 18.9% slower while they are in flight (efficiency.OVERLAP_SLOWDOWN); the first layer's gather
     and the last one's scatter of each microbatch have no compute to hide behind (the schedule's ends)."""
-    from lab.predict.training import comm_time
-    from lab.predict.training_comm import collectives
+    from lab.predict.training.comm import collectives
+    from lab.predict.training.estimate import comm_time
 
     c = cfg(model="llama2-7b", chip=A100, seq=4096, batch=256, mb=2, remat="none", fsdp=128)
     e = estimate(c)
@@ -330,7 +330,7 @@ def test_fsdp_hidden_behind_the_layer_still_slows_a_gpu():
 def test_fsdp_across_two_tpu_slices_crosses_dcn_with_a_slices_share_only():
     """FSDP over 512 v5e chips (two 256-chip pods): XLA gathers inside each slice over ICI and only a slice's share
     between slices over DCN, as NCCL does across GPU nodes; flat over DCN it was 4x the step."""
-    from lab.predict.training_comm import collectives, place
+    from lab.predict.training.comm import collectives, place
 
     V5E = get_chip("tpu-v5e")
     two = cfg(model="llama3-8b", chip=V5E, seq=8192, batch=512, fsdp=512)
@@ -393,7 +393,7 @@ def test_shared_experts_and_leading_dense_layers_count_as_published():
 
 
 def test_a_capacity_factor_pads_the_experts_work_and_their_exchange():
-    from lab.predict.training_comm import collectives
+    from lab.predict.training.comm import collectives
 
     base = dataclasses.replace(
         cfg(batch=512, seq=4096, dp=8, fsdp=8, ep=8), model=_deepseekmoe_16b(), capacity_factor=1.0
@@ -462,7 +462,7 @@ def test_latent_attention_counts_its_projections_and_caches_its_latent():
 
 def test_latent_attention_prices_in_training_and_serving():
     from lab.core.hardware import get_chip
-    from lab.predict.inference import InferConfig, decode_step
+    from lab.predict.inference.estimate import InferConfig, decode_step
 
     m = _deepseek_v2_lite()
     c = dataclasses.replace(cfg(batch=512, seq=4096, dp=8, fsdp=8, ep=8), model=m)
@@ -526,14 +526,14 @@ def _layouts(model, rng, n):
     ],
 )
 def test_cache_keys_hold_everything_their_parts_read(model, chip, job):
-    """The planner caches each part of a step on a key (training.layer_key, training_memory.activation_key,
-    training_comm.content_key and layout_group): points sharing a key, the job fixed, get equal parts."""
+    """The planner caches each part of a step on a key (training.layer_key, training.memory.activation_key,
+    training.comm.content_key and layout_group): points sharing a key, the job fixed, get equal parts."""
     import random
 
-    from lab.predict.training import layer_compute, layer_cost, layer_key
-    from lab.predict.training_comm import CONTENT_ROLES, PER_MICROBATCH, content_key, layout_group, placement
-    from lab.predict.training_memory import activation_bytes_per_layer, activation_key
-    from lab.predict.training_step import TERMS, role_comms
+    from lab.predict.training.comm import CONTENT_ROLES, PER_MICROBATCH, content_key, layout_group, placement
+    from lab.predict.training.estimate import layer_compute, layer_cost, layer_key
+    from lab.predict.training.memory import activation_bytes_per_layer, activation_key
+    from lab.predict.training.step import TERMS, role_comms
 
     rng, m = random.Random(3), get_model(model)
     points = []
@@ -576,8 +576,8 @@ def test_the_lab_pipelines_hold_every_steps_activations_and_the_whole_batchs_log
     """The lab's SPMD pipeline saves what each of its steps computed: M + p - 1 steps of a stage's layers under
     GPipe, v M + p - 1 chunks of L / (p v) layers under the circular schedule; and every stage computes the float32
     logits of the replica's whole batch at once (kernels.transformer.loss)."""
-    from lab.predict.train_config import Layout
-    from lab.predict.training_memory import activation_terms
+    from lab.predict.training.config import Layout
+    from lab.predict.training.memory import activation_terms
 
     m = dataclasses.replace(get_model("llama3-8b"), layers=8, d_model=256, vocab=1024)
     gpipe = Layout(pp=2, fsdp=4, pp_schedule="gpipe")
@@ -595,8 +595,8 @@ def test_what_jax_saves_with_nothing_recomputed():
     off libtpu's buffer report): the two RMSNorms' fp32 input and output (16 x D bytes), their bf16 outputs (4 x D),
     Q and the attention output (4 x D), K and V (4 x 1024), six bf16 SwiGLU tensors (12 x F) and the bf16
     probabilities (2 x heads x seq); Korthikanti's count for fused kernels is smaller."""
-    from lab.predict.train_config import Layout
-    from lab.predict.training_memory import activation_bytes_per_layer
+    from lab.predict.training.config import Layout
+    from lab.predict.training.memory import activation_bytes_per_layer
 
     m, lay = get_model("llama3-8b"), Layout(fsdp=8)
     per_token = 20 * 4096 + 4 * 4096 + 4 * 1024 + 12 * 14336 + 2 * 32 * 2048
@@ -614,7 +614,7 @@ def test_eager_elementwise_ops_move_the_bytes_of_their_kernels():
     """Forward bytes of one layer and microbatch (LLaMA-2 7B: D 4096, 32 heads of 128 without GQA, F 11008):
     RMSNorm 36 bytes per element eager against 4 fused, two per layer; rotary embedding 20 against 4 per query and
     key element; SwiGLU 10 against 6 per [tokens, F] element; the residual adds the same either way."""
-    from lab.predict.training import layer_compute
+    from lab.predict.training.estimate import layer_compute
 
     tokens, d, f = 2 * 4096, 4096, 11008
 

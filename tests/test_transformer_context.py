@@ -66,7 +66,7 @@ KV_GRADS = 2 * 2 * 4 * 32 * 2 * 12 * 4
 def test_experiment_audit_matches_the_estimator_with_hand_counted_gathers(jax_devices):
     from lab.compile.audit import audit_plan
     from lab.core.hardware import get_chip
-    from lab.predict.program import estimate_program
+    from lab.predict.program.estimate import estimate_program
     from lab.run.experiment import load_experiment
 
     exp = load_experiment(os.path.join(REPO, "experiments", "train_cp_dp_tp.toml"))

@@ -103,8 +103,8 @@ def test_the_estimate_counts_the_idle_steps_the_spmd_pipeline_computes():
     """5 steps of each stage's 2 layers for 4 microbatches: the FLOPs of 5/4 of the layer work, the bubble the
     same (p - 1) / (M + p - 1) = 1/5 of the step as GPipe's; Megatron's pipeline (spmd_pipeline off) computes 4."""
     from lab.core.hardware import get_chip
-    from lab.predict.program import train_config
-    from lab.predict.training import estimate, step_ops
+    from lab.predict.program.estimate import train_config
+    from lab.predict.training.estimate import estimate, step_ops
     from lab.run.experiment import load_experiment
 
     plan = load_experiment(os.path.join(REPO, "experiments", "train_pipe_dp_tp.toml")).plan
@@ -256,7 +256,7 @@ UNEVEN_DP = (2 * LAYER + 2 * 88 * 56 + 56) * 4 + 4
 def test_the_uneven_experiment_audits_the_busiest_stage(jax_devices):
     from lab.compile.audit import audit_plan
     from lab.core.hardware import get_chip
-    from lab.predict.program import train_config
+    from lab.predict.program.estimate import train_config
     from lab.run.experiment import load_experiment
 
     plan = load_experiment(os.path.join(REPO, "experiments", "train_pipe_uneven.toml")).plan
@@ -278,7 +278,7 @@ RING_SENDS = 16 * 2 * 32 * 56 * 4
 def test_the_circular_experiment_audits_with_hand_counted_sends(jax_devices):
     from lab.compile.audit import audit_plan
     from lab.core.hardware import get_chip
-    from lab.predict.program import train_config
+    from lab.predict.program.estimate import train_config
     from lab.run.experiment import load_experiment
 
     plan = load_experiment(os.path.join(REPO, "experiments", "train_pipe_interleaved.toml")).plan

@@ -53,7 +53,7 @@ manual over the stage axis and the batch's axes, tensor parallelism placed by th
 stage computes in all ``M + p - 1`` steps, the ``p - 1`` idle ones on values nothing reads, and passes its output
 on with a ``ppermute`` after each but the last; every stage holds the embeddings and the final norm, whose
 gradients the stages sum; each weight's gradient is summed over the data-parallel replicas once, after the last
-microbatch. The training estimator prices exactly this with ``spmd_pipeline`` (``lab.predict.train_config``).
+microbatch. The training estimator prices exactly this with ``spmd_pipeline`` (``lab.predict.training.config``).
 Under an uneven ``stage_split`` every stage stacks as many layers as the largest and passes its padding through
 (``loss.split_order``). With the interleaved schedule (``interleave = v``) each stage holds ``v`` chunks, stored
 together (``loss.interleaved_order``), and the loss runs the circular schedule of ``kernels.pipeline_circular``

@@ -220,7 +220,7 @@ def cmd_collective(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 def cmd_sharded_matmul(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from lab.core.notation import parse_matmul, parse_mesh, parse_sizes
-    from lab.predict.sharded_matmul import plan_sharded_matmul
+    from lab.predict.program.sharded_matmul import plan_sharded_matmul
 
     chip = chip_of(args)
     mesh = parse_mesh(args.mesh)

@@ -525,7 +525,7 @@ def hardware_parent(required: bool = True) -> argparse.ArgumentParser:
 
 def check_checkpoints(k: float | None) -> None:
     """--checkpoints-per-layer: a few to a few hundred saved [tokens, d_model] tensors; more is a typo."""
-    from lab.predict.train_config import MAX_CHECKPOINTS_PER_LAYER
+    from lab.predict.training.config import MAX_CHECKPOINTS_PER_LAYER
 
     if k is not None and k > MAX_CHECKPOINTS_PER_LAYER:
         raise UserError(

@@ -32,7 +32,7 @@ from lab.core.errors import UserError
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
 from lab.predict.efficiency import FP8_DECODE_TIME_VS_BF16, FP8_SCALINGS
-from lab.predict.inference import MOE_WEIGHTS, WEIGHT_DTYPES, InferConfig, estimate_inference
+from lab.predict.inference.estimate import MOE_WEIGHTS, WEIGHT_DTYPES, InferConfig, estimate_inference
 from lab.predict.intervals import for_inference
 from lab.predict.intervals import text as interval_text
 
@@ -138,7 +138,7 @@ def _likely(iv, cfg) -> str:
 def cmd_infer_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     plan = program = None
     if args.plan:
-        from lab.predict.program import estimate_program
+        from lab.predict.program.estimate import estimate_program
 
         plan, chip = plan_of(args, "decode", "infer estimate")
         program = estimate_program(plan, chip)
@@ -240,7 +240,7 @@ def cmd_infer_sweep(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 def _check_sweep(args: argparse.Namespace, model, result) -> None:
     """A sweep that priced nothing, or a batch it could price on no topology, is a mistake said aloud (as `shardlab
     plan` refuses a chip count no layout suits), not an empty table with exit 0."""
-    from lab.predict.inference import max_replica_batch
+    from lab.predict.inference.estimate import max_replica_batch
 
     if not result.points:
         chip = chip_of(args)

@@ -44,7 +44,7 @@ def cmd_train_limits(args: argparse.Namespace, chip) -> tuple[dict[str, Any], st
             "(the chips that hold the job); give one, or drop --batch-tokens"
         )
     if args.chips is not None:
-        from lab.predict.planner import MAX_CHIPS
+        from lab.predict.planner.layouts import MAX_CHIPS
 
         if d_ff is None or args.batch_tokens is None:
             raise UserError(
@@ -53,7 +53,7 @@ def cmd_train_limits(args: argparse.Namespace, chip) -> tuple[dict[str, Any], st
             )
         if args.chips > MAX_CHIPS:
             raise UserError(f"--chips {args.chips} is more chips than any machine has; give at most {MAX_CHIPS}")
-    from lab.predict.limits import limits
+    from lab.predict.training.limits import limits
 
     lim = limits(
         chip,

@@ -19,7 +19,7 @@ from lab.cli.commands import help_of
 from lab.cli.train import BATCH_TOKENS_HELP
 from lab.core.errors import UserError
 from lab.core.units import NUMPY_NAME, numpy_name
-from lab.predict.training import OPTIMIZERS
+from lab.predict.training.estimate import OPTIMIZERS
 
 TYPE_CHECKING = False  # typing is not imported at run time: annotations only
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 
 def cmd_plan(args: argparse.Namespace, chip) -> tuple[dict[str, Any], str]:
-    from lab.predict.planner import plan
+    from lab.predict.planner.layouts import plan
 
     model = model_of(args)
     seq = args.seq_len or model.max_seq_len

@@ -31,9 +31,9 @@ from lab.core.table import render
 from lab.core.units import fmt_count, fmt_seconds
 from lab.predict.intervals import for_training
 from lab.predict.intervals import text as interval_text
-from lab.predict.remat import ALL as REMAT_ALL
-from lab.predict.train_config import ELEMENTWISE
-from lab.predict.training import OPTIMIZERS, SCHEDULES, Layout, TrainConfig, estimate
+from lab.predict.training.config import ELEMENTWISE
+from lab.predict.training.estimate import OPTIMIZERS, SCHEDULES, Layout, TrainConfig, estimate
+from lab.predict.training.remat import ALL as REMAT_ALL
 
 TYPE_CHECKING = False  # typing is not imported at run time: annotations only
 if TYPE_CHECKING:
@@ -181,7 +181,7 @@ def train_config(args: argparse.Namespace, chip) -> TrainConfig:
 def _job(args: argparse.Namespace):
     """``(estimate, plan, program estimate)``: from ``--plan FILE`` (the last two set), or from the flags."""
     if args.plan:
-        from lab.predict.program import estimate_program
+        from lab.predict.program.estimate import estimate_program
 
         plan, chip = plan_of(args, "train_step", "train estimate")
         program = estimate_program(plan, chip)

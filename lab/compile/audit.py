@@ -2,8 +2,8 @@
 
 For any Plan (a kernel, the MLP block, the Transformer's train step or decode), :func:`audit_plan` builds the
 program (``kernels.registry.build``), lowers it with abstract arguments (nothing allocated), compiles it, parses
-the optimized HLO (:mod:`lab.compile.hlo`) and compares it with :func:`lab.predict.program.estimate_program` of the
-same Plan, the estimate users plan with:
+the optimized HLO (:mod:`lab.compile.hlo`) and compares it with
+:func:`lab.predict.program.estimate.estimate_program` of the same Plan, the estimate users plan with:
 
 * **Collectives**, grouped by kind and mesh axes, bytes summed in the collective model's convention (V:
   AllGather output, ReduceScatter and AllReduce operand, AllToAll operand x group, permute operand), times the
@@ -33,7 +33,7 @@ from lab.core.hardware import Chip
 from lab.core.plan import Plan, kernel_plan
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_seconds
-from lab.predict.program import ProgramEstimate, estimate_program
+from lab.predict.program.estimate import ProgramEstimate, estimate_program
 
 
 @dataclass(frozen=True)

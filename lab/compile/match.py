@@ -15,7 +15,7 @@ from typing import Any
 
 from lab.compile.hlo import CompiledCollective, axes_of_groups, axes_of_pairs
 from lab.core.units import dtype_bytes, fmt_bytes
-from lab.predict.program import ExpectedCollective
+from lab.predict.program.estimate import ExpectedCollective
 
 FLOP_TOLERANCE = 0.01
 HLO_TO_LAB = {"f32": "fp32", "bf16": "bf16", "f16": "fp16", "s8": "int8", "f8e4m3fn": "fp8", "f8e5m2": "fp8"}

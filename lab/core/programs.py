@@ -3,7 +3,7 @@
 Each :class:`ProgramSpec` says what a program needs (its size names, the mesh axes it looks up by name, a
 model and sharding rules) so that an experiment is validated before anything is imported or compiled; the
 kernel registry (``kernels/registry.py``) attaches a builder to every name here, and the estimators
-(``lab/predict/program.py``) price every name here. Three families:
+(``lab/predict/program/estimate.py``) price every name here. Three families:
 
 * **kernels**: the book's sharded matmuls (``A[I_X, J] * B[J, K_Y]``), collective matmuls, the Megatron MLP
   block: dims ``I, J, K`` (``B, D, F`` for the block) over mesh axes ``X`` and ``Y``;

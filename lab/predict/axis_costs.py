@@ -1,9 +1,9 @@
 """The costs of pipeline, expert and context parallelism, in one place for every estimator that prices them.
 
-The training estimator (:mod:`lab.predict.training`, what ``train estimate`` and ``plan`` rank layouts by) and the
-estimates of the lab's own pipeline, MoE and ring-attention programs (:mod:`lab.predict.axis_programs`, what the
-audit checks against the compiled HLO) take their bubble, exchange and ring formulas from here, so the formula the
-audit verifies is the formula a layout is ranked by.
+The training estimator (:mod:`lab.predict.training.estimate`, what ``train estimate`` and ``plan`` rank layouts
+by) and the estimates of the lab's own pipeline, MoE and ring-attention programs
+(:mod:`lab.predict.program.axis_programs`, what the audit checks against the compiled HLO) take their bubble,
+exchange and ring formulas from here, so the formula the audit verifies is the formula a layout is ranked by.
 
 * **Pipeline bubble**: with ``p`` stages, ``m`` microbatches and ``v`` model chunks per stage (interleaved
   schedule), the fraction of a step each stage idles is ``(p - 1) / (v m + p - 1)``: ``p - 1`` idle slots of the

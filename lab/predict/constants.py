@@ -7,11 +7,11 @@ Grades (issue 35):
 * **B**: carried over from another family, or derived from measurements (a ratio, a proxy part);
 * **C**: assumed (a count or a figure nobody measured for this use).
 
-A constant lives where it is used (:mod:`lab.predict.efficiency`, :mod:`lab.predict.training`); this table names it by
-module, attribute and key, so :func:`swapped` can put its alternative in place for the length of a ``with`` block and
-the estimators, which read the module's tables at call time, price with it. The alternative is a value a reader could
-defend as well (another measurement, the figure of the neighbouring family, the other end of a stated range), not a
-bound: the spread it makes in an answer says how much that answer leans on the constant.
+A constant lives where it is used (:mod:`lab.predict.efficiency`, :mod:`lab.predict.training.estimate`); this
+table names it by module, attribute and key, so :func:`swapped` can put its alternative in place for the length of
+a ``with`` block and the estimators, which read the module's tables at call time, price with it. The alternative
+is a value a reader could defend as well (another measurement, the figure of the neighbouring family, the other end
+of a stated range), not a bound: the spread it makes in an answer says how much that answer leans on the constant.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Constant:
 
 
 _E = "lab.predict.efficiency"
-_T = "lab.predict.training"
+_T = "lab.predict.training.estimate"
 
 
 def _c(name, attr, key, grade, source, alternative, why, chips=("*",), module=_E) -> Constant:
@@ -481,7 +481,7 @@ CONSTANTS: tuple[Constant, ...] = (
         "the static-scale ratio",
         ["gpu"],
     ),
-    # ----- the training step's memory-bound ops as eager PyTorch runs them (lab.predict.training) -----
+    # ----- the training step's memory-bound ops as eager PyTorch runs them (lab.predict.training.estimate) -----
     _c(
         "eager.norm_bytes",
         "NORM_BYTES",
@@ -556,7 +556,7 @@ def _set(c: Constant, value: object) -> None:
 
 
 def _forget() -> None:
-    from lab.predict import training_step
+    from lab.predict.training import step as training_step
 
     training_step.forget_prices()  # collectives priced with the old constant
 

@@ -201,7 +201,7 @@ def _class_or_none(chip, kind: str) -> str | None:
 def for_training(est) -> Interval | None:
     """The 80% interval of a training estimate's step (None on a chip kind no published run validates)."""
     from lab.predict.efficiency import family
-    from lab.predict.training import estimate
+    from lab.predict.training.estimate import estimate
 
     cfg = est.config
     klass = _class_or_none(cfg.chip, "training")
@@ -219,7 +219,7 @@ def for_inference(cfg, what: str = "decode_step_s") -> Interval | None:
     import dataclasses
 
     from lab.predict.efficiency import family
-    from lab.predict.inference import estimate_inference
+    from lab.predict.inference.estimate import estimate_inference
 
     klass = _class_or_none(cfg.chip, "serving")
     if klass is None:
@@ -236,8 +236,8 @@ def for_inference(cfg, what: str = "decode_step_s") -> Interval | None:
 
 
 def for_program(program) -> Interval | None:
-    """The interval of a Plan's program estimate (:mod:`lab.predict.program`): its training step's, or its decode
-    step's; None for a program the estimators price op by op only, or on a chip kind nothing validates."""
+    """The interval of a Plan's program estimate (:mod:`lab.predict.program.estimate`): its training step's, or
+    its decode step's; None for a program the estimators price op by op only, or on a chip kind nothing validates."""
     detail = getattr(program, "detail", None) or {}
     if "train" in detail:
         return for_training(detail["train"])

@@ -1,7 +1,7 @@
 """Where a parallel group sits on the fabric, for every estimate that prices a collective: one rule.
 
-Training (:mod:`lab.predict.training_comm`), inference (:mod:`lab.predict.inference`), the Plan's programs
-(:mod:`lab.predict.estimate`) and the audit's expectations (:mod:`lab.report.ledger`) ask the same question (which
+Training (:mod:`lab.predict.training.comm`), inference (:mod:`lab.predict.inference.estimate`), the Plan's programs
+(:mod:`lab.predict.program.ops`) and the audit's expectations (:mod:`lab.report.ledger`) ask the same question (which
 link does this group of chips use?) and get this answer: a group inside one fast domain (an NVLink node; a TPU pod,
 taken as the slice) uses the fast links; a group that crosses the slow link (DCN, the scale-out network) is priced
 in two levels, as NCCL runs it across nodes and XLA across slices: inside each domain on the fast links, and only a

@@ -337,7 +337,7 @@ def join_estimates(rows: list[LedgerRow], estimate, audit_entries: list[dict[str
 
     Args:
         rows: the ledger's HLO rows (:func:`join`).
-        estimate: the :class:`lab.predict.program.ProgramEstimate` of the same Plan.
+        estimate: the :class:`lab.predict.program.estimate.ProgramEstimate` of the same Plan.
         audit_entries: the audit's entries (``to_dict()``): which HLO collectives each expected collective matched.
 
     Returns:

@@ -18,8 +18,8 @@ from lab.core.notation import parse_matmul
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_rate, fmt_seconds
 from lab.predict.collectives import collective_time
+from lab.predict.program.sharded_matmul import plan_sharded_matmul
 from lab.predict.roofline import matmul
-from lab.predict.sharded_matmul import plan_sharded_matmul
 
 D_MODEL, D_FF = 4096, 14336  # LLaMA-3 8B (HF config)
 TOKENS = 8192  # global token batch of the scenario

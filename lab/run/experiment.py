@@ -48,7 +48,7 @@ from lab.core.programs import ProgramSpec, complete_mesh, get_program
 from lab.core.rules import FIELDS, PRESETS, ShardingRules, rules_from_table
 from lab.core.schema import Field, check_value, read_table
 from lab.core.units import RUN_DTYPES, canonical_dtype
-from lab.predict.train_config import MAX_CHECKPOINTS_PER_LAYER
+from lab.predict.training.config import MAX_CHECKPOINTS_PER_LAYER
 
 DTYPES = (*RUN_DTYPES, "f32", "fp8")  # fp8: priced by the estimators, not run
 EXPERIMENT = {

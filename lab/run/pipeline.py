@@ -257,7 +257,7 @@ def _scale_to_host(exp: Experiment, chip: Chip, host: float | None, backend: str
     the host's share (unchanged when it fits already), said on stderr whatever --quiet says, and recorded."""
     import sys
 
-    from lab.predict.program import estimate_program
+    from lab.predict.program.estimate import estimate_program
 
     if backend != "cpu" or host is None:
         raise UserError(f"--scale-to-host scales a Plan down for emulated CPU devices; this run is on {backend}")

@@ -99,9 +99,10 @@ def as_run(plan: Plan, chip, target=None):
 
 
 def _as_built(plan: Plan, chip, target=None):
-    """The Plan's :class:`~lab.predict.program.ProgramEstimate` as it compiles here, or for the TPU ``target``."""
+    """The Plan's :class:`~lab.predict.program.estimate.ProgramEstimate` as it compiles here, or for the TPU
+    ``target``."""
     from lab.compile.target import for_target
-    from lab.predict.program import estimate_program
+    from lab.predict.program.estimate import estimate_program
 
     return estimate_program(for_target(plan) if target is not None else plan, chip)
 

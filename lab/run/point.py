@@ -1,7 +1,7 @@
 """One point of an experiment: its Plan estimated, compiled and audited, profiled, joined per op and reported.
 
 :func:`run_point` is the lab's one path from a Plan to its three truths: **estimate** with the estimators users
-plan with (:mod:`lab.predict.program`; a Plan that does not fit the chip is refused before anything compiles);
+plan with (:mod:`lab.predict.program.estimate`; a Plan that does not fit the chip is refused before anything compiles);
 **compile** once from abstract arguments and audit the HLO against the estimate; price every compiled op with the
 roofline (the ledger's ``predicted``); **profile** warm-up plus repeats of the same executable under
 ``jax.profiler`` and parse per-op times; **join** estimated | predicted | compiled | measured per op; write the
@@ -25,7 +25,7 @@ from lab.core.errors import UserError, raise_if_interrupted
 from lab.core.hardware import Chip
 from lab.core.plan import Plan
 from lab.core.table import dumps
-from lab.predict.program import ProgramEstimate, estimate_program, memory_warning
+from lab.predict.program.estimate import ProgramEstimate, estimate_program, memory_warning
 from lab.report.plots import BAND
 from lab.report.plots import preload as preload_plots
 from lab.report.plots import preloaded as plots_preloaded

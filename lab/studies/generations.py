@@ -3,7 +3,7 @@
 Only the hardware changes. Every generation runs the same Megatron-style layout (tensor parallelism
 of 8 inside the NVLink node, 8 interleaved pipeline stages, sequence parallelism, selective
 recomputation, ZeRO-1 data parallelism over the rest, flash attention, microbatch 1), priced by
-:func:`lab.predict.training.estimate`. Each chip is estimated in bf16 and, where its catalog entry has an
+:func:`lab.predict.training.estimate.estimate`. Each chip is estimated in bf16 and, where its catalog entry has an
 fp8 peak, in fp8.
 
 The attribution walks from the baseline chip (the first of ``hardware``, the A100 by default) to
@@ -35,7 +35,7 @@ from lab.core.errors import UserError
 from lab.core.hardware import Chip, get_chip
 from lab.core.models import ModelConfig, get_model
 from lab.core.table import render
-from lab.predict.training import Layout, TrainConfig, TrainEstimate, check_config, estimate
+from lab.predict.training.estimate import Layout, TrainConfig, TrainEstimate, check_config, estimate
 
 TP, PP, INTERLEAVE = 8, 8, 2
 MICROBATCH = 1

@@ -11,7 +11,7 @@ chip, leaving compute and interconnect as they are, and measures how far that ho
 * **Bandwidth alone.** The chip's own HBM bandwidth times 1, 2, 4, 8 and 16 at its own capacity (a
   what-if for memory far faster than any HBM, e.g. on-package SRAM or a 3D-stacked DRAM).
 
-Each row is one :func:`lab.predict.inference.estimate_inference` decode step at ``tp`` chips (dp = 1), ideal
+Each row is one :func:`lab.predict.inference.estimate.estimate_inference` decode step at ``tp`` chips (dp = 1), ideal
 roofline. ``speedup_vs_first`` and ``bandwidth_ratio`` are against the first row of the row's series.
 The findings are computed from the rows: where the gain stops tracking bandwidth, and what bounds the
 step then (compute, collectives, or capacity through the batch).
@@ -32,7 +32,7 @@ from lab.core.hardware import Chip
 from lab.core.models import ModelConfig
 from lab.core.table import render
 from lab.core.units import fmt_bytes
-from lab.predict.inference import InferConfig, InferEstimate, estimate_inference, max_replica_batch
+from lab.predict.inference.estimate import InferConfig, InferEstimate, estimate_inference, max_replica_batch
 from lab.studies.serving import _chip, _model, _positive_int, _storage_dtype
 
 

@@ -1,4 +1,5 @@
-"""Serving studies on :mod:`lab.predict.inference`: the latency/throughput sweep, minimum topologies, disaggregation.
+"""Serving studies on :mod:`lab.predict.inference.estimate`: the latency/throughput sweep, minimum topologies,
+disaggregation.
 
 Three questions the scaling book's applied-inference chapter works by hand for LLaMA-3 70B on TPU v5e:
 
@@ -11,7 +12,7 @@ Three questions the scaling book's applied-inference chapter works by hand for L
   actually offers, and how many ``context``-token caches the rest of that slice holds.
 * :func:`disaggregate` is the prefill:decode server ratio that keeps both pools saturated.
 
-Everything is analytic (no JAX); the numbers come from :func:`lab.predict.inference.estimate_inference`.
+Everything is analytic (no JAX); the numbers come from :func:`lab.predict.inference.estimate.estimate_inference`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from lab.core.models import ModelConfig, resolve_model
 from lab.core.schema import Field, check_value
 from lab.core.table import render
 from lab.core.units import canonical_dtype, dtype_bytes, fmt_bytes
-from lab.predict.inference import (
+from lab.predict.inference.estimate import (
     WEIGHT_DTYPES,
     InferConfig,
     estimate_inference,

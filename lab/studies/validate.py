@@ -27,7 +27,7 @@ from typing import Any
 from lab.core.hardware import get_chip
 from lab.core.models import get_model
 from lab.core.table import render
-from lab.predict.training import Layout, TrainConfig, activation_bytes_per_layer, estimate, layer_cost
+from lab.predict.training.estimate import Layout, TrainConfig, activation_bytes_per_layer, estimate, layer_cost
 from lab.studies import published_runs as pub
 
 GiB = 2**30

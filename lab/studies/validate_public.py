@@ -33,9 +33,9 @@ from lab.core.errors import UserError
 from lab.core.hardware import get_chip
 from lab.core.models import get_model
 from lab.core.table import render
-from lab.predict.inference import InferConfig, estimate_inference
-from lab.predict.train_config import Layout, TrainConfig
-from lab.predict.training import estimate
+from lab.predict.inference.estimate import InferConfig, estimate_inference
+from lab.predict.training.config import Layout, TrainConfig
+from lab.predict.training.estimate import estimate
 from lab.studies.public_runs import TRAINING, PublicRun
 from lab.studies.public_serving import SERVING
 

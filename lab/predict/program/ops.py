@@ -1,8 +1,8 @@
 """What an estimate of a Plan is made of: named ops (compute and collectives) and the collectives the
 compiled-program audit expects of them; and the one way a kernel's collective op is priced.
 
-:mod:`lab.predict.program` builds these for every program; :mod:`lab.predict.axis_programs` for the kernels over
-named mesh axes (ring attention, the MoE MLP, the pipeline).
+:mod:`lab.predict.program.estimate` builds these for every program; :mod:`lab.predict.program.axis_programs` for
+the kernels over named mesh axes (ring attention, the MoE MLP, the pipeline).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Named recomputation policies: which of a layer's tensors the forward pass keeps, and where.
 
-Besides the three classic policies (``none``, ``selective``, ``full``: :mod:`lab.predict.training_memory`), a
+Besides the three classic policies (``none``, ``selective``, ``full``: :mod:`lab.predict.training.memory`), a
 layer may be checkpointed by *name*, as JAX programs do with ``jax.checkpoint`` and
 ``checkpoint_policies.save_only_these_names`` (or ``save_and_offload_only_these_names``). The names here are
 MaxText's ``remat_policy`` values, read from its decoder's policy table (MaxText's source code: each name is a set
@@ -82,7 +82,7 @@ def saved_elements(p: Policy, model, tp: int, sp: bool) -> float:
 
 
 def recomputed(p: Policy) -> tuple[str, ...]:
-    """The estimator's layer ops (:func:`lab.predict.training._compute_ops`) the backward runs again."""
+    """The estimator's layer ops (:func:`lab.predict.training.estimate._compute_ops`) the backward runs again."""
     ops = ["norms", "mlp.activation"]
     if "qkv" not in p.saved:
         ops += ["qkv", "rope"]

@@ -1,6 +1,6 @@
 """Training's collectives: every one a step issues, over which parallelism, how many bytes, behind what.
 
-One list (:func:`collectives`) serves both the step time (:mod:`lab.predict.training` prices each entry with
+One list (:func:`collectives`) serves both the step time (:mod:`lab.predict.training.estimate` prices each entry with
 :mod:`lab.predict.efficiency` and applies its overlap rule) and the compiled-program audit (which checks the
 same entries, byte for byte, against the collectives XLA emitted). Bytes are V, the collective model's
 convention, on one device: an AllGather's output, a ReduceScatter's or AllReduce's input.
@@ -34,10 +34,10 @@ from dataclasses import dataclass
 
 from lab.predict.axis_costs import moe_exchange_bytes, ring_kv_block_bytes, ring_passes
 from lab.predict.placement import placement
-from lab.predict.remat import policy as remat_policy
-from lab.predict.remat import recomputed
-from lab.predict.train_config import Layout, TrainConfig
-from lab.predict.training_memory import end_params, layer_params_local, local_params, routed_params_local
+from lab.predict.training.config import Layout, TrainConfig
+from lab.predict.training.memory import end_params, layer_params_local, local_params, routed_params_local
+from lab.predict.training.remat import policy as remat_policy
+from lab.predict.training.remat import recomputed
 
 TYPE_CHECKING = False  # typing is not imported at run time: annotations only
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ def content_key(role: str, lay: Layout, remat: str, regathers_norms: bool = Fals
         again = regathers_norms and remat != "none"
         return (role, lay.tp, lay.ep, lay.pp, again) if lay.fsdp_eff > 1 else (role, None)
     carved = experts_from_dp(lay)  # the routed experts' gradients go to edp
-    if role == "dp":  # a tp/ep rank's stage gradients over fsdp; ZeRO splits their reduction (training_step.dp_times)
+    if role == "dp":  # a tp/ep rank's stage gradients over fsdp; ZeRO splits their reduction (training.step.dp_times)
         zero = (lay.zero >= 1, lay.zero_group)
         return (role, lay.tp, lay.ep, lay.pp, lay.fsdp_eff, carved, *zero) if lay.dp_eff > 1 else (role, None)
     if role == "edp":  # the routed experts' share of them
@@ -164,7 +164,7 @@ def _recomputed_tp(cfg: TrainConfig, row: int) -> tuple[int, int, int]:
         return int("out_proj" in ops), gathers, row - gathers
     if cfg.remat != "full":
         return 0, 0, row
-    if cfg.jax_remat:  # everything but the layer's last projection (lab.predict.train_config)
+    if cfg.jax_remat:  # everything but the layer's last projection (lab.predict.training.config)
         return row - 1, row, 0
     return row, row, row  # Megatron: the whole layer again, and the weight gradients' inputs gathered again
 

@@ -28,7 +28,7 @@ memory-bound ops by bytes, collectives by :mod:`lab.predict.collectives`), compo
   behind the same layer's compute (exposed only beyond it); the data-parallel gradient reduction
   hides behind the last microbatch's backward. The pipeline adds its bubble:
   ``(pp-1)/v`` microbatch-times (v = 1 unless interleaved). The step is composed from its parts in
-  :mod:`lab.predict.training_step`, one formula for :func:`estimate` and the layout planner.
+  :mod:`lab.predict.training.step`, one formula for :func:`estimate` and the layout planner.
 """
 
 from __future__ import annotations
@@ -37,10 +37,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from lab.predict import efficiency as eff
-from lab.predict.remat import policy as remat_policy
-from lab.predict.remat import recomputed as remat_recomputed
-from lab.predict.remat import saved_elements
-from lab.predict.train_config import (
+from lab.predict.training.comm import calls_per_step, collectives
+from lab.predict.training.config import (
     GRAD_BYTES,
     OPTIMIZERS,
     REMAT,
@@ -50,8 +48,7 @@ from lab.predict.train_config import (
     TrainConfig,
     check_config,
 )
-from lab.predict.training_comm import calls_per_step, collectives
-from lab.predict.training_memory import (
+from lab.predict.training.memory import (
     Memory,
     activation_bytes_per_layer,
     layer_params_local,
@@ -60,7 +57,10 @@ from lab.predict.training_memory import (
     min_chips,
     state_min_chips,
 )
-from lab.predict.training_step import (
+from lab.predict.training.remat import policy as remat_policy
+from lab.predict.training.remat import recomputed as remat_recomputed
+from lab.predict.training.remat import saved_elements
+from lab.predict.training.step import (
     FsdpTerms,
     LayerCost,
     LayoutTerms,
@@ -131,7 +131,7 @@ class TrainEstimate:
 
     @property
     def min_chips(self) -> int:
-        """Chips that hold the whole job, its whole batch's activations included (``training_memory.min_chips``);
+        """Chips that hold the whole job, its whole batch's activations included (``training.memory.min_chips``);
         computed when asked, not in the planner's loop."""
         return min_chips(self.config)
 
@@ -379,7 +379,7 @@ def layer_cost(cfg: TrainConfig, compute: tuple | None = None) -> LayerCost:
             cp_exposed = max(0.0, ring - att) + max(0.0, 2 * ring - 2.5 * att)
     named = remat_policy(cfg.remat)
     offload = 0.0
-    if named is not None:  # what the policy did not keep (lab.predict.remat)
+    if named is not None:  # what the policy did not keep (lab.predict.training.remat)
         recomputed = tuple(o[0] for o in ops if o[0] in remat_recomputed(named))
         if named.offloaded:  # kept in host memory: out in the forward, back in the backward, behind the compute
             tokens = cfg.microbatch * cfg.seq_len / cfg.layout.cp
@@ -423,7 +423,7 @@ def _logits_time(cfg: TrainConfig) -> float:
 
 
 def step_terms(cfg: TrainConfig) -> tuple[LayoutTerms, MicrobatchTerms, FsdpTerms | None]:
-    """The step's parts besides the layer cost (:mod:`lab.predict.training_step`), priced for ``cfg``."""
+    """The step's parts besides the layer cost (:mod:`lab.predict.training.step`), priced for ``cfg``."""
     chip, lay = cfg.chip, cfg.layout
     local = local_params(cfg.model, lay, ends_on_every_stage=cfg.spmd_pipeline)
     dp, loss, tail, gather = dp_times(chip, lay, role_comms(cfg, "dp"), cfg.dp_bucket_bytes)
@@ -438,9 +438,9 @@ def estimate(
 ) -> TrainEstimate:
     """Predict one training step (see the module docstring for the model and its assumptions).
 
-    The step time is :func:`lab.predict.training_step.step_parts` of the layer cost and the other terms
+    The step time is :func:`lab.predict.training.step.step_parts` of the layer cost and the other terms
     (:func:`step_terms`); ``layer`` and ``terms``, when given, are this config's, priced already (the planner caches
-    them on what they depend on: :func:`layer_key`, ``training_comm.content_key``).
+    them on what they depend on: :func:`layer_key`, ``training.comm.content_key``).
     """
     if check:
         check_config(cfg)
@@ -570,11 +570,11 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """``Limits`` and ``limits`` (the book's thresholds, :mod:`lab.predict.limits`, whose ``__all__`` lists them) are
-    read from here on first use: an estimate does not need them, and importing them cost every estimate's start-up
-    a frozen dataclass."""
+    """``Limits`` and ``limits`` (the book's thresholds, :mod:`lab.predict.training.limits`, whose ``__all__`` lists
+    them) are read from here on first use: an estimate does not need them, and importing them cost every
+    estimate's start-up a frozen dataclass."""
     if name in ("Limits", "limits"):
-        from lab.predict import limits as module
+        from lab.predict.training import limits as module
 
         return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

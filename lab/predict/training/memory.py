@@ -7,9 +7,9 @@ import math
 from dataclasses import dataclass
 
 from lab.core.models import ModelConfig
-from lab.predict.remat import policy as remat_policy
-from lab.predict.remat import saved_elements
-from lab.predict.train_config import GRAD_BYTES, Layout, TrainConfig
+from lab.predict.training.config import GRAD_BYTES, Layout, TrainConfig
+from lab.predict.training.remat import policy as remat_policy
+from lab.predict.training.remat import saved_elements
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ def state_bytes(
     params = local * weight_bytes / f
     gathered = 2 * layer * weight_bytes if f > 1 else 0.0
     grads = local * GRAD_BYTES / (zero_group if lay.zero >= 2 else f)
-    if f > 1 and ends_on_every_stage and lay.pp > 1:  # the lab's SPMD pipeline (training_comm._fsdp_in_pipeline):
+    if f > 1 and ends_on_every_stage and lay.pp > 1:  # the lab's SPMD pipeline (training.comm._fsdp_in_pipeline):
         gathered = local * weight_bytes  # the stage's weights gathered whole for the step,
         grads = local * GRAD_BYTES  # their gradients summed whole before the reduction
     params += gathered  # held whole: two layers (the one computed, the next prefetched), or the pipeline's stage

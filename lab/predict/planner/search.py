@@ -1,12 +1,12 @@
 """The layout planner's pricing: every point of a search priced by the estimator's own parts, each computed once.
 
-A training step's time is :func:`lab.predict.training_step.step_parts` of a layer cost, the layout's terms, FSDP's
-and the microbatches' (what :func:`lab.predict.training.estimate` computes for one config). A search prices
+A training step's time is :func:`lab.predict.training.step.step_parts` of a layer cost, the layout's terms, FSDP's
+and the microbatches' (what :func:`lab.predict.training.estimate.estimate` computes for one config). A search prices
 thousands of points (layout x microbatch x recomputation policy) that share most of those parts, so
 :class:`Search` keeps a dict per part, keyed on exactly what that part depends on, the model, chip and job settings
-being the search's own: :func:`lab.predict.training.layer_key` (the layer's ops and cost),
-:func:`lab.predict.training_memory.activation_key` (one layer's activations), and for the collectives
-:func:`lab.predict.training_comm.content_key` (which, their bytes and calls) and ``layout_group`` (where their group
+being the search's own: :func:`lab.predict.training.estimate.layer_key` (the layer's ops and cost),
+:func:`lab.predict.training.memory.activation_key` (one layer's activations), and for the collectives
+:func:`lab.predict.training.comm.content_key` (which, their bytes and calls) and ``layout_group`` (where their group
 sits); the layouts that split their replicas between dp and fsdp differently share each microbatch size's parts
 (:func:`shape_key`). Nothing outlives the search. The fastest points that fit come back as full :func:`estimate`
 results of the same parts.
@@ -19,7 +19,8 @@ import heapq
 from typing import Any
 
 from lab.core.errors import UserError
-from lab.predict.training import (
+from lab.predict.training.comm import content_key, layout_group
+from lab.predict.training.estimate import (
     LayerCost,
     Layout,
     TrainConfig,
@@ -30,8 +31,7 @@ from lab.predict.training import (
     layer_cost,
     layer_key,
 )
-from lab.predict.training_comm import content_key, layout_group
-from lab.predict.training_memory import (
+from lab.predict.training.memory import (
     activation_bytes_per_layer,
     activation_key,
     activation_terms,
@@ -40,7 +40,7 @@ from lab.predict.training_memory import (
     layer_params_local,
     state_bytes,
 )
-from lab.predict.training_step import (
+from lab.predict.training.step import (
     FsdpTerms,
     LayoutTerms,
     MicrobatchTerms,
@@ -55,7 +55,7 @@ from lab.predict.training_step import (
 )
 
 _NONE = object()  # a cache miss (None is a cached "no FSDP")
-_PRICE = {"dp": dp_times, "fsdp": fsdp_terms, "pp": pp_time, "tp": tp_microbatch_time}  # training_step.TERMS
+_PRICE = {"dp": dp_times, "fsdp": fsdp_terms, "pp": pp_time, "tp": tp_microbatch_time}  # training.step.TERMS
 
 
 def _where(lay: Layout, role: str, content: tuple) -> tuple | None:
@@ -142,11 +142,11 @@ class Search:
         """One layer's activation bytes of a point (a cache miss)."""
         j = self.job
         flash, checkpoints = j.flash_attention, j.checkpoints_per_layer
-        scale = j.act_bytes / 2.0  # as training_memory.memory_per_chip counts them (the job's compute dtype)
+        scale = j.act_bytes / 2.0  # as training.memory.memory_per_chip counts them (the job's compute dtype)
         return activation_bytes_per_layer(j.model, lay, j.seq_len, mb, remat, flash, checkpoints) * scale
 
     def term(self, name: str, content: tuple, where: tuple | None, lay: Layout, mb: int, remat: str) -> Any:
-        """The priced term ``name`` (training_step.TERMS) of a point whose collectives' content key (and microbatch,
+        """The priced term ``name`` (training.step.TERMS) of a point whose collectives' content key (and microbatch,
         for PER_MICROBATCH roles) and groups are these."""
         key = (content, where)
         out = self.priced.get(key, _NONE)
@@ -159,7 +159,7 @@ class Search:
         return out
 
     def layout_terms(self, lay: Layout, mb: int, remat: str, local: float) -> LayoutTerms:
-        """The layout's terms (``local``: its training_memory.local_params), its DP reduction priced once per
+        """The layout's terms (``local``: its training.memory.local_params), its DP reduction priced once per
         content and groups."""
         j = self.job
         rg = j.remat_regathers_norms

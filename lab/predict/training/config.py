@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from lab.core.errors import UserError
 from lab.core.hardware import Chip
 from lab.core.models import ModelConfig
-from lab.predict.remat import policy as remat_policy
+from lab.predict.training.remat import policy as remat_policy
 
 REMAT = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -19,8 +19,8 @@ WEIGHT_BYTES, GRAD_BYTES = 2.0, 4.0  # mixed precision: bf16 weights, fp32 gradi
 MASTER_BYTES = 4.0  # the fp32 master copy inside OPTIMIZERS' bytes: not kept when the weights are fp32 already
 PARAM_DTYPES = ("bf16", "fp32")
 # How a stack runs a layer's small ops (norms, rotary embedding, the gated activation); bytes per element in
-# lab.predict.training: fused (one kernel each: Megatron/Transformer Engine, XLA, torch.compile) or eager (PyTorch
-# eager ops as the reference LLaMA code writes them, fp32 intermediates between kernels).
+# lab.predict.training.estimate: fused (one kernel each: Megatron/Transformer Engine, XLA, torch.compile) or eager
+# (PyTorch eager ops as the reference LLaMA code writes them, fp32 intermediates between kernels).
 ELEMENTWISE = ("fused", "eager")
 
 
@@ -120,7 +120,7 @@ class TrainConfig:
     # fa3, FlashAttention-3 / cuDNN (Megatron and NeMo with Transformer Engine).
     attention_kernel: str = "fa2"
     # The layer's small ops: "fused" kernels (Megatron/Transformer Engine, XLA, torch.compile), or PyTorch "eager"
-    # ops as the reference LLaMA code writes them (ELEMENTWISE; bytes per element in lab.predict.training).
+    # ops as the reference LLaMA code writes them (ELEMENTWISE; bytes per element in lab.predict.training.estimate).
     elementwise: str = "fused"
     # Tensor parallelism's sequence-parallel AllGathers and ReduceScatters run in chunks under the GEMM each feeds or
     # follows (Transformer Engine's userbuffers: Megatron-Core's --tp-comm-overlap, NeMo's ub_tp_comm_overlap, set by
@@ -147,7 +147,7 @@ class TrainConfig:
     # Recomputation as JAX runs it (jax.checkpoint on a layer): under full recomputation XLA drops the layer's last
     # projection from the recomputed forward (nothing in the backward reads its output, the next layer's saved
     # input), so its matmul and its row-parallel collective are not run again. Megatron's recomputation repeats
-    # the whole layer. With nothing recomputed, the activations JAX's autodiff saves (training_memory).
+    # the whole layer. With nothing recomputed, the activations JAX's autodiff saves (training.memory).
     jax_remat: bool = False
     # Under recomputation XLA:CPU gathers a layer's FSDP-sharded norm scales a third time, for the recomputed
     # forward (the TPU compiler keeps them).
@@ -275,7 +275,7 @@ def _check_options(cfg: TrainConfig) -> None:
         raise UserError(
             f"--tp-comm-overlap is Transformer Engine's (GPUs); {cfg.chip.name} is a {cfg.chip.kind}: drop it"
         )
-    remat_policy(cfg.remat)  # a classic or a named policy (lab.predict.remat), else the valid choices
+    remat_policy(cfg.remat)  # a classic or a named policy (lab.predict.training.remat), else the valid choices
     cf = cfg.capacity_factor
     if isinstance(cf, bool) or not isinstance(cf, int | float) or not 0 < cf <= 64:
         raise UserError(f"--capacity-factor {cf!r} must be a number in (0, 64], e.g. 1.25")

@@ -3,7 +3,7 @@
 The search space, for ``chips = dp * fsdp * tp * pp * cp``:
 
 * ``tp`` divides the attention heads (and divides or is a multiple of the KV heads, as
-  :func:`lab.predict.training.check_config` requires); on a switched fabric it stays inside one switch
+  :func:`lab.predict.training.estimate.check_config` requires); on a switched fabric it stays inside one switch
   domain (``tp <= node_size``: tensor parallelism inside an NVLink node), on a torus it goes up to 16;
 * ``pp`` divides the layers; ``cp`` is a power of two, at most 8, dividing ``seq_len``;
 * ``dp x fsdp`` takes the remaining chips, every split of it; ``zero=1`` when ``dp > 1``;
@@ -14,9 +14,9 @@ The search space, for ``chips = dp * fsdp * tp * pp * cp``:
 * every recomputation policy in ``remats`` and every microbatch size in ``microbatches`` that
   divides the sequences each data-parallel replica gets.
 
-Each point is priced by the estimator's own step formula (:func:`lab.predict.training_step.step_parts`,
-which :func:`lab.predict.training.estimate` calls too), its parts computed once per search for all the
-points that share what they depend on (:mod:`lab.predict.planner_search`): the layer cost, the layout's
+Each point is priced by the estimator's own step formula (:func:`lab.predict.training.step.step_parts`,
+which :func:`lab.predict.training.estimate.estimate` calls too), its parts computed once per search for all the
+points that share what they depend on (:mod:`lab.predict.planner.search`): the layer cost, the layout's
 terms, FSDP's, the microbatches'. The results are ``estimate()``'s, exactly. Memory (cheap) is computed
 first: a layout whose weights, gradients and optimizer state alone overflow HBM is dropped with all its
 microbatch sizes and recomputation policies, and any other point that overflows is not priced either
@@ -38,9 +38,8 @@ from lab.core.hardware import Chip
 from lab.core.models import ModelConfig
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
-from lab.predict.planner_search import Search
-from lab.predict.remat import ALL as REMAT_ALL
-from lab.predict.training import (
+from lab.predict.planner.search import Search
+from lab.predict.training.estimate import (
     GRAD_BYTES,
     OPTIMIZERS,
     REMAT,
@@ -50,6 +49,7 @@ from lab.predict.training import (
     TrainEstimate,
     state_min_chips,
 )
+from lab.predict.training.remat import ALL as REMAT_ALL
 
 MAX_TORUS_TP = 16  # tensor parallelism on a TPU torus: up to 16 chips
 MAX_CP = 8  # context parallelism: powers of two up to 8

@@ -1,7 +1,7 @@
 """A training step's time from parts, each a function of what it depends on: the estimator's one step formula.
 
-:func:`lab.predict.training.estimate` prices a step with :func:`step_parts`, and the layout planner
-(:mod:`lab.predict.planner`) prices every point of its search with the same function, computing each part once
+:func:`lab.predict.training.estimate.estimate` prices a step with :func:`step_parts`, and the layout planner
+(:mod:`lab.predict.planner.layouts`) prices every point of its search with the same function, computing each part once
 for all the points that share it:
 
 * :class:`LayerCost` (``training.layer_cost``): one layer, and the logits, for one microbatch (what
@@ -12,9 +12,9 @@ for all the points that share it:
 * :class:`MicrobatchTerms` (:func:`microbatch_terms`): the microbatch count, the pipeline sends (:func:`pp_time`),
   the TP collectives once per microbatch (:func:`tp_microbatch_time`) and the bubble.
 
-What each role's collectives depend on is :func:`lab.predict.training_comm.content_key` and
-:func:`lab.predict.training_comm.layout_group`. The overlap rules are the module docstring's of
-:mod:`lab.predict.training`.
+What each role's collectives depend on is :func:`lab.predict.training.comm.content_key` and
+:func:`lab.predict.training.comm.layout_group`. The overlap rules are the module docstring's of
+:mod:`lab.predict.training.estimate`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from lab.core.models import ModelConfig
 from lab.predict import efficiency as eff
 from lab.predict.axis_costs import bubble_over_work
 from lab.predict.placement import placement
-from lab.predict.train_config import UPDATE_BYTES, Layout, TrainConfig
-from lab.predict.training_comm import Comm, collectives, layout_group
-from lab.predict.training_memory import local_params
+from lab.predict.training.comm import Comm, collectives, layout_group
+from lab.predict.training.config import UPDATE_BYTES, Layout, TrainConfig
+from lab.predict.training.memory import local_params
 
 
 @dataclass(frozen=True)
@@ -202,7 +202,7 @@ def layout_terms(
     overlap: bool = True,
 ) -> LayoutTerms:
     """The layout's terms, with its DP reduction, loss mean, last bucket and ZeRO gather (:func:`dp_times`) priced
-    (``local``: the layout's ``training_memory.local_params``, when at hand; ``overlap``: TrainConfig.dp_overlap)."""
+    (``local``: the layout's ``training.memory.local_params``, when at hand; ``overlap``: TrainConfig.dp_overlap)."""
     shard = lay.zero_group * lay.fsdp if lay.zero >= 1 else lay.fsdp_eff
     local = local_params(model, lay) if local is None else local
     update = eff.memory_time(chip, local / shard * UPDATE_BYTES[optimizer])

@@ -10,7 +10,7 @@ from lab.core.plan import Plan
 from lab.core.programs import MOE_CAPACITY_FACTOR, MOE_TOPK, pipeline_split
 from lab.core.units import dtype_bytes
 from lab.predict.axis_costs import bubble_fraction, moe_exchange_bytes, moe_slots, ring_kv_block_bytes, ring_passes
-from lab.predict.estimate import OpEstimate, ProgramEstimate, collective_op, live
+from lab.predict.program.ops import OpEstimate, ProgramEstimate, collective_op, live
 from lab.predict.roofline import roofline
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from lab.core.models import ModelConfig
 from lab.predict import efficiency as eff
-from lab.predict.inference import (
+from lab.predict.inference.estimate import (
     InferConfig,
     _comm,
     _flop_time,

@@ -2,14 +2,14 @@
 
 :func:`estimate_program` prices whatever a :class:`lab.core.plan.Plan` runs on one chip:
 
-* the Transformer's **train step** with the training estimator (:mod:`lab.predict.training`), its layout
+* the Transformer's **train step** with the training estimator (:mod:`lab.predict.training.estimate`), its layout
   derived from the Plan's rules and its options from how the lab's Transformer is written (fp32 weights,
   separate Q/K/V and gate/up projections, plain softmax attention, vocab-parallel embedding and loss);
 * its **decode** (prefill, then one token per step, every step reading the whole allocated cache) with the
-  inference estimator (:mod:`lab.predict.inference`);
-* the **kernels** with the sharded-matmul engine (:mod:`lab.predict.sharded_matmul`) and the collective model;
+  inference estimator (:mod:`lab.predict.inference.estimate`);
+* the **kernels** with the sharded-matmul engine (:mod:`lab.predict.program.sharded_matmul`) and the collective model;
   ring attention, the MoE MLP and the pipelined MLP with the roofline and the collective model
-  (:mod:`lab.predict.axis_programs`).
+  (:mod:`lab.predict.program.axis_programs`).
 
 The result is a list of :class:`OpEstimate` named like the kernels' ``jax.named_scope`` s (compute) or by what
 they carry (collectives, each over the mesh axes of its parallelism). The compiled-program audit checks the
@@ -29,13 +29,20 @@ from lab.core.notation import parse_matmul
 from lab.core.plan import Plan
 from lab.core.programs import MOE_CAPACITY_FACTOR
 from lab.core.units import dtype_bytes
-from lab.predict.axis_programs import AXIS_ESTIMATES
-from lab.predict.estimate import COLLECTIVE_KINDS, ExpectedCollective, OpEstimate, ProgramEstimate, collective_op, live
-from lab.predict.inference import InferConfig, estimate_inference
-from lab.predict.inference_ops import generate_ops
-from lab.predict.sharded_matmul import plan_sharded_matmul
-from lab.predict.train_config import Layout, TrainConfig
-from lab.predict.training import estimate, step_ops
+from lab.predict.inference.estimate import InferConfig, estimate_inference
+from lab.predict.inference.ops import generate_ops
+from lab.predict.program.axis_programs import AXIS_ESTIMATES
+from lab.predict.program.ops import (
+    COLLECTIVE_KINDS,
+    ExpectedCollective,
+    OpEstimate,
+    ProgramEstimate,
+    collective_op,
+    live,
+)
+from lab.predict.program.sharded_matmul import plan_sharded_matmul
+from lab.predict.training.config import Layout, TrainConfig
+from lab.predict.training.estimate import estimate, step_ops
 
 # The lab's blocks name their two matmuls (kernels/blocks.py); the book's kernels leave theirs unscoped.
 BLOCK_SCOPES = ("mlp/up", "mlp/down")
@@ -183,7 +190,7 @@ def _decode(plan: Plan, chip: Chip) -> ProgramEstimate:
 
 def _kernel(plan: Plan, chip: Chip) -> ProgramEstimate:
     spec, mesh, dtype = plan.spec, plan.shape, plan.dtype
-    if spec.family in AXIS_ESTIMATES:  # the kernels over named mesh axes (lab.predict.axis_programs)
+    if spec.family in AXIS_ESTIMATES:  # the kernels over named mesh axes (lab.predict.program.axis_programs)
         return AXIS_ESTIMATES[spec.family](plan, chip)
     b = dtype_bytes(dtype)
     sizes = dict(plan.sizes)
