@@ -325,26 +325,23 @@ def command(
     parser.set_defaults(func=run)
 
 
-MODEL_FLAGS = (
-    "layers",
-    "d_model",
-    "d_ff",
-    "heads",
-    "kv_heads",
-    "head_dim",
-    "vocab",
-    "tied_embeddings",
-    "experts",
-    "experts_per_token",
-    "shared_experts",
-    "dense_layers",
-    "dense_d_ff",
-    "kv_lora_rank",
-    "q_lora_rank",
-    "rope_head_dim",
-    "v_head_dim",
-    "gated_mlp",
-)
+def model_flags() -> tuple[str, ...]:
+    """The custom-model flags' names: every size of :mod:`lab.core.models` but the context (the job's --seq-len
+    sets it), and the two switches; read from the model's own table when a command needs them."""
+    from lab.core.models import POSITIVE_DIMS, ZERO_MEANS_NONE
+
+    return (*(f for f in POSITIVE_DIMS if f != "max_seq_len"), "tied_embeddings", *ZERO_MEANS_NONE, "gated_mlp")
+
+
+_ZERO_MEANS_NONE_HELP = {
+    "shared_experts": "experts every token goes through besides its routed ones (MoE)",
+    "dense_layers": "leading layers with a dense MLP instead of experts (MoE)",
+    "dense_d_ff": "width of that dense MLP (default d_ff x (experts-per-token + shared-experts))",
+    "kv_lora_rank": "multi-head latent attention: the KV latent width (the KV cache keeps it per token)",
+    "q_lora_rank": "latent attention: the query latent width (default 0: a full-rank query)",
+    "rope_head_dim": "latent attention: the decoupled RoPE width per head (--head-dim is without it)",
+    "v_head_dim": "latent attention: the value head width (default --head-dim)",
+}
 
 
 def model_parent(positional: bool) -> argparse.ArgumentParser:
@@ -354,19 +351,16 @@ def model_parent(positional: bool) -> argparse.ArgumentParser:
         p.add_argument("model", nargs="?", metavar="NAME", help="catalog model or a .toml file (see `model list`)")
     else:
         p.add_argument("--model", metavar="NAME", help="catalog model or a .toml file; flags below override it")
+    from lab.core.models import POSITIVE_DIMS, ZERO_MEANS_NONE
+
     g = p.add_argument_group("custom model")
-    for flag in ("layers", "d-model", "d-ff", "heads", "kv-heads", "head-dim", "vocab", "experts", "experts-per-token"):
-        g.add_argument(f"--{flag}", type=positive_int(f"--{flag}"), metavar="N")
-    for flag, text in (
-        ("shared-experts", "experts every token goes through besides its routed ones (MoE)"),
-        ("dense-layers", "leading layers with a dense MLP instead of experts (MoE)"),
-        ("dense-d-ff", "width of that dense MLP (default d_ff x (experts-per-token + shared-experts))"),
-        ("kv-lora-rank", "multi-head latent attention: the KV latent width (the KV cache keeps it per token)"),
-        ("q-lora-rank", "latent attention: the query latent width (default 0: a full-rank query)"),
-        ("rope-head-dim", "latent attention: the decoupled RoPE width per head (--head-dim is without it)"),
-        ("v-head-dim", "latent attention: the value head width (default --head-dim)"),
-    ):
-        g.add_argument(f"--{flag}", type=nonneg_int(f"--{flag}"), metavar="N", help=text)
+    for name in POSITIVE_DIMS:
+        if name != "max_seq_len":  # the job's --seq-len
+            flag = name.replace("_", "-")
+            g.add_argument(f"--{flag}", type=positive_int(f"--{flag}"), metavar="N")
+    for name in ZERO_MEANS_NONE:
+        flag = name.replace("_", "-")
+        g.add_argument(f"--{flag}", type=nonneg_int(f"--{flag}"), metavar="N", help=_ZERO_MEANS_NONE_HELP[name])
     g.add_argument("--tied-embeddings", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument(
         "--gated-mlp",
@@ -382,7 +376,7 @@ def model_of(args: argparse.Namespace) -> ModelConfig:
     from lab.core.models import resolve_model
 
     check_model_path(args.model)
-    return resolve_model(args.model, {k: getattr(args, k) for k in MODEL_FLAGS})
+    return resolve_model(args.model, {k: getattr(args, k) for k in model_flags()})
 
 
 def check_model_path(spec: str | None) -> None:
@@ -438,7 +432,7 @@ def plan_of(args: argparse.Namespace, program: str, command: str):
     from lab.run.experiment import load_experiment
 
     given = [f"--{k.replace('_', '-')}" for k in PLAN_CONFLICTS if getattr(args, k, None) is not None]
-    given += [f"--{k.replace('_', '-')}" for k in MODEL_FLAGS if getattr(args, k, None) is not None]
+    given += [f"--{k.replace('_', '-')}" for k in model_flags() if getattr(args, k, None) is not None]
     options = getattr(args, "plan_options", {})
     given += [f"--{k.replace('_', '-')}" for k, d in options.items() if getattr(args, k, d) != d]
     if given:
@@ -536,7 +530,6 @@ def check_checkpoints(k: float | None) -> None:
 
 __all__ = [
     "MAX_SEQ_LEN",
-    "MODEL_FLAGS",
     "Parser",
     "chart_path",
     "check_checkpoints",
@@ -548,6 +541,7 @@ __all__ = [
     "fraction",
     "hardware_parent",
     "in_path",
+    "model_flags",
     "model_of",
     "model_parent",
     "nonneg_float",

@@ -348,7 +348,7 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
         hardware=cfg.chip.name,
         batch=cfg.global_batch,
         seq_len=cfg.seq_len,
-        **{k: getattr(lay, k) for k in ("dp", "fsdp", "tp", "pp", "cp", "ep", "sequence_parallel")},
+        **lay.degrees(),
         dtype=cfg.dtype,
         param_dtype=cfg.param_dtype,
         remat=cfg.remat,

@@ -38,6 +38,31 @@ NARAYANAN = "Narayanan et al. 2021 (arXiv 2104.04473), Table 1"
 MAX_DIM = 2**30
 
 
+# A model's sizes: those every model has (positive integers), and the MoE and latent-attention details a model
+# without them leaves at 0 (none). One table for the model's own checks, the experiment schema and the CLI's flags.
+POSITIVE_DIMS = (
+    "layers",
+    "d_model",
+    "d_ff",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "vocab",
+    "experts",
+    "experts_per_token",
+    "max_seq_len",
+)
+ZERO_MEANS_NONE = (
+    "shared_experts",
+    "dense_layers",
+    "dense_d_ff",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "rope_head_dim",
+    "v_head_dim",
+)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only Transformer, enough to count parameters, FLOPs, activations and KV bytes.
@@ -101,18 +126,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         where = f"model {self.name!r}"
-        for f in (
-            "layers",
-            "d_model",
-            "d_ff",
-            "heads",
-            "kv_heads",
-            "head_dim",
-            "vocab",
-            "experts",
-            "experts_per_token",
-            "max_seq_len",
-        ):
+        for f in POSITIVE_DIMS:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise UserError(f"{where}: {f.replace('_', '-')} must be a positive integer, got {v!r}")
@@ -128,15 +142,7 @@ class ModelConfig:
             )
         if self.experts_per_token > self.experts:
             raise UserError(f"{where}: experts-per-token={self.experts_per_token} exceeds experts={self.experts}")
-        for f in (
-            "shared_experts",
-            "dense_layers",
-            "dense_d_ff",
-            "kv_lora_rank",
-            "q_lora_rank",
-            "rope_head_dim",
-            "v_head_dim",
-        ):
+        for f in ZERO_MEANS_NONE:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_DIM:
                 raise UserError(f"{where}: {f.replace('_', '-')} must be an integer >= 0, got {v!r}")

@@ -32,6 +32,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from lab.core.degrees import DEGREES
 from lab.core.errors import UserError
 
 Axes = str | tuple[str, ...] | None
@@ -164,7 +165,7 @@ class ShardingRules:
     def degrees(self, mesh: Mapping[str, int]) -> dict[str, int]:
         """Parallel degrees the estimators use (``dp, fsdp, tp, pp, cp, ep``) and ``sequence_parallel``."""
         r = self.roles(mesh)
-        out = {k: math.prod(mesh[a] for a in r[k]) for k in ("dp", "fsdp", "tp", "pp", "cp", "ep")}
+        out = {k: math.prod(mesh[a] for a in r[k]) for k in DEGREES}
         return out | {"sequence_parallel": bool(r["sp"])}
 
     def to_dict(self) -> dict[str, list[str]]:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.core.errors import UserError
-from lab.core.models import ModelConfig, model_from_fields
+from lab.core.models import ZERO_MEANS_NONE, ModelConfig, model_from_fields
 from lab.core.notation import AXIS_NAME  # the names --mesh takes
 from lab.core.plan import LINKS, REMAT, MeshAxis, Options, Plan
 from lab.core.programs import ProgramSpec, complete_mesh, get_program
@@ -95,15 +95,7 @@ MODEL = {
     f.name: Field(_MODEL_KIND[{"int": int, "bool": bool, "str": str, "float": float}[str(f.type)]], f.name)
     for f in dataclasses.fields(ModelConfig)
 } | {"base": Field("str", "a catalog model to start from")}
-for _name in (
-    "shared_experts",
-    "dense_layers",
-    "dense_d_ff",
-    "kv_lora_rank",
-    "q_lora_rank",
-    "rope_head_dim",
-    "v_head_dim",
-):  # 0: none (the MoE details a dense model leaves out)
+for _name in ZERO_MEANS_NONE:  # 0: none (the MoE details a dense model leaves out)
     MODEL[_name] = Field("int0", _name)
 SECTIONS = ("experiment", "mesh", "sizes", "model", "rules", "options", "run", "sweep")
 # Untraced calls before the profiled ones when an experiment does not say. In a fresh process XLA:CPU's first

@@ -70,14 +70,8 @@ def train_config(plan: Plan, chip: Chip) -> TrainConfig:
     deg, opts = plan.degrees(), plan.options
     slow = tuple(role for role, link in plan.role_links().items() if link == "slow")
     layout = Layout(
-        dp=deg["dp"],
-        fsdp=deg["fsdp"],
-        tp=deg["tp"],
-        pp=deg["pp"],
-        cp=deg["cp"],
-        ep=deg["ep"],
+        **deg,
         zero=opts.zero,
-        sequence_parallel=deg["sequence_parallel"],
         pp_schedule=opts.pp_schedule,
         interleave=opts.interleave,
         stage_split=opts.stage_split,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lab.core.degrees import DEGREES
 from lab.core.errors import UserError
 from lab.core.hardware import Chip
 from lab.core.models import ModelConfig
@@ -60,6 +61,11 @@ class Layout:
     def chips(self) -> int:
         return self.dp * self.fsdp * self.tp * self.pp * self.cp
 
+    def degrees(self) -> dict[str, int]:
+        """The degrees as a Plan gives them (:meth:`lab.core.plan.Plan.degrees`, the keywords of
+        :func:`lab.core.plan.plan_from_degrees`): ``dp, fsdp, tp, pp, cp, ep`` and ``sequence_parallel``."""
+        return {k: getattr(self, k) for k in DEGREES} | {"sequence_parallel": self.sequence_parallel}
+
     @property
     def fsdp_eff(self) -> int:
         """Weight-sharding degree: fsdp, times dp under ZeRO-3."""
@@ -88,7 +94,7 @@ class Layout:
         return layers / self.pp
 
     def describe(self) -> str:
-        parts = [f"{k}={getattr(self, k)}" for k in ("dp", "fsdp", "tp", "pp", "cp", "ep") if getattr(self, k) > 1]
+        parts = [f"{k}={getattr(self, k)}" for k in DEGREES if getattr(self, k) > 1]
         if self.zero:
             parts.append(f"zero={self.zero}" + (f"/{self.zero_shard}" if self.zero_shard else ""))
         if self.sequence_parallel:
@@ -233,7 +239,7 @@ def check_config(cfg: TrainConfig) -> None:
 def _check_layout(cfg: TrainConfig) -> None:
     """Degrees, ZeRO and its shard group, the DP bucket."""
     lay = cfg.layout
-    for name in ("dp", "fsdp", "tp", "pp", "cp", "ep", "interleave"):
+    for name in (*DEGREES, "interleave"):
         v = getattr(lay, name)
         if not isinstance(v, int) or v < 1:
             raise UserError(f"--{name} must be a positive integer, got {v!r}")
