@@ -158,6 +158,13 @@ def text_arg(what: str, example: str, kind: str = "text"):
             raise argparse.ArgumentTypeError(f"the value is empty; give {example}")
         if "\0" in s:
             raise argparse.ArgumentTypeError(f"{s!r} contains a NUL byte; give {example}")
+        if kind in ("path", "out", "chart", "folder"):
+            from lab.core.paths import check_names
+
+            try:
+                check_names(s, "the path")
+            except UserError as exc:
+                raise argparse.ArgumentTypeError(str(exc).removeprefix("the path: ")) from None
         return s
 
     conv.__name__ = what
@@ -179,9 +186,24 @@ def add_target(parser: argparse.ArgumentParser, when: str = "") -> None:
 
 def add_calls(parser: argparse.ArgumentParser, warmup_help: str, repeats_help: str) -> None:
     """``--warmup N`` and ``--repeats N``: untraced calls of a program, then profiled ones (default None: the
-    command's own counts, which each help states)."""
-    parser.add_argument("--warmup", metavar="N", type=nonneg_int("--warmup"), help=warmup_help)
-    parser.add_argument("--repeats", metavar="N", type=positive_int("--repeats"), help=repeats_help)
+    command's own counts, which each help states), each at most :data:`lab.core.limits.MAX_CALLS` in every
+    command that takes them."""
+    parser.add_argument("--warmup", metavar="N", type=_calls(nonneg_int("--warmup")), help=warmup_help)
+    parser.add_argument("--repeats", metavar="N", type=_calls(positive_int("--repeats")), help=repeats_help)
+
+
+def _calls(base):
+    """``base`` (an integer flag's type) bounded by the calls a profile can hold."""
+    from lab.core.limits import MAX_CALLS
+
+    def conv(s: str) -> int:
+        n = base(s)
+        if n > MAX_CALLS:
+            raise argparse.ArgumentTypeError(f"{n} is more calls than a profile can hold; give at most {MAX_CALLS}")
+        return n
+
+    conv.__name__, conv.kind = base.__name__, base.kind
+    return conv
 
 
 def scale_arg(s: str) -> str:
@@ -197,9 +219,57 @@ scale_arg.kind = "scale"
 
 
 def out_path(what: str):
-    """``type=`` of a file a command writes: like :func:`in_path` (writability is checked when written, with the
-    OS's reason)."""
-    return in_path(what)
+    """``type=`` of a file a command writes: like :func:`in_path`; before the command runs, the command line checks
+    the path (:func:`lab.core.paths.check_file`: its folder writable, its names not too long, an existing file
+    replaced only if the lab wrote it or ``--overwrite`` is given)."""
+    return text_arg(what, "a file path", kind="out")
+
+
+def folder_path(what: str):
+    """``type=`` of a folder a command writes into (``--out``): checked before the command runs
+    (:func:`lab.core.paths.check_folder`)."""
+    return text_arg(what, "a folder", kind="folder")
+
+
+def add_overwrite(parser: argparse.ArgumentParser, *, force_alias: bool = True) -> None:
+    """``--overwrite`` (also spelled ``--force`` where the command has no other ``--force``): a command that writes
+    a file the user names may replace one shardlab did not write."""
+    flags = ("--overwrite", "--force") if force_alias else ("--overwrite",)
+    parser.add_argument(
+        *flags,
+        dest="overwrite",
+        action="store_true",
+        help="replace an existing output file that shardlab did not write",
+    )
+
+
+def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every output path the command line gives, checked before the command runs (:mod:`lab.core.paths`): files
+    (``out_path``, ``chart_path``) and folders (``folder_path``)."""
+    from lab.core.paths import check_file, check_folder
+
+    for action in _chosen_actions(parser, args):
+        value, kind = getattr(args, action.dest, None), getattr(action.type, "kind", None)
+        if value is None or kind not in ("out", "chart", "folder"):
+            continue
+        flag = action.option_strings[0] if action.option_strings else action.dest
+        if kind == "folder":
+            check_folder(value, flag)
+        else:
+            check_file(value, flag, force=getattr(args, "overwrite", False))
+
+
+def _chosen_actions(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[argparse.Action]:
+    """The actions of the (sub)parser the command line chose, its parents' included."""
+    out = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = getattr(args, action.dest, None)
+            if chosen in action.choices:
+                out += _chosen_actions(action.choices[chosen], args)
+        else:
+            out.append(action)
+    return out
 
 
 def chart_path(what: str):
@@ -376,7 +446,17 @@ def model_of(args: argparse.Namespace) -> ModelConfig:
     from lab.core.models import resolve_model
 
     check_model_path(args.model)
+    for name, default in _ZERO_IS_DEFAULT.items():
+        if getattr(args, name, None) == 0:
+            flag = f"--{name.replace('_', '-')}"
+            raise UserError(
+                f"{flag} 0 is a width of nothing; leave {flag} out for the default ({default}), or give one"
+            )
     return resolve_model(args.model, {k: getattr(args, k) for k in model_flags()})
+
+
+# Widths whose 0 in a model means "the default width", so that 0 given as a flag says something it does not mean.
+_ZERO_IS_DEFAULT = {"dense_d_ff": "d_ff x (experts-per-token + shared-experts)", "v_head_dim": "--head-dim"}
 
 
 def check_model_path(spec: str | None) -> None:
@@ -531,13 +611,16 @@ def check_checkpoints(k: float | None) -> None:
 __all__ = [
     "MAX_SEQ_LEN",
     "Parser",
+    "add_overwrite",
     "chart_path",
     "check_checkpoints",
     "check_model_path",
+    "check_outputs",
     "chip_of",
     "command",
     "common_parent",
     "dtype_arg",
+    "folder_path",
     "fraction",
     "hardware_parent",
     "in_path",

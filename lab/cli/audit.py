@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from lab.cli.args import add_target, command, out_path
+from lab.cli.args import add_overwrite, add_target, command, out_path
 from lab.cli.commands import help_of
 from lab.core.errors import UserError
 from lab.core.plan import Plan, kernel_plan
@@ -171,6 +171,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     a.add_argument("--hardware", metavar="NAME", help="chip to price expected collectives for (default cpu)")
     add_target(a)
     a.add_argument("--hlo", type=out_path("--hlo"), metavar="PATH", help="also write the optimized HLO text here")
+    add_overwrite(a)
     a.add_argument("--strict", action="store_true", help="exit 1 when anything does not match")
     command(a, _dispatch)
 

@@ -7,6 +7,7 @@ import argparse
 from lab.cli.args import (
     MAX_SEQ_LEN,
     Parser,
+    add_overwrite,
     chart_path,
     check_model_path,
     chip_of,
@@ -445,6 +446,7 @@ def _register_sweep(isub, common) -> None:
     )
     sw.add_argument("--achievable", action="store_true")
     sw.add_argument("--png", type=chart_path("--png"), metavar="PATH")
+    add_overwrite(sw)
     command(sw, cmd_infer_sweep)
 
 

@@ -10,7 +10,7 @@ from lab.cli.args import (
     add_calls,
     add_target,
     command,
-    in_path,
+    folder_path,
     model_of,
     model_parent,
     positive_int,
@@ -92,7 +92,7 @@ def _register_plan(sub, common, hw, with_chip) -> None:
         help="compile and run the K best layouts the train step executes, and compare the rankings",
     )
     add_target(pl, "with --validate: ")
-    pl.add_argument("--out", type=in_path("--out"), help="with --validate: where the runs go (default runs/plan)")
+    pl.add_argument("--out", type=folder_path("--out"), help="with --validate: where the runs go (default runs/plan)")
     add_calls(
         pl,
         "with --validate on this host: untraced calls of each layout's step before the profiled ones (default 3)",

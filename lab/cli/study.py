@@ -7,6 +7,7 @@ import argparse
 from lab.cli.args import (
     MAX_SEQ_LEN,
     Parser,
+    add_overwrite,
     chart_path,
     check_model_path,
     command,
@@ -72,6 +73,7 @@ def _register_study(sub, common, hw, with_chip) -> None:
         metavar="PATH",
         help="bar chart (default: runs/study/generations_<model>.png)",
     )
+    add_overwrite(sg)
     command(sg, cmd_study_generations)
     sm = ssub.add_parser(
         "memory-tech",
@@ -88,6 +90,7 @@ def _register_study(sub, common, hw, with_chip) -> None:
     sm.add_argument("--weights", choices=("bf16", "fp8", "int8", "int4"), default="bf16")
     sm.add_argument("--kv", choices=("bf16", "fp8", "int8", "int4"), default="bf16")
     sm.add_argument("--png", type=chart_path("--png"), metavar="PATH")
+    add_overwrite(sm)
     command(sm, _study_memtech, allowed=_unfit_row)
 
 

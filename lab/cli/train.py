@@ -7,6 +7,7 @@ import math
 
 from lab.cli.args import (
     Parser,
+    add_overwrite,
     check_checkpoints,
     chip_of,
     command,
@@ -356,7 +357,7 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
         options=options,
     )
     text = plan.to_toml(
-        f"{cfg.model.name} on {lay.chips} x {cfg.chip.name}, {lay.describe()}: written by train estimate"
+        f"{cfg.model.name} on {lay.chips} x {cfg.chip.name}, {lay.describe()}: written by shardlab train estimate"
     )
     try:
         Path(path).write_text(text)
@@ -399,6 +400,7 @@ def _job_flags(te) -> None:
         metavar="FILE",
         help="also write this job as an experiment file (a Plan)",
     )
+    add_overwrite(te)
     te.add_argument(
         "--tokens", type=positive_float("--tokens", "1e12"), help="training tokens, for total FLOPs, days and cost"
     )

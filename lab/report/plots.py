@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.core.collective_kinds import HLO_NAMES
+from lab.core.paths import chart_metadata
 
 BAND = (0.67, 1.5)  # the measured/predicted band the validation criterion judges by
 TINY_S = 1e-6  # ops shorter than this are left out of the per-op chart (and counted)
@@ -475,7 +476,8 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
     with matplotlib.rc_context(FAST_TEXT):
         drawn = figures(report)
         for name, fig in drawn.items():
-            fig.savefig(out / name, pil_kwargs={"compress_level": 1})  # zlib at its fastest: a third of the drawing
+            # zlib at its fastest: a third of the drawing
+            fig.savefig(out / name, pil_kwargs={"compress_level": 1}, metadata=chart_metadata(name))
     return list(drawn)
 
 

@@ -20,11 +20,14 @@ import json
 import os
 import re
 import shutil
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from lab.core.errors import UserError
 from lab.core.files import write_atomic
+from lab.core.paths import check_folder
 
 MARKER = ".complete"
 LOCK = ".lock"
@@ -44,18 +47,22 @@ def plain_name(name: str, flag: str = "--run-id") -> str:
 def check_out(base: Path) -> None:
     """``--out`` is, or can be made, a folder this process writes runs into; a one-line error otherwise. Checked
     before JAX starts or the host is calibrated, and nothing is created here (a refused run leaves no folder)."""
-    probe = base
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if probe == base and not base.is_dir():
-        why = "it is a file"
-    elif not probe.is_dir():
-        why = f"{str(probe)!r} is a file"
-    elif not os.access(probe, os.W_OK | os.X_OK):
-        why = f"{str(probe)!r} is not writable"
-    else:
-        return
-    raise UserError(f"--out {str(base)!r}: cannot write runs there ({why}); pass --out DIR")
+    check_folder(base, "--out", what="write runs there", hint="pass --out DIR")
+
+
+def read_record(path: Path) -> dict:
+    """A run's JSON record (``env.json``, ``sweep.json``); a damaged one is named, with what to do."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not valid JSON"
+        raise UserError(
+            f"{str(path)!r} is damaged ({why}): the run's record cannot be read; start the run again without "
+            f"--resume (a new folder), or remove {str(path.parent)!r}"
+        ) from None
+    if not isinstance(data, dict):
+        raise UserError(f"{str(path)!r} is damaged (not a JSON object); start the run again without --resume")
+    return data
 
 
 def is_complete(directory: Path) -> bool:
@@ -148,9 +155,12 @@ class RunLock:
     found one could each take it. The file holds the owner's pid (for the message) and is removed on release; a
     process that locked a file already removed sees it (another inode at the path) and locks the new one."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, wait: Callable[[str], None] | None = None):
+        """``wait``: take turns (two resumes of one sweep): said once, then the lock is waited for; without it a
+        held lock is refused at once."""
         self.path = run_dir / LOCK
         self._fd: int | None = None
+        self._wait = wait
 
     def __enter__(self) -> RunLock:
         for _ in range(5):
@@ -162,11 +172,17 @@ class RunLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 owner = self._holder()
-                os.close(fd)
-                raise UserError(
+                if self._wait is None:
+                    os.close(fd)
+                    raise UserError(
+                        f"run {str(self.path.parent)!r} is being written by another shardlab (pid "
+                        f"{owner or 'unknown'}); wait for it to finish, then --resume if anything is left"
+                    ) from None
+                self._wait(
                     f"run {str(self.path.parent)!r} is being written by another shardlab (pid {owner or 'unknown'}); "
-                    "wait for it to finish, then --resume if anything is left"
-                ) from None
+                    "waiting for its turn to end (Ctrl-C stops waiting; nothing is written meanwhile)"
+                )
+                self._take_turn(fd)
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
@@ -179,6 +195,16 @@ class RunLock:
             self._fd = fd
             return self
         raise UserError(f"cannot take the lock {str(self.path)!r}; remove it if no shardlab is running")
+
+    @staticmethod
+    def _take_turn(fd: int) -> None:
+        """Wait for the lock, a poll every half second (Ctrl-C still reaches Python between polls)."""
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                time.sleep(0.5)
 
     def _holder(self) -> int | None:
         try:

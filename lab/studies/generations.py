@@ -34,6 +34,7 @@ from typing import Any
 from lab.core.errors import UserError
 from lab.core.hardware import Chip, get_chip
 from lab.core.models import ModelConfig, get_model
+from lab.core.paths import chart_metadata
 from lab.core.table import render
 from lab.predict.training.estimate import Layout, TrainConfig, TrainEstimate, check_config, estimate
 
@@ -269,7 +270,7 @@ class GenerationsStudy:
             f"(seq {self.seq_len}, batch {self.global_batch}; {self.layout})"
         )
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, dpi=120, metadata=chart_metadata(path))
         plt.close(fig)
         return path
 

@@ -30,6 +30,7 @@ from typing import Any
 from lab.core.errors import UserError
 from lab.core.hardware import Chip
 from lab.core.models import ModelConfig
+from lab.core.paths import chart_metadata
 from lab.core.table import render
 from lab.core.units import fmt_bytes
 from lab.predict.inference.estimate import InferConfig, InferEstimate, estimate_inference, max_replica_batch
@@ -286,7 +287,7 @@ class MemTechStudy:
         ax.legend(handles=handles, fontsize=8, loc="upper left")
         ax.grid(True, alpha=0.3)
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, dpi=120, metadata=chart_metadata(path))
         plt.close(fig)
         return path
 

@@ -28,6 +28,7 @@ from typing import Any
 from lab.core.errors import UserError
 from lab.core.hardware import Chip, default_catalog, scale_chip
 from lab.core.models import ModelConfig, resolve_model
+from lab.core.paths import chart_metadata
 from lab.core.schema import Field, check_value
 from lab.core.table import render
 from lab.core.units import canonical_dtype, dtype_bytes, fmt_bytes
@@ -268,7 +269,7 @@ class Sweep:
             ax.legend(fontsize=8, title="topology", loc="upper left")
             ax.set_xlim(min(xs) / 1.5, max(xs) * 1.5)
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, dpi=120, metadata=chart_metadata(path))
         plt.close(fig)
         return path
 
