@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
-from lab.core.errors import UserError
+from lab.core.errors import UserError, keep_terminations
 from lab.core.notation import ShardedArray
 
 
@@ -30,6 +30,7 @@ def make_mesh(axes: Mapping[str, int], *, explicit: bool = False, slow: tuple[st
     """
     need = math.prod(axes.values())
     have = jax.device_count()
+    keep_terminations()  # the backend has started (libtpu took SIGTERM): the lab's handler back, if a command runs
     if need > have:
         raise UserError(
             f"mesh {','.join(f'{k}={v}' for k, v in axes.items())} needs {need} devices but "

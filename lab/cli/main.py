@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import sys
 from collections.abc import Sequence
 
 from lab.cli.commands import COMMANDS, GROUPS, JAX_COMMANDS
-from lab.core.errors import Interrupted, UserError, keep_interrupts
+from lab.core.errors import (
+    Interrupted,
+    UserError,
+    keep_interrupts,
+    keep_terminations,
+    release_terminations,
+    terminated,
+)
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
@@ -62,7 +70,8 @@ def _command(argv: Sequence[str] | None) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command: exit 0, 2 for a user mistake, 130 on Ctrl-C, 1 for a bug (traceback with --debug).
+    """Run one command: exit 0, 2 for a user mistake, 130 on Ctrl-C (143 on SIGTERM), 1 for a bug (traceback with
+    --debug).
 
     Called without ``argv`` (the ``shardlab`` script, ``python -m lab``) the process is the command's own."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -74,8 +83,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lab.compile.target import quiet_absent_tpu  # of its warnings (analytic commands never start JAX)
 
         quiet_absent_tpu()
+    if chosen not in JAX_COMMANDS:
+        return _run(argv, chosen, debug)
+    keep_terminations(start=True)  # SIGTERM as Ctrl-C while the command runs
     try:
-        args = build_parser(argv).parse_args(argv)
+        return _run(argv, chosen, debug)
+    finally:
+        release_terminations()
+
+
+def _run(argv: list[str], chosen: str | None, debug: bool) -> int:
+    """The command, its output, and its exit code (see :func:`main`)."""
+    try:
+        if chosen in JAX_COMMANDS:  # JAX_PLATFORMS and XLA_FLAGS, before JAX reads them
+            from lab.run.preflight import check_environment
+
+            check_environment()
+        parser = build_parser(argv)
+        args = parser.parse_args(argv)
+        from lab.cli.args import check_outputs
+
+        check_outputs(parser, args)  # every path it will write, before any work
         data, text = args.func(args)
         if args.json:
             from lab.core.table import dumps
@@ -86,11 +114,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"shardlab: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as exc:  # Ctrl-C: what was kept, never a traceback
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: what was kept, never a traceback
         kept = str(exc) if isinstance(exc, Interrupted) else "nothing was being written"
+        if terminated():
+            print(f"shardlab: terminated: {kept}", file=sys.stderr)
+            return 143
         print(f"shardlab: interrupted: {kept}", file=sys.stderr)
         return 130
     except Exception as exc:
+        said = _environment_error(exc)
+        if said is not None and not debug:
+            print(f"shardlab: error: {said}", file=sys.stderr)
+            return 2
         if debug:
             raise
         print(
@@ -102,6 +137,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.suppress(BrokenPipeError):  # `shardlab ... | head`
         print(out)
     return getattr(args, "_exit_code", 0)
+
+
+def _environment_error(exc: BaseException) -> str | None:
+    """A JAX backend that would not start (a platform that is not here, more devices than the host runs), or a
+    path with a name too long for the file system (given anywhere: a positional, a file's entry): the user's
+    environment, not a bug."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG:
+        return f"{str(exc.filename)[:60]!r}...: a name in the path is too long for the file system; give a shorter one"
+    if "jax" not in sys.modules:
+        return None
+    from lab.run.preflight import backend_error
+
+    said = backend_error(exc)
+    return None if said is None else str(said)
 
 
 __all__ = ["build_parser", "main"]

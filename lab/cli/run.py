@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lab.cli.args import add_calls, add_target, in_path, positive_int, text_arg
+from lab.cli.args import add_calls, add_overwrite, add_target, folder_path, out_path, positive_int, text_arg
 from lab.cli.commands import help_of
 from lab.core.errors import UserError
 from lab.core.table import render
@@ -320,7 +320,7 @@ def _register_run(sub, common):
     r.add_argument("experiment", metavar="EXPERIMENT", help="an experiments/*.toml file")
     r.add_argument("--devices", type=positive_int("--devices"), help="emulated host devices (CPU; default: the mesh's)")
     r.add_argument(
-        "--out", default="runs", type=in_path("--out"), help="parent folder of the run directory (default runs/)"
+        "--out", default="runs", type=folder_path("--out"), help="parent folder of the run directory (default runs/)"
     )
     r.add_argument(
         "--run-id",
@@ -390,9 +390,10 @@ def _register_calibrate(sub, common) -> None:
     c.add_argument(
         "--out",
         metavar="PATH",
-        type=in_path("--out"),
+        type=out_path("--out"),
         help="where to write the spec, a .json file (default specs/cpu.json)",
     )
+    add_overwrite(c, force_alias=False)  # calibrate's --force keeps a busy host's calibration
     c.add_argument(
         "--mesh",
         default=None,
@@ -410,7 +411,7 @@ def _register_demo(sub, common) -> None:
     d = sub.add_parser("demo", parents=[common], help=help_of("demo"))
     d.add_argument("--hardware", default="tpu-v5e", metavar="NAME", help="target chip to predict for")
     d.add_argument("--analytic-only", action="store_true", help="skip the run (compile, profile, ledger)")
-    d.add_argument("--out", type=in_path("--out"), help="parent folder of the run directory (default runs/)")
+    d.add_argument("--out", type=folder_path("--out"), help="parent folder of the run directory (default runs/)")
     d.add_argument(
         "--backend",
         choices=("auto", "cpu"),

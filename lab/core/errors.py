@@ -1,7 +1,8 @@
 """The exception types the command line turns into exit codes.
 
 * :class:`UserError`: a user mistake; exit 2 and one line on stderr naming the bad value and what is valid.
-* :class:`Interrupted`: Ctrl-C during a run; exit 130 and one line saying what was kept and how to resume.
+* :class:`Interrupted`: Ctrl-C during a run; exit 130 and one line saying what was kept and how to resume
+  (SIGTERM the same, exit 143).
 
 Anything else is a bug in shardlab: one line saying so (exit 1), and the traceback under ``--debug``.
 """
@@ -29,6 +30,47 @@ def keep_interrupts(unraisable) -> None:
         _swallowed["interrupt"] = True
         return
     sys.__unraisablehook__(unraisable)
+
+
+# SIGTERM (a scheduler's or `kill`'s) is Ctrl-C too: the same finished results kept, the same one line, exit 143.
+# libtpu installs a failure handler for it when JAX's backend starts (it prints a stack dump and dies), so the lab's
+# is installed while a command runs and again once devices exist (kernels.mesh.make_mesh, lab.run.environment).
+_terminate = {"wanted": False, "signal": None, "previous": None}
+
+
+def keep_terminations(start: bool = False) -> None:
+    """Route SIGTERM to the Ctrl-C path: ``start`` (the command line, as a command begins) turns it on; later
+    calls, once a backend has started, put the handler back where libtpu replaced it. Main thread only."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if start:
+        _terminate.update(wanted=True, signal=None, previous=signal.getsignal(signal.SIGTERM))
+    if _terminate["wanted"]:
+        signal.signal(signal.SIGTERM, _on_terminate)
+
+
+def release_terminations() -> None:
+    """The command ended: SIGTERM back to what it was before."""
+    import signal
+    import threading
+
+    if _terminate["wanted"] and threading.current_thread() is threading.main_thread():
+        previous = _terminate["previous"]
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    _terminate["wanted"] = False
+
+
+def terminated() -> bool:
+    """The interrupt being handled came from SIGTERM."""
+    return _terminate["signal"] is not None
+
+
+def _on_terminate(signum, _frame) -> None:
+    _terminate["signal"] = signum
+    raise KeyboardInterrupt
 
 
 def raise_if_interrupted() -> None:

@@ -15,8 +15,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from lab.core import limits
 from lab.core.devices import DEVICE_KIND_TO_CHIP, chip_for_device, spec_name
-from lab.core.errors import UserError
+from lab.core.errors import UserError, keep_terminations
 from lab.core.hardware import Chip, default_catalog, specs_dir
 
 
@@ -46,7 +47,7 @@ class Progress:
         self(line)
 
 
-MAX_EMULATED = 4096  # host devices one process emulates; a larger mesh needs real devices (a pod, a cluster)
+MAX_EMULATED = limits.MAX_EMULATED  # host devices one program spans on XLA:CPU (lab.core.limits: measured)
 
 
 def ensure_devices(n: int, *, exact: bool = False) -> None:
@@ -123,6 +124,7 @@ def environment() -> dict[str, Any]:
     import jaxlib
 
     devs = jax.devices()
+    keep_terminations()  # the backend has started (libtpu took SIGTERM): the lab's handler back
     versions = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": platform.python_version()}
     # The installed distributions' versions, without importing them (importing the profile plugin costs 0.3 s).
     for module, dist in (

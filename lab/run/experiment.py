@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lab.core import limits
 from lab.core.errors import UserError
 from lab.core.models import ZERO_MEANS_NONE, ModelConfig, model_from_fields
 from lab.core.notation import AXIS_NAME  # the names --mesh takes
@@ -104,7 +105,7 @@ SECTIONS = ("experiment", "mesh", "sizes", "model", "rules", "options", "run", "
 # docs/validation/cpu-emulated.md), so one warm-up call is not enough.
 WARMUP = 10
 REPEATS = 5
-MAX_CALLS = 10_000  # warm-up or profiled calls of one run: more would take hours and a trace too large to parse
+MAX_CALLS = limits.MAX_CALLS  # warm-up or profiled calls of one run (lab.core.limits)
 CALLS_AT_LEAST = {"warmup": 0, "repeats": 1}
 MAX_DEVICES = 2**20  # the largest mesh: a million chips is past any machine built
 MAX_POINTS = 256  # sweep points of one experiment: each compiles and runs, and 256 already take hours on a host
