@@ -43,6 +43,47 @@ from kernels.program import Built
 from lab.core.errors import UserError
 from lab.core.plan import Plan
 
+
+def _where(exc: BaseException, files: tuple[str, ...]) -> str:
+    """The innermost line of the user's own files in the exception's traceback (``models/mlp.py:12``), else ''."""
+    where, tb = "", exc.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if any(name == f or name.endswith(f"/{f}") for f in files):
+            where = f"{name}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return where
+
+
+def _theirs(entry: str, what: str, exc: BaseException, files: tuple[str, ...]) -> UserError:
+    """The user's code failed or tried to end the process: said as theirs, with the line, and not our traceback.
+    ``sys.exit`` in a builder would otherwise end shardlab with no report (and a code of 0)."""
+    where = _where(exc, files)
+    at = f" at {where}" if where else ""
+    if isinstance(exc, SystemExit):
+        return UserError(
+            f"entry {entry!r}: {what} called sys.exit({exc.code!r}){at}; a model's builder must return, not exit"
+        )
+    return UserError(f"entry {entry!r}: {what} failed{at}: {type(exc).__name__}: {exc}")
+
+
+def _user_files(fn: Callable) -> tuple[str, ...]:
+    module = sys.modules.get(getattr(fn, "__module__", "") or "")
+    path = getattr(module, "__file__", None)
+    return (path,) if path else ()
+
+
+def call_user(entry: str, what: str, fn: Callable, *args: Any) -> Any:
+    """Call the user's ``fn``: an exception or an exit from their code becomes a UserError naming their line
+    (Ctrl-C stays Ctrl-C; the lab's own UserErrors pass through)."""
+    try:
+        return fn(*args)
+    except (KeyboardInterrupt, UserError):
+        raise
+    except (Exception, SystemExit) as exc:  # their code: any failure is theirs to see
+        raise _theirs(entry, what, exc, _user_files(fn)) from None
+
+
 ENTRY = re.compile(r"^(?P<target>[\w./\-]+?(?:\.py)?):(?P<func>[A-Za-z_]\w*)$")
 LEARNING_RATE = 1e-2
 
@@ -64,13 +105,15 @@ def load_entry(entry: str) -> Callable[[dict[str, int]], Any]:
         sys.modules[name] = module
         try:
             spec.loader.exec_module(module)
-        except Exception as exc:  # the user's file: say which and why, without our traceback
-            raise UserError(f"entry {entry!r}: importing {target} failed: {type(exc).__name__}: {exc}") from None
+        except (Exception, SystemExit) as exc:  # the user's file: say which and why, without our traceback
+            raise _theirs(entry, f"importing {target}", exc, (str(path), str(path.resolve()))) from None
     else:
         try:
             module = importlib.import_module(target)
         except ImportError as exc:
             raise UserError(f"entry {entry!r}: cannot import {target!r} ({exc})") from None
+        except (Exception, SystemExit) as exc:  # their module ran and failed, or exited
+            raise _theirs(entry, f"importing {target}", exc, ()) from None
     fn = getattr(module, func, None)
     if not callable(fn):
         raise UserError(f"entry {entry!r}: {target} has no function {func!r}")
@@ -100,7 +143,7 @@ def _abstract_model(plan: Plan) -> _Model:
     box: dict[str, Any] = {}
 
     def make():
-        out = fn(sizes)
+        out = call_user(plan.entry, "building the model", fn, sizes)
         box["out"] = out
         if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nnx.Module):
             return out[0]
@@ -120,12 +163,12 @@ def _abstract_model(plan: Plan) -> _Model:
 
         def init():
             with nnx.use_eager_sharding(False):
-                return nnx.split(fn(sizes)[0])[1]
+                return nnx.split(call_user(plan.entry, "building the model", fn, sizes)[0])[1]
 
         return _Model(
             state,
             [() if sp is None else tuple(sp) for sp in specs],  # an unannotated parameter (None): replicated
-            lambda st, *xs: nnx.merge(graphdef, st)(*xs),
+            lambda st, *xs: call_user(plan.entry, "the model's forward pass", nnx.merge(graphdef, st), *xs),
             init,
             _inputs(plan.entry, out[1]),
         )
@@ -156,7 +199,13 @@ def _pure(entry: str, apply: Callable, params: dict, raw_inputs) -> _Model:
 
     by_name = dict(zip(params, (axes for _, _, axes in leaves), strict=True))
     logical = [by_name[k] for k in sorted(params)]  # a dict's leaves come in its sorted keys' order
-    return _Model(abstract, logical, apply, init, _inputs(entry, raw_inputs))
+    return _Model(
+        abstract,
+        logical,
+        lambda p, *xs: call_user(entry, "the model's apply", apply, p, *xs),
+        init,
+        _inputs(entry, raw_inputs),
+    )
 
 
 def _inputs(

@@ -69,6 +69,20 @@ class Catalog:
         self._chips[chip.name] = chip
         self._broken.pop(chip.name, None)
 
+    def check_aliases(self, chip: Chip, where: str) -> None:
+        """A chip's aliases must reach it: one that is another chip's name or alias would be shadowed (names
+        resolve first, then the catalog's aliases in order) and silently dropped, so it is refused here."""
+        for alias in chip.aliases:
+            key = _normalise(alias)
+            owner = next(
+                (c.name for c in self._chips.values() if c.name != chip.name and key in (c.name, *c.aliases)), None
+            )
+            if owner is not None:
+                raise UserError(
+                    f"{where}: alias {alias!r} of {chip.name} already names {owner}; give an alias no other chip "
+                    "uses, or drop it"
+                )
+
     def mark_broken(self, name: str, message: str) -> None:
         """Keep ``name`` listed (its built-in entry) but refuse to price with it: :meth:`get` raises ``message``."""
         self._broken[self.resolve(name)] = message
@@ -298,6 +312,7 @@ def load_hardware_file(path: str | os.PathLike, catalog: Catalog | None = None) 
             except UserError as exc:
                 raise UserError(f"{where}: base: {exc}") from None
         chip = _coerce_chip(entry, base, where)
+        catalog.check_aliases(chip, where)
         catalog.add(chip)
         out.append(chip)
     return out

@@ -152,6 +152,21 @@ class ModelConfig:
             raise UserError(
                 f"{where}: q-lora-rank, rope-head-dim and v-head-dim belong to latent attention; set --kv-lora-rank"
             )
+        if self.dense_d_ff and not self.dense_layers:
+            raise UserError(
+                f"{where}: dense-d-ff={self.dense_d_ff} is the width of the dense layers' MLP, and the model has none; "
+                "set --dense-layers N, or drop it"
+            )
+        if self.rope_head_dim % 2:
+            raise UserError(
+                f"{where}: rope-head-dim={self.rope_head_dim} must be even (rotary embedding turns pairs of "
+                f"dims); use {self.rope_head_dim + 1}"
+            )
+        if not self.learned_positions and not self.is_mla and self.head_dim % 2:
+            raise UserError(
+                f"{where}: head-dim={self.head_dim} must be even for rotary embedding (it turns pairs of dims); use "
+                f"{self.head_dim + 1}"
+            )
         if self.dense_layers >= self.layers:
             raise UserError(
                 f"{where}: dense-layers={self.dense_layers} leaves no expert layer of {self.layers}; "

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,7 +98,7 @@ def run_experiment(
     base = Path(out)
     chip_flags = _chip_flags(hardware, hardware_file)
     if resume:
-        _check_resumable(base, name, path, bool(exp.sweep), changed, chip_flags)
+        _check_resumable(base, name, path, bool(exp.sweep), changed, chip_flags, compile_only)
     _check_devices(devices, exp)
     store.check_out(base)  # before JAX starts or the host is calibrated
     if target is not None:
@@ -124,6 +125,7 @@ def run_experiment(
     )
     host = host_bytes_per_device()
     env["chip_flags"] = chip_flags
+    env["compile_only"] = compile_only  # a resume is held to it
     if changed:
         env["overrides"] = changed
     if scale_to_host:
@@ -255,8 +257,6 @@ HOST_STEP_S = 2.0
 def _scale_to_host(exp: Experiment, chip: Chip, host: float | None, backend: str):
     """``--scale-to-host``: on emulated devices, the Plan divided until the estimator's memory per device fits
     the host's share (unchanged when it fits already), said on stderr whatever --quiet says, and recorded."""
-    import sys
-
     from lab.predict.program.estimate import estimate_program
 
     if backend != "cpu" or host is None:
@@ -335,7 +335,13 @@ def _run_flags(chip_flags: dict[str, str], changed: dict[str, Any]) -> str:
 
 
 def _check_resumable(
-    base: Path, name: str, path: str, sweep: bool, changed: dict[str, Any], chip_flags: dict[str, str]
+    base: Path,
+    name: str,
+    path: str,
+    sweep: bool,
+    changed: dict[str, Any],
+    chip_flags: dict[str, str],
+    compile_only: bool = False,
 ) -> None:
     run_dir = base / name
     if not run_dir.is_dir():
@@ -346,7 +352,12 @@ def _check_resumable(
             f"run {str(run_dir)!r} was started from another version of {path}; resume with the same file, or start "
             "a new run without --resume"
         )
-    env = json.loads((run_dir / "env.json").read_text()) if (run_dir / "env.json").is_file() else {}
+    env = store.read_record(run_dir / "env.json") if (run_dir / "env.json").is_file() else {}
+    if env and env.get("compile_only", compile_only) != compile_only:
+        raise UserError(
+            f"run {str(run_dir)!r} was started {'with' if env['compile_only'] else 'without'} --compile-only; resume "
+            "it the same way, or start a new run without --resume"
+        )
     started = env.get("overrides", {}) if env else changed
     # chip_flags: recorded since 2026-12-01; a run from before is not checked for them
     started_chip = env.get("chip_flags", chip_flags) if env else chip_flags
@@ -423,6 +434,10 @@ def _commit_run(tmp: Path, final: Path, report: dict[str, Any]) -> Path:
             final = moved
 
 
+def _say_waiting(text: str) -> None:
+    print(f"shardlab: note: {text}", file=sys.stderr, flush=True)
+
+
 def _run_sweep(ctx: _Context, base: Path, name: str, points, resume: bool) -> RunResult:
     """Every point staged and moved into ``points/<label>/`` when complete, under the run's lock."""
     run_dir = base / name if resume else store.reserve(base, ctx.name(base, name))
@@ -433,13 +448,13 @@ def _run_sweep(ctx: _Context, base: Path, name: str, points, resume: bool) -> Ru
         and all(store.is_complete(run_dir / "points" / lb) for lb, _ in points)
     ):
         ctx.progress(f"{run_dir} is complete already: nothing to do")
-        summary = json.loads((run_dir / "sweep.json").read_text())
+        summary = store.read_record(run_dir / "sweep.json")
         return RunResult(
             run_dir, summary, tuple(sorted(p.name for p in run_dir.iterdir() if not p.name.startswith(".")))
         )
     reports: dict[str, dict[str, Any]] = {}
     try:
-        with store.RunLock(run_dir):
+        with store.RunLock(run_dir, wait=_say_waiting if resume else None):  # two resumes take turns
             if created and ctx.rank == 0:
                 _provenance(ctx, run_dir)
             started, ran = time.perf_counter(), 0

@@ -281,7 +281,12 @@ def _check_options(cfg: TrainConfig) -> None:
         raise UserError(
             f"--tp-comm-overlap is Transformer Engine's (GPUs); {cfg.chip.name} is a {cfg.chip.kind}: drop it"
         )
-    remat_policy(cfg.remat)  # a classic or a named policy (lab.predict.training.remat), else the valid choices
+    named = remat_policy(cfg.remat)  # a classic or a named policy (lab.predict.training.remat), else the choices
+    if named is not None and cfg.checkpoints_per_layer is not None:
+        raise UserError(
+            f"--checkpoints-per-layer {cfg.checkpoints_per_layer:g} with --remat {cfg.remat}: the named policy says "
+            "which tensors a layer keeps, and the count would silently replace it; give one of them"
+        )
     cf = cfg.capacity_factor
     if isinstance(cf, bool) or not isinstance(cf, int | float) or not 0 < cf <= 64:
         raise UserError(f"--capacity-factor {cf!r} must be a number in (0, 64], e.g. 1.25")
