@@ -326,9 +326,9 @@ def test_a_dense_training_estimate_loads_neither_the_program_table_nor_numbers()
     [
         (["calibrate", "--hardware-file", "x.toml"], {}, "calibrate measures this host and reads no chip file"),
         (["calibrate", "--out", "c.txt"], {}, "the spec is written as JSON; give a path ending in .json"),
-        (["calibrate", "--mesh", "X=100000"], {}, "calibrate emulates at most 4096 (try X=2,Y=4)"),
+        (["calibrate", "--mesh", "X=100000"], {}, "calibrate emulates at most 2048 (try X=2,Y=4)"),
         (["demo", "--analytic-only", "--out", "x"], {}, "--analytic-only runs nothing; drop one of them"),
-        (["run", "experiments/tp_mlp.toml", "--devices", "100000"], {}, "at most 4096 host devices can be emulated"),
+        (["run", "experiments/tp_mlp.toml", "--devices", "100000"], {}, "at most 2048 host devices can be emulated"),
         (["run", "experiments/tp_mlp.toml", "--run-id", ""], {}, "argument --run-id: the value is empty"),
         (["run", "experiments/tp_mlp.toml", "--hardware", ""], {}, "argument --hardware: the value is empty"),
         (["launch", "--local-processes", "2", "--port", "1", "experiments/multiprocess_dp_tp.toml"], {}, "--port 1 is"),

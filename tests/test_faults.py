@@ -183,7 +183,8 @@ def test_two_runs_started_together_keep_two_complete_folders(tmp_path):
         assert Path(json.loads((r / "report.json").read_text())["tensorboard"]).parent == r
 
 
-def test_two_resumes_at_once_finish_one_sweep_once(tmp_path, sweep):
+def test_two_resumes_at_once_take_turns_and_finish_one_sweep_once(tmp_path, sweep):
+    """As docs/run.md says: the second resume waits for the first's lock (saying so), then finds the points done."""
     out, log = tmp_path / "runs", tmp_path / "log"
     assert _run([str(sweep), "--out", str(out)], _env(log, "SIGKILL", "N2048", "start"))[0] == -9
     args = [str(sweep), "--out", str(out), "--resume", "--run-id", "sweep"]
@@ -192,10 +193,7 @@ def test_two_resumes_at_once_finish_one_sweep_once(tmp_path, sweep):
     for p in procs:
         _, err = p.communicate(timeout=240)
         results.append((p.returncode, err))
-    assert sorted(rc for rc, _ in results)[0] == 0, results
-    refused = [err for rc, err in results if rc != 0]
-    assert all(rc in (0, 2) for rc, _ in results)
-    assert all("is being written by another shardlab" in err for err in refused), refused
+    assert [rc for rc, _ in results] == [0, 0], results
     assert _complete(out / "sweep") == LABELS
     ran = _started(log)
     assert ran.count("N1024") == 1 and ran.count("N4096") == 1  # no finished point ran twice

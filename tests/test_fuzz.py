@@ -73,6 +73,8 @@ def work(tmp_path_factory) -> Path:
     """A scratch folder, also the working directory, so nothing a command writes lands in the checkout."""
     d = tmp_path_factory.mktemp("fuzz")
     (d / "afile").write_text("a regular file, so afile/x cannot be created\n")
+    (d / "foreign.toml").write_text("# the user's own experiment file: never replaced without --overwrite\n")
+    (d / "foreign.png").write_bytes(b"\x89PNG\r\n\x1a\n a chart the user made elsewhere")
     old = Path.cwd()
     os.chdir(d)
     yield d
@@ -274,16 +276,22 @@ BAD_TARGET = st.one_of(
 
 
 def bad_paths(work: Path, kind: str = "in"):
-    """Paths a command cannot read (``in``), write (``out``) or draw a chart to (``chart``)."""
-    under_a_file = str(work / "afile" / ("x.png" if kind == "chart" else "x.toml"))
-    values = ["", " ", "\0", "a\0b.png", under_a_file, str(work)]
-    values += {"in": [str(work / "missing.toml")], "out": [], "chart": [str(work / "x.toml"), str(work / "noext")]}[
-        kind
-    ]
-    return st.sampled_from(values)
-
-
-WRITTEN = ("--save-plan", "--hlo")  # path flags a command writes
+    """Paths a command cannot read (``in``), write as a file (``out``, ``chart``) or write into as a folder
+    (``folder``), built from the ways a path goes wrong: empty or with a NUL byte, a name or a whole path longer
+    than the file system takes, a folder under a regular file, and by kind: missing (read); a folder, or a file the
+    user wrote (written); a chart's name without a chart format; a regular file where a folder is written."""
+    ext = ".png" if kind == "chart" else ".toml"
+    broken = st.sampled_from(["", " ", "\0", f"a\0b{ext}"])
+    too_long_name = st.integers(256, 400).map(lambda n: str(work / ("n" * n + ext)))
+    too_long_path = st.integers(820, 900).map(lambda n: str(work / "/".join(["abcd"] * n)) + ext)
+    under_a_file = st.sampled_from([str(work / "afile" / f"x{ext}"), str(work / "afile" / "deeper" / f"x{ext}")])
+    by_kind = {
+        "in": st.sampled_from([str(work / "missing.toml")]),
+        "out": st.sampled_from([str(work), str(work / "foreign.toml")]),
+        "chart": st.sampled_from([str(work), str(work / "foreign.png"), str(work / "x.toml"), str(work / "noext")]),
+        "folder": st.sampled_from([str(work / "afile")]),
+    }[kind]
+    return st.one_of(broken, too_long_name, too_long_path, under_a_file, by_kind)
 
 
 def strategy(command: str, action: argparse.Action, work: Path):
@@ -306,7 +314,9 @@ def strategy(command: str, action: argparse.Action, work: Path):
         "scale": BAD_SCALE,
         "dtype": BAD_DTYPE,
         "chart": bad_paths(work, "chart"),
-        "path": bad_paths(work, "out" if name in WRITTEN else "in"),
+        "out": bad_paths(work, "out"),
+        "folder": bad_paths(work, "folder"),
+        "path": bad_paths(work, "in"),
     }
     if kind in by_kind:
         return by_kind[kind]

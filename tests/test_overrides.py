@@ -115,12 +115,20 @@ def test_warmup_and_repeats_replace_the_experiments_and_are_recorded(tmp_path, c
     assert (r["summary"]["warmup"], r["summary"]["repeats"]) == (0, 2)
 
 
+def _exit_code(argv: list[str]) -> int:
+    """``main``'s exit code, argparse's own refusals (a SystemExit) included."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
 def test_launch_refuses_bad_calls_before_starting_a_process(capsys):
     for extra, said in (
         (["--compile-only", "--warmup", "2"], "--warmup with --compile-only: nothing is profiled"),
-        (["--repeats", "10001"], "--repeats 10001 is more calls than a profile can hold; give at most 10000"),
+        (["--repeats", "10001"], "argument --repeats: 10001 is more calls than a profile can hold; give at most 10000"),
     ):
-        assert main(["launch", "--local-processes", "2", DECODE, *extra]) == 2
+        assert _exit_code(["launch", "--local-processes", "2", DECODE, *extra]) == 2
         err = capsys.readouterr().err.strip()
         assert said in err and len(err.splitlines()) == 1, err
 
@@ -200,13 +208,13 @@ def test_warmup_and_repeats_help_states_the_experiments_defaults():
     ("extra", "match"),
     [
         (["--warmup", "2", "--compile-only"], "--warmup with --compile-only: nothing is profiled"),
-        (["--repeats", "20000"], "--repeats 20000 is more calls than a profile can hold; give at most 10000"),
+        (["--repeats", "20000"], "argument --repeats: 20000 is more calls than a profile can hold; give at most 10000"),
         (["--scale-to-host", "--target", "v5e:2x4", "--compile-only"], "drop --target"),
         (["--model", "layers=x"], "positive whole"),
         (["--mesh", "data=3,model=4"], "not divisible by mesh axis 'data'"),
     ],
 )
 def test_bad_overrides_exit_2(tmp_path, capsys, extra, match):
-    assert main(["run", DECODE, "--out", str(tmp_path), *extra]) == 2
+    assert _exit_code(["run", DECODE, "--out", str(tmp_path), *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert match in err and len(err.splitlines()) == 1, err

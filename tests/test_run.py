@@ -187,7 +187,8 @@ def test_unwritable_run_directory_is_refused_before_jax_starts(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert (
-        r.stderr == f"shardlab: error: --out {str(blocker)!r}: cannot write runs there (it is a file); pass --out DIR\n"
+        r.stderr == f"shardlab: error: --out {str(blocker)!r}: cannot write into it (it is a file); give a folder you "
+        "can write\n"
     )
 
 
