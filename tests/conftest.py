@@ -43,6 +43,9 @@ os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count={N_D
 os.environ["JAX_PLATFORMS"] = "cpu"
 # A calibration the user ran in ./specs must not change what the catalog returns under test.
 os.environ["SHARDLAB_SPECS_DIR"] = tempfile.mkdtemp(prefix="shardlab-specs-")
+# Each worker calibrates the host once, while the other workers run: keep that calibration (marked BUSY) rather
+# than refuse it, as a user on an always-shared host may (tests of the refusal unset it).
+os.environ["SHARDLAB_KEEP_BUSY_CALIBRATION"] = "1"
 # One XLA compilation cache for the session, subprocesses included: the same small programs are compiled by
 # several tests (the audit, the runs, the fault tests' processes), and XLA:CPU takes seconds for each.
 # ./scripts/test keeps it between runs (in .venv); pytest on its own uses a new one each session.

@@ -215,3 +215,43 @@ def test_an_unwritable_spec_path_fails_before_measuring(tmp_path, capsys):
         f"shardlab: error: --out {str(blocker / 'cpu.json')!r}: cannot write it ({str(blocker)!r} is a file); "
         "give a path in a folder you can write\n"
     )
+
+
+def test_an_automatic_calibration_on_a_busy_host_is_refused_and_nothing_saved(jax_devices, monkeypatch, tmp_path):
+    """`run` and the demo calibrate a host with no spec; a busy host's figures would price every later run too
+    slow, so the automatic calibration is refused, names `shardlab calibrate`, and writes no spec."""
+    from lab.measure import microbench
+    from lab.run.environment import resolve_hardware
+
+    monkeypatch.setenv("SHARDLAB_SPECS_DIR", str(tmp_path / "specs"))
+    monkeypatch.delenv("SHARDLAB_KEEP_BUSY_CALIBRATION", raising=False)  # the default: refused
+    monkeypatch.setattr(microbench, "host_busy", lambda seconds=1.0: 0.9)  # a simulated busy host
+    said = []
+    with pytest.raises(UserError) as got:
+        resolve_hardware("calibrated", "cpu", "cpu", None, said.append, {"X": 2, "Y": 4})
+    line = str(got.value)
+    assert "90%" in line and "`shardlab calibrate`" in line and "not kept" in line and "\n" not in line
+    assert not (tmp_path / "specs").exists() or not any((tmp_path / "specs").iterdir())
+
+
+@pytest.mark.parametrize(("env", "forced"), [(None, False), ("0", False), ("1", True)])
+def test_an_always_shared_host_may_keep_a_busy_automatic_calibration(monkeypatch, tmp_path, env, forced):
+    """SHARDLAB_KEEP_BUSY_CALIBRATION=1 (a CI runner, the suite's own workers) keeps it, marked; the default refuses."""
+    from lab.measure import calibrate as cal_module
+    from lab.run.environment import resolve_hardware
+
+    monkeypatch.setenv("SHARDLAB_SPECS_DIR", str(tmp_path / "specs"))
+    if env is None:
+        monkeypatch.delenv("SHARDLAB_KEEP_BUSY_CALIBRATION", raising=False)
+    else:
+        monkeypatch.setenv("SHARDLAB_KEEP_BUSY_CALIBRATION", env)
+    asked = []
+
+    def stop_here(*_a, force=False, **_k):
+        asked.append(force)
+        raise UserError("stopped before measuring")
+
+    monkeypatch.setattr(cal_module, "calibrate", stop_here)
+    with pytest.raises(UserError, match="stopped before measuring"):
+        resolve_hardware("calibrated", "cpu", "cpu", None, lambda _t: None, {"X": 2, "Y": 4})
+    assert asked == [forced]

@@ -308,12 +308,15 @@ def test_the_markdown_report_says_what_a_reader_needs():
     assert f"the 25 heaviest of {len(many)} ops, all in `ops.csv`" in md
     assert "elementwise ops ran 3x or more their roofline" in md
     assert "median measured/predicted 1.50 over 2 ops" in md
-    assert "other processes held 5% of the host's CPU time" in md
+    assert "- trust: steady (repeats differ by" in md and "other processes 5% of the host" in md
     assert "UNSTEADY" not in md
-    shaky = _report(OPS, summary=_report(OPS)["summary"] | {"spread_large": 3.1, "unsteady": True})
+    assert "may add up to more than the step" in md and f"{writer.GLOSSARY}." in md
+    shaky = _report(OPS, summary=_report(OPS)["summary"] | {"spread_large": 3.1})
     assert "**UNSTEADY**" in writer.markdown(shaky) and "differ by 3.10x" in writer.markdown(shaky)
     no_spread = _report(OPS, summary=_report(OPS)["summary"] | {"spread_large": None})
-    assert "\n- trust: other processes held 5% of the host's CPU time" in writer.markdown(no_spread)
+    assert "\n- trust: steady (spread not measurable: " in writer.markdown(no_spread)
+    busy = _report(OPS, summary=_report(OPS)["summary"] | {"host_load": 0.87})  # the host's load alone flags it
+    assert "**UNSTEADY**" in writer.markdown(busy) and "other processes held 87% of the host" in writer.markdown(busy)
 
 
 def test_the_ledger_states_each_ops_spread_and_marks_one_wider_than_the_band():

@@ -113,8 +113,10 @@ def cmd_audit(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
         return inventory(plan, topology)
     from lab.compile.audit import audit_plan  # imports JAX
+    from lab.core.heartbeat import still, to_terminal
 
-    result = audit_plan(plan, chip, topology)
+    with still(to_terminal(), f"compiling and auditing {plan.name}"):
+        result = audit_plan(plan, chip, topology)
     if args.hlo:
         try:
             Path(args.hlo).write_text(result.hlo_text)

@@ -84,15 +84,31 @@ def sweep_text(result) -> str:
     return text + f"\n\nreports under {result.run_dir}/points/"
 
 
+def _coverage_line(r: dict, large: str) -> str:
+    """How much of the measured time the predictions cover; a compiled-only run says nothing ran instead of 0%."""
+    if r.get("compile_only"):
+        where = f"cross-compiled for {r['compiled_for']['topology']}" if r.get("compiled_for") else "compiled only"
+        return f"{where}: nothing ran, so no measured times and no coverage"
+    cover = r.get("estimate_coverage")
+    return (
+        f"coverage {100 * r['coverage']:.1f}% of measured op time in predicted ops"
+        + (f" ({100 * cover:.0f}% of matmul and collective time in estimated ops)" if cover is not None else "")
+        + f"; ops of 1 MB or more: {large}"
+    )
+
+
 def run_text(result) -> str:
     """The three step times, the named ops and the heaviest HLO ops, and where the files are, for one run."""
+    from lab.core.paths import runnable
     from lab.core.units import fmt_seconds
+    from lab.report.trust import spec_words, verdict_words
     from lab.report.writer import ledger_table, named_table
 
     r = result.report
     hw = r["hardware"]
     ratio = r["summary"]["median_ratio_large"]
     cal = "a host-calibrated spec" if hw.get("calibrated") else "an UNCALIBRATED spec"
+    trust = r["summary"].get("trust") or {"verdict": "not measured", "reasons": ["no verdict recorded"]}
     emulated = f" (EMULATED: timings vs {cal}, structure exact)" if r["emulated"] else ""
     verdict = {True: "all match", False: "MISMATCH", None: "not estimated"}[r["audit"].get("all_match")]
     large = f"median measured/predicted {ratio:.2f}" if ratio else "none"
@@ -100,20 +116,19 @@ def run_text(result) -> str:
     def s(x):
         return fmt_seconds(x) if x is not None else "-"
 
-    cover = r.get("estimate_coverage")
     scaled = r.get("scaled_to_host")
     lines = [
-        f"{r['experiment']} on {r['devices']} {r['backend']} devices{emulated}",
+        f"{r['experiment']} on {r['devices']} {r['backend']} devices{emulated}"
+        + (f" (cross-compiled for {r['compiled_for']['topology']}: nothing ran)" if r.get("compiled_for") else ""),
         *(
             [f"SCALED to this host by 1/{scaled['factor']} (--scale-to-host; sizes in the report)"]
             if scaled and scaled["factor"] > 1
             else []
         ),
-        f"spec {hw['name']} (calibrated: {hw.get('calibrated', False)}); audit against the estimate: {verdict}",
+        f"spec {spec_words(hw)}; audit against the estimate: {verdict}",
         f"step: estimated {s(r['step_time_estimated_s'])}, predicted {s(r['step_time_predicted_s'])}, measured "
-        f"{s(r['step_time_measured_s'])}; coverage {100 * r['coverage']:.1f}%"
-        + (f" (estimated ops: {100 * cover:.0f}% of matmul and collective time)" if cover is not None else "")
-        + f"; ops of 1 MB or more: {large}",
+        f"{s(r['step_time_measured_s'])}; {verdict_words(trust)}",
+        _coverage_line(r, large),
     ]
     if r.get("routing"):
         from lab.report.writer import routing_line
@@ -140,7 +155,7 @@ def run_text(result) -> str:
         lines += [
             f"report: {result.run_dir}/report.md (report.json, ops.csv, roofline.png, predicted_vs_measured.png, "
             "breakdown.png)",
-            f"trace:  tensorboard --logdir {r['tensorboard']}",
+            f"trace:  {runnable('tensorboard')} --logdir {r['tensorboard']}",
         ]
     return "\n".join(lines)
 
@@ -399,7 +414,7 @@ def _register_calibrate(sub, common) -> None:
         default=None,
         help="mesh for the collective fits (default X=2,Y=4 emulated; on an accelerator every device in one axis)",
     )
-    c.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about 15 s)")
+    c.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about a minute on 2 cores)")
     c.add_argument(
         "--force", action="store_true", help="keep a calibration taken on a busy host (marked so in the spec)"
     )

@@ -37,6 +37,7 @@ between are :mod:`lab.measure.fit`'s, pure functions of the timings.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -51,6 +52,8 @@ from typing import Any
 from lab.core.errors import UserError
 from lab.core.files import write_atomic
 from lab.core.hardware import SPECS_DIR_ENV, Catalog, Chip, specs_dir
+from lab.core.heartbeat import still
+from lab.core.limits import HOST_BUSY
 from lab.core.table import render
 from lab.measure import fit
 from lab.measure import microbench as mb
@@ -60,9 +63,7 @@ from lab.measure.fit import line as _line  # noqa: F401  (kept importable here: 
 from lab.predict.collectives import KINDS as MODEL_KINDS
 
 DEFAULT_MESH = {"X": 2, "Y": 4}
-# A calibration is refused when other work took more than this share of the host's CPU time in the second
-# before or after measuring: on the 2-core hosts this lab is measured on, a busy host measured peak fp32 4-5x low.
-BUSY = 0.25
+BUSY = HOST_BUSY  # a calibration is refused past it (lab.core.limits says why)
 
 
 from lab.measure.calibrate_settings import (  # noqa: E402  (the sweep settings, full and quick)
@@ -210,15 +211,19 @@ def _measure_latency(run: _Run) -> tuple[list, dict[str, float]]:
     return ag_latency, kind_latency
 
 
-class _Steps:
-    """Numbered phases of a calibration, each announced as step i of n with the time since the first."""
+class _Steps(contextlib.ExitStack):
+    """Numbered phases of a calibration, each announced as step i of n with the time since the first, and a line
+    at least every 5 s while one runs (:func:`lab.core.heartbeat.still`); leaving the ``with`` block stops it."""
 
     def __init__(self, say: Callable[[str], None], n: int):
+        super().__init__()
         self.say, self.n, self.i, self.t0 = say, n, 0, time.perf_counter()
 
     def __call__(self, what: str) -> None:
+        self.close()  # the previous step's heartbeat
         self.i += 1
         self.say(f"step {self.i} of {self.n} ({time.perf_counter() - self.t0:.0f} s elapsed): {what}")
+        self.enter_context(still(self.say, f"in step {self.i} of {self.n}"))
 
 
 def _collective_sweep(run: _Run, axes: tuple[str, ...] | None, *, report: bool = False) -> dict[str, list]:
@@ -302,6 +307,14 @@ def _checks(run: _Run) -> dict[str, Any]:
 # ----- calibration -----------------------------------------------------------------------------------------------
 
 
+class HostBusy(UserError):
+    """The host was busy while calibrating: ``what`` says how busy; nothing was saved."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"{what}; nothing saved: calibrate on an idle host, or --force to keep it marked as busy")
+        self.what = what
+
+
 def _busy(stage: str, force: bool, say: Callable[[str], None]) -> float | None:
     """The host's load now; a UserError when it is busy (other work would slow every number), unless ``force``."""
     load = mb.host_busy()
@@ -311,7 +324,7 @@ def _busy(stage: str, force: bool, say: Callable[[str], None]) -> float | None:
             f"waited (above {100 * BUSY:.0f}%), which would make every measured number too slow"
         )
         if not force:
-            raise UserError(f"{what}; nothing saved: calibrate on an idle host, or --force to keep it marked as busy")
+            raise HostBusy(what)
         say(f"warning: {what}; kept (--force) and marked in the spec")
     return load
 
@@ -332,7 +345,7 @@ def calibrate(
     Args:
         mesh: axis name to size, major first; default ``{"X": 2, "Y": 4}`` (8 devices). Collectives span
             every axis; single axes give the latency regime's smaller groups.
-        quick: fewer and smaller sizes and repeats (about 15 s instead of about 60 s on 2 cores).
+        quick: fewer and smaller sizes and repeats (52 s measured on 2 idle cores on 2026-12-03).
         progress: called with one line per phase.
         force: keep a calibration taken on a busy host (load before or after above :data:`BUSY`), marked so.
 
@@ -352,40 +365,40 @@ def calibrate(
     today = datetime.date.today().isoformat()
     base = Catalog().get("cpu")  # the built-in placeholder, whatever specs/ holds
 
-    step = _Steps(say, 5)
-    # 1-3. One device: matmul throughput and memory bandwidth; memory capacity from the host's RAM.
-    step("one device: matmul throughput, memory bandwidth and capacity")
-    matmul = mb.matmuls(MATMUL_SIZES[run.q], run.repeats, run.budget, say)
-    copies = mb.copies(MEMORY_MIB[run.q], run.repeats, run.budget, say)
-    ram, ram_source = _host_ram()
-    n_dev = jax.device_count()
-    peaks, fits = fit.peak_flops(matmul)
-    hbm, hbm_how = fit.hbm_bandwidth(copies["inplace"])
-    fits += [hbm, fit.hbm_bytes(ram, n_dev)]
+    with _Steps(say, 5) as step:
+        # 1-3. One device: matmul throughput and memory bandwidth; memory capacity from the host's RAM.
+        step("one device: matmul throughput, memory bandwidth and capacity")
+        matmul = mb.matmuls(MATMUL_SIZES[run.q], run.repeats, run.budget, say)
+        copies = mb.copies(MEMORY_MIB[run.q], run.repeats, run.budget, say)
+        ram, ram_source = _host_ram()
+        n_dev = jax.device_count()
+        peaks, fits = fit.peak_flops(matmul)
+        hbm, hbm_how = fit.hbm_bandwidth(copies["inplace"])
+        fits += [hbm, fit.hbm_bytes(ram, n_dev)]
 
-    # 4. Latency regime: one small collective inside a program, per group size and per kind.
-    step("collectives: the latency regime")
-    ag_latency, kind_latency = _measure_latency(run)
-    launch, hop, latency_how = fit.latency([size for _, size, _ in ag_latency], [t for _, _, t in ag_latency])
-    fits += [launch, hop]
+        # 4. Latency regime: one small collective inside a program, per group size and per kind.
+        step("collectives: the latency regime")
+        ag_latency, kind_latency = _measure_latency(run)
+        launch, hop, latency_how = fit.latency([size for _, size, _ in ag_latency], [t for _, _, t in ag_latency])
+        fits += [launch, hop]
 
-    # 5. Bandwidth regime: microkernels over every axis, each collective timed through the profiler; then each
-    # single axis on its own line, since on one host a smaller group is not proportionally cheaper.
-    step("collectives: the bandwidth regime over the whole mesh")
-    points = _collective_sweep(run, None, report=True)
-    slopes = fit.model_slopes(base, tuple(mesh.values()))
-    link_bw, factors, coll_fits = fit.collective_factors(points, launch.value, slopes, run.group)
-    step("collectives: each single mesh axis")
-    by_group, group_points, axis_fits = _single_axis_lines(run, base, points, factors, launch.value, link_bw)
-    fits += coll_fits + axis_fits
+        # 5. Bandwidth regime: microkernels over every axis, each collective timed through the profiler; then each
+        # single axis on its own line, since on one host a smaller group is not proportionally cheaper.
+        step("collectives: the bandwidth regime over the whole mesh")
+        points = _collective_sweep(run, None, report=True)
+        slopes = fit.model_slopes(base, tuple(mesh.values()))
+        link_bw, factors, coll_fits = fit.collective_factors(points, launch.value, slopes, run.group)
+        step("collectives: each single mesh axis")
+        by_group, group_points, axis_fits = _single_axis_lines(run, base, points, factors, launch.value, link_bw)
+        fits += coll_fits + axis_fits
 
-    # 6. Checks the model does not fit; the spec carries the figures with every device busy (fit.prefer_concurrent)
-    # and the single-device ones stay under checks.
-    step("checks with every device busy")
-    checks = _checks(run)
-    spec_fits, spec_peaks, hbm_bw = fit.prefer_concurrent(fits, peaks, hbm.value, checks["concurrent"])
-    if fit.concurrent_terms(checks["concurrent"], list(peaks)):
-        checks["single_device"] = {"peak_flops": dict(peaks), "hbm_bandwidth": hbm.value}
+        # 6. Checks the model does not fit; the spec carries the figures with every device busy (fit.prefer_concurrent)
+        # and the single-device ones stay under checks.
+        step("checks with every device busy")
+        checks = _checks(run)
+        spec_fits, spec_peaks, hbm_bw = fit.prefer_concurrent(fits, peaks, hbm.value, checks["concurrent"])
+        if fit.concurrent_terms(checks["concurrent"], list(peaks)):
+            checks["single_device"] = {"peak_flops": dict(peaks), "hbm_bandwidth": hbm.value}
 
     seconds = time.perf_counter() - start
     after = _busy("after calibrating", force, say)
@@ -455,4 +468,4 @@ def write_spec(cal: Calibration, path: str | os.PathLike | None = None) -> Path:
     return p
 
 
-__all__ = ["BUSY", "Calibration", "Fit", "calibrate", "check_writable", "write_spec"]
+__all__ = ["BUSY", "Calibration", "Fit", "HostBusy", "calibrate", "check_writable", "write_spec"]

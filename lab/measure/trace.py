@@ -110,8 +110,9 @@ class OpStats:
     ``median_s`` is the median over steps of the slowest device's time in the op during that step (summed over
     the op's executions in the step, e.g. inside a loop); ``median_self_s`` and ``median_wait_s`` take the same
     statistic of self and wait time, each on its own slowest device. ``spread`` is the largest of those per-step
-    self times over the smallest (1 with one step): how far one trace's repeats of the op disagree. ``count`` is
-    the number of events (all steps, all devices); ``devices`` the number of distinct devices that ran it.
+    self times over the smallest (None with one step: not measurable): how far one trace's repeats of the op
+    disagree. ``count`` is the number of events (all steps, all devices); ``devices`` the number of distinct
+    devices that ran it.
     """
 
     name: str
@@ -120,7 +121,7 @@ class OpStats:
     median_wait_s: float
     count: int
     devices: int
-    spread: float = 1.0
+    spread: float | None = None
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,7 @@ class Trace:
                 median_wait_s=statistics.median(r[2] for r in rows) * 1e-6,
                 count=len(evs),
                 devices=len({e.device for e in evs}),
-                spread=max(own) / min(own) if min(own) > 0 else 1.0,
+                spread=(max(own) / min(own) if min(own) > 0 else 1.0) if len(own) > 1 else None,
             )
         return out
 

@@ -13,11 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from lab.core.collective_kinds import is_collective
+from lab.core.paths import runnable
 from lab.core.table import dumps, render
 from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
 from lab.report.plots import BAND
+from lab.report.trust import spec_words, verdict, verdict_words
 
 BAND_WIDTH = BAND[1] / BAND[0]
+GLOSSARY = Path(__file__).resolve().parents[2] / "docs" / "glossary.md"  # the words and marks the reports use
 
 CSV_KEYS = (
     "name",
@@ -131,19 +134,18 @@ def _likely(interval: list[float] | None) -> str:
     return f", likely {_s(interval[0])}-{_s(interval[1])} (80%)"
 
 
-def _facts(report: dict[str, Any]) -> list[str]:
-    """The run in bullets: where, which spec, the three step times, coverage, ratios, trust, the audit."""
-    hw, summary = report["hardware"], report["summary"]
-    audit = report["audit"].get("all_match")
+def _coverage(report: dict[str, Any], summary: dict[str, Any]) -> list[str]:
+    """How much of the measured time the predictions cover, and the large ops' ratio; a compiled-only run says that
+    nothing ran (not "coverage 0%")."""
+    if report.get("compile_only"):
+        where = (
+            f"cross-compiled for {report['compiled_for']['topology']}"
+            if report.get("compiled_for")
+            else "compiled only"
+        )
+        return [f"- measured: nothing ({where}: nothing ran, so there is no coverage and no ratio)"]
     ratio = summary["median_ratio_large"]
-    spread, load = summary.get("spread_large"), summary.get("host_load")
-    lines = [
-        f"- backend: {report['backend']} ({report['devices']} devices), mesh "
-        f"{','.join(f'{k}={v}' for k, v in report['mesh'].items())}",
-        f"- hardware spec: {hw['name']} (calibrated: {hw.get('calibrated', False)})",
-        f"- step time: measured {_s(report['step_time_measured_s'])}, estimated "
-        f"{_s(report['step_time_estimated_s'])}{_likely(report.get('step_time_estimated_interval_s'))} (the "
-        f"estimator, from the Plan), predicted {_s(report['step_time_predicted_s'])} (roofline of the compiled ops)",
+    return [
         f"- coverage: {100 * report['coverage']:.1f}% of measured op time is in predicted ops"
         + (
             f"; {100 * report['estimate_coverage']:.1f}% of measured matmul and collective time in estimated ops"
@@ -153,19 +155,31 @@ def _facts(report: dict[str, Any]) -> list[str]:
         f"- ops of at least 1 MB: median measured/predicted {f'{ratio:.2f}' if ratio is not None else 'none'} "
         f"over {summary['ops_large']} ops",
     ]
+
+
+def _facts(report: dict[str, Any]) -> list[str]:
+    """The run in bullets: where, which spec, the three step times, coverage, ratios, trust, the audit."""
+    hw, summary = report["hardware"], report["summary"]
+    audit = report["audit"].get("all_match")
+    lines = [
+        f"- backend: {report['backend']} ({report['devices']} devices), mesh "
+        f"{','.join(f'{k}={v}' for k, v in report['mesh'].items())}",
+        f"- hardware spec: {spec_words(hw)}",
+        f"- step time: measured {_s(report['step_time_measured_s'])}, estimated "
+        f"{_s(report['step_time_estimated_s'])}{_likely(report.get('step_time_estimated_interval_s'))} (the "
+        f"estimator, from the Plan), predicted {_s(report['step_time_predicted_s'])} (roofline of the compiled ops)",
+        *_coverage(report, summary),
+    ]
     if report.get("routing"):
         lines.append(f"- routing: {routing_line(report['routing'])}")
     if report.get("pipeline_bubble"):
         lines.append(f"- pipeline bubble: {bubble_line(report['pipeline_bubble'])}")
-    if spread is not None or load is not None:
-        said = [f"the repeats of one op differ by {spread:.2f}x (median over those ops)"] if spread else []
-        if load is not None:
-            said.append(f"other processes held {100 * load:.0f}% of the host's CPU time while it was profiled")
-        lines.append("- trust: " + "; ".join(said))
-    if summary.get("unsteady"):
+    trust = summary.get("trust") or verdict(summary, BAND_WIDTH, bool(report.get("compile_only")))
+    lines.append(f"- trust: {verdict_words(trust)}")
+    if trust["verdict"] == "UNSTEADY":
         lines.append(
-            f"- **UNSTEADY**: this run's own repeats differ by more than the band a ratio is judged by "
-            f"({BAND_WIDTH:.2f}x): read its measured/predicted ratios as noise, and run it again on a quieter host"
+            "- **UNSTEADY**: read this run's measured/predicted ratios as noise (the band a ratio is judged by is "
+            f"{BAND_WIDTH:.2f}x wide), and run it again on a quieter host"
         )
     lines.append(
         f"- audit against the estimate: {'all match' if audit else ('MISMATCH' if audit is False else 'none')}"
@@ -225,7 +239,7 @@ def _tools(report: dict[str, Any]) -> list[str]:
     links = report.get("tensorboard_tools") or []
     if not links:
         return []
-    lines = ["", "## TensorBoard", "", f"`tensorboard --logdir {report['tensorboard']}`, then:", ""]
+    lines = ["", "## TensorBoard", "", f"`{runnable('tensorboard')} --logdir {report['tensorboard']}`, then:", ""]
     for t in links:
         empty = f": empty here, {t['empty_on_cpu']}" if t.get("empty_on_cpu") else ""
         lines.append(f"- [{t['name']}]({t['url']}){empty}")
@@ -271,7 +285,9 @@ def markdown(report: dict[str, Any]) -> str:
             f"; the {shown} heaviest of {len(report['ops'])} ops, all in `ops.csv`."
             if shown < len(report["ops"])
             else "."
-        ),
+        )
+        + " The ops' times may add up to more than the step: each is timed on its own slowest device, and ops on "
+        f"different devices run at the same time. Every word and mark here: {GLOSSARY}.",
         "",
         "```",
         ledger_table(report["ops"], limit=LEDGER_ROWS),
@@ -279,7 +295,11 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         *_elementwise_note(report),
         "Plots: `roofline.png`, `predicted_vs_measured.png`, `breakdown.png`."
-        + (f" Trace: `tensorboard --logdir {report['tensorboard']}`." if report.get("tensorboard") else ""),
+        + (
+            f" Trace: `{runnable('tensorboard')} --logdir {report['tensorboard']}`."
+            if report.get("tensorboard")
+            else ""
+        ),
         "",
     ]
     lines += _tools(report)

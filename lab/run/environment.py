@@ -47,6 +47,9 @@ class Progress:
         self(line)
 
 
+# A host that is always shared (a CI runner; the test suite, whose parallel workers load each other) may keep an
+# automatic calibration taken while busy: set to 1. The spec is then marked BUSY wherever it prices a run.
+KEEP_BUSY_ENV = "SHARDLAB_KEEP_BUSY_CALIBRATION"
 MAX_EMULATED = limits.MAX_EMULATED  # host devices one program spans on XLA:CPU (lab.core.limits: measured)
 
 
@@ -86,12 +89,18 @@ def resolve_hardware(
                 f"no calibration for this host in {spec}; calibrate it once, alone (`shardlab calibrate --quick`; "
                 "`shardlab launch` does it for you), or price with a catalog chip (--hardware NAME)"
             )
-        from lab.measure.calibrate import calibrate, check_writable, write_spec
+        from lab.measure.calibrate import HostBusy, calibrate, check_writable, write_spec
 
         check_writable()  # before the calibration, not after it
         progress(f"no calibration for this host in {spec}: calibrating first (quick)")
-
-        cal = calibrate(mesh, quick=True, progress=progress, force=True)  # marked, with a warning, if the host is busy
+        keep_busy = os.environ.get(KEEP_BUSY_ENV, "") not in ("", "0")
+        try:  # a busy host's figures would price every later run too slow: refused, never saved or used
+            cal = calibrate(mesh, quick=True, progress=progress, force=keep_busy)  # forced: marked BUSY where used
+        except HostBusy as exc:
+            raise UserError(
+                f"{exc.what}; the automatic calibration was not kept: run `shardlab calibrate` when the host is "
+                "idle, or price with a catalog chip (--hardware NAME)"
+            ) from None
         path = write_spec(cal)
         progress(f"wrote {path}")
         return default_catalog(hardware_file).get("cpu")

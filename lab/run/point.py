@@ -23,12 +23,14 @@ from typing import Any
 
 from lab.core.errors import UserError, raise_if_interrupted
 from lab.core.hardware import Chip
+from lab.core.heartbeat import still
 from lab.core.plan import Plan
 from lab.core.table import dumps
 from lab.predict.program.estimate import ProgramEstimate, estimate_program, memory_warning
 from lab.report.plots import BAND
 from lab.report.plots import preload as preload_plots
 from lab.report.plots import preloaded as plots_preloaded
+from lab.report.trust import spec_busy
 from lab.run import distributed as dist
 from lab.run import store
 from lab.run.experiment import Experiment
@@ -96,11 +98,13 @@ def _compile_and_audit(
     built = build(plan, target_mesh(plan.shape, target) if target is not None else None)
     clock.lap("build_s")
     progress("compiling (abstract arguments) and auditing against the estimate")
-    compiled = compile_for(built, target)
+    with still(progress, "compiling"):
+        compiled = compile_for(built, target)
     _check_compiled_memory(plan, compiled, chip, compile_only, host=target is None)
     if est is None:
         return built, compiled, {"all_match": None, "note": "no estimate of this Plan: ledger only"}
-    result = audit_compiled(plan, compiled, est, env["backend"])
+    with still(progress, "auditing"):
+        result = audit_compiled(plan, compiled, est, env["backend"])
     if target is not None:
         result = dataclasses.replace(result, compiled_for=target.name, step_time_estimated_s=est.step_time_s)
     return built, compiled, result.to_dict()
@@ -153,8 +157,22 @@ def _interval(est: ProgramEstimate | None) -> list[float] | None:
     return got.as_list() if got is not None else None
 
 
-def _summary(rows: list[dict[str, Any]], warmup: int, repeats: int) -> dict[str, Any]:
+def _siblings(processes: dict[str, Any]) -> int:
+    """This run's other processes on process 0's host: the host's "other" load counts them."""
+    everyone = processes.get("processes") or []
+    return sum(p["host"] == everyone[0]["host"] for p in everyone[1:]) if everyone else 0
+
+
+def _summary(
+    rows: list[dict[str, Any]],
+    warmup: int,
+    repeats: int,
+    host_load: float | None,
+    compile_only: bool,
+    siblings: int = 0,
+) -> dict[str, Any]:
     from lab.report import writer as report
+    from lab.report.trust import verdict
 
     large = [
         r["ratio"]
@@ -170,17 +188,18 @@ def _summary(rows: list[dict[str, Any]], warmup: int, repeats: int) -> dict[str,
         and r["kind"] not in ("other", "elementwise")
         and max(r["bytes"], r["collective_bytes"]) >= LARGE_BYTES
     ]
-    spread = report.median(spreads)
-    return {
+    out = {
         "median_ratio_large": report.median(large),
         "ops_large": len(large),
         "ops": len(rows),
         "repeats": repeats,
         "warmup": warmup,
-        "spread_large": spread,
-        # one trace's repeats disagree by more than the band a ratio is judged by: read its ratios as noise
-        "unsteady": spread is not None and spread > BAND[1] / BAND[0],
+        "spread_large": report.median(spreads),
+        "host_load": host_load,
     }
+    # steady / UNSTEADY (its repeats disagree past the band, or other work held the host) / not measured
+    trust = verdict(out, BAND[1] / BAND[0], compile_only, siblings)
+    return out | {"trust": trust, "unsteady": trust["verdict"] == "UNSTEADY"}
 
 
 class _Clock:
@@ -321,6 +340,7 @@ def run_point(
         "emulated": env["backend"] == "cpu",
         "devices": env["device_count"],
         "hardware": chip.to_dict(),
+        "spec_busy": spec_busy(chip.to_dict()),  # calibrated on a busy host (calibrate --force): likely too slow
         "plan": plan.to_dict(),
         "compile_only": compile_only,
         **{k: env[k] for k in ("overrides", "scaled_to_host") if k in env},
@@ -334,7 +354,7 @@ def run_point(
         "step_time_estimated_interval_s": _interval(est),
         "estimate": est.to_dict() if est is not None else {"note": note},
         "breakdown": report.breakdown(row_dicts, named),
-        "summary": _summary(row_dicts, exp.warmup, exp.repeats) | {"host_load": m.host_load},
+        "summary": _summary(row_dicts, exp.warmup, exp.repeats, m.host_load, compile_only, _siblings(processes)),
         "result": m.result,
         **(built.facts() if built.facts is not None else {}),
         **({} if processes else _bubble(plan, ops_pred, m.events)),
