@@ -39,4 +39,6 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   fi
   echo "$WANT" > "$STAMP"
 fi
+# The caller's own PATH, before ours: a command the lab prints (tensorboard --logdir ...) is run in that shell.
+export SHARDLAB_CALLER_PATH="${SHARDLAB_CALLER_PATH:-$PATH}"
 export PATH="$VENV/bin:$PATH"

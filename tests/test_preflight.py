@@ -364,3 +364,21 @@ def test_sigterm_keeps_what_finished_and_says_so_in_one_line(tmp_path):
     assert rest.strip().splitlines()[-1].startswith("shardlab: terminated:"), rest
     assert " @ " not in rest and "RAW:" not in rest, rest  # no stack dump
     assert not (tmp_path / "c.json").exists()
+
+
+def test_a_printed_tool_command_runs_as_printed(monkeypatch, tmp_path):
+    """The `tensorboard --logdir` line a run prints names the environment's own copy when the shell would not
+    find it (a fresh clone whose .venv is not activated), and the bare name when it would."""
+    from lab.core.paths import runnable
+
+    here = Path(sys.executable).parent
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SHARDLAB_CALLER_PATH", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    printed = runnable("shardlab")
+    assert Path(printed).resolve() == (here / "shardlab").resolve()
+    assert subprocess.run([printed, "hardware", "list"], capture_output=True, timeout=120).returncode == 0
+    monkeypatch.setenv("PATH", f"{here}:/usr/bin:/bin")
+    assert runnable("shardlab") == "shardlab"
+    monkeypatch.setenv("SHARDLAB_CALLER_PATH", "/usr/bin:/bin")  # scripts/ put .venv/bin on PATH; the shell has not
+    assert Path(runnable("shardlab")).resolve() == (here / "shardlab").resolve()

@@ -111,6 +111,24 @@ def check_file(path: str | Path, flag: str, *, force: bool = False) -> None:
     check_folder(parent, flag, what="write it", hint="give a path in a folder you can write", shown=p)
 
 
+def runnable(tool: str) -> str:
+    """How to call ``tool`` (``tensorboard``, ``shardlab``) as printed for the user: its bare name when the user's
+    shell finds this environment's copy on its PATH (``SHARDLAB_CALLER_PATH``, the PATH before ``scripts/`` put
+    ``.venv/bin`` first, else PATH), else its path beside this Python (``.venv/bin/tensorboard``, relative to the
+    working folder when it lies under it), so that a printed command runs as printed."""
+    import shutil
+    import sys
+
+    here = Path(sys.executable).parent / tool
+    found = shutil.which(tool, path=os.environ.get("SHARDLAB_CALLER_PATH", os.environ.get("PATH")))
+    if not here.exists() or (found and Path(found).resolve() == here.resolve()):
+        return tool
+    try:
+        return str(here.relative_to(Path.cwd()))
+    except ValueError:
+        return str(here)
+
+
 __all__ = [
     "MARK",
     "NAME_MAX",
@@ -119,5 +137,6 @@ __all__ = [
     "check_file",
     "check_folder",
     "check_names",
+    "runnable",
     "written_by_lab",
 ]
