@@ -298,7 +298,21 @@ def test_the_breakdown_bars_add_up_to_their_steps():
     fig.draw_without_rendering()
     legend = ax.get_legend().get_window_extent()
     assert legend.y1 < ax.xaxis.label.get_window_extent().y0  # below the data and its x label
-    assert 0 <= legend.y0 <= 0.2 * fig.dpi  # inside the figure, with no more than a fifth of an inch under it
+    note = fig.texts[0].get_window_extent()  # how the measured ops were placed: under the legend
+    assert note.y1 < legend.y0
+    assert 0 <= note.y0 <= 0.2 * fig.dpi  # inside the figure, with no more than a fifth of an inch under it
+
+
+def test_a_pipelines_measured_bar_draws_its_bubble_and_the_chart_says_how_ops_were_placed():
+    report = _report(OPS) | {"pipeline_bubble": {"measured": 0.4, "predicted": 0.43, "stages": 4, "steps": 7}}
+    step = report["step_time_measured_s"]
+    bars = step_bars(report)
+    assert bars["measured"]["bubble"] == pytest.approx(0.4 * step)
+    assert sum(bars["measured"].values()) == pytest.approx(step)  # still the step, the bubble included
+    fig = figures(report)["breakdown.png"]
+    texts = [t.get_text() for t in fig.texts]
+    assert len(texts) == 1 and texts[0].startswith("measured: op times (each on its slowest device) sum to")
+    assert "bubble" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
 
 
 def test_the_markdown_report_says_what_a_reader_needs():
@@ -347,3 +361,32 @@ def test_ops_csv_quotes_names_with_commas(tmp_path):
         (back,) = list(csv.DictReader(f))
     assert back["estimate_op"] == 'TP AllReduces: 2 fwd, 5 bwd + "x"'
     assert float(back["spread"]) == 1.2  # each op's spread over its repeats, as in the ledger
+
+
+def test_the_report_says_which_module_to_pick_in_tensorboard_and_where_the_empty_tools_facts_are():
+    from lab.measure.xprof_tools import tool_links
+
+    links = tool_links("/tmp/run/tensorboard/plugins/profile/2025_01_02_03_04_05", backend="cpu")
+    md = writer.markdown(
+        _report(OPS) | {"tensorboard": "/tmp/run/tensorboard", "tensorboard_tools": links, "hlo_module": "jit_body"}
+    )
+    picks = [line for line in md.splitlines() if "pick the module `jit_body`" in line]
+    assert [line.split("]")[0] for line in picks] == ["- [Memory Viewer", "- [Graph Viewer"]
+    assert "the lab's own view has the same facts" in md
+
+
+def test_a_named_op_whose_matmul_was_fused_elsewhere_gets_a_note():
+    row = dict(
+        kind="matmul",
+        estimated_s=1e-3,
+        predicted_s=None,
+        measured_s=None,
+        ratio=None,
+        bytes_estimated=0,
+        bytes_compiled=0,
+    )
+    up = row | {"name": "mlp/up", "flops_estimated": 537e6, "flops_compiled": 0, "hlo_ops": 0}
+    gate = row | {"name": "mlp/gate", "flops_estimated": 537e6, "flops_compiled": 1074e6, "hlo_ops": 1}
+    text = writer.named_table([up, gate])
+    assert "work compiled 0 for mlp/up:" in text and "fused its matmul into an op named for another scope" in text
+    assert "work compiled 0" not in writer.named_table([gate])

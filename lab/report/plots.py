@@ -30,7 +30,13 @@ BAND = (0.67, 1.5)  # the measured/predicted band the validation criterion judge
 TINY_S = 1e-6  # ops shorter than this are left out of the per-op chart (and counted)
 LABELLED = 5  # how many of the heaviest ops are named on a chart
 COMM_KINDS = (*HLO_NAMES, "permute")  # a ledger row's HLO name, or an estimator op's kind
-COLORS = {"compute": "#4c72b0", "communication": "#dd8452", "other": "#8c8c8c", "idle": "#e5e5e5"}
+COLORS = {
+    "compute": "#4c72b0",
+    "communication": "#dd8452",
+    "other": "#8c8c8c",
+    "bubble": "#c44e52",
+    "idle": "#e5e5e5",
+}
 
 
 _WITHOUT_3D = False  # set by without_3d()
@@ -413,16 +419,25 @@ def _vs_measured(report: dict[str, Any], tag: str):
 
 
 def step_bars(report: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """The breakdown's bars, seconds per step: ``measured`` (op times scaled to the measured step, the rest idle),
-    ``predicted`` (the roofline's sum of op times) and ``estimated`` (the estimator's step, split like its ops)."""
+    """The breakdown's bars, seconds per step, each adding up to its step: ``measured`` (the measured pipeline
+    bubble first, then the op times scaled to the rest of the measured step where they exceed it, the remainder
+    idle), ``predicted`` (the roofline's sum of op times, the step_time_predicted_s it is reported as) and
+    ``estimated`` (the estimator's step, split like its ops). :func:`placement` says how the measured bar was made."""
     parts = report["breakdown"]
+    bubble = report.get("pipeline_bubble") or {}
     bars: dict[str, dict[str, float]] = {}
     step = report.get("step_time_measured_s")
     measured = dict(parts["measured"])
     busy = sum(measured.values())
     if step and busy:
-        scale = min(1.0, step / busy)  # ops overlap across devices: never more than the step itself
-        bars["measured"] = {k: v * scale for k, v in measured.items()} | {"idle": max(0.0, step - busy * scale)}
+        waiting = bubble.get("measured", 0.0) * step  # the stages' idle steps: drawn as the bubble, not idle
+        room = step - waiting
+        scale = min(1.0, room / busy)  # ops overlap across devices: never more than the step itself
+        bars["measured"] = (
+            {k: v * scale for k, v in measured.items()}
+            | ({"bubble": waiting} if waiting else {})
+            | {"idle": max(0.0, room - busy * scale)}
+        )
     bars["predicted"] = dict(parts["predicted"])
     est, est_parts = report.get("step_time_estimated_s"), parts.get("estimated", {})
     if est and sum(est_parts.values()):
@@ -431,13 +446,34 @@ def step_bars(report: dict[str, Any]) -> dict[str, dict[str, float]]:
     return bars
 
 
+def placement(report: dict[str, Any]) -> str | None:
+    """How the measured bar places the op times in the step, in one line (None without a measured step)."""
+    from lab.core.units import fmt_seconds
+
+    step, busy = report.get("step_time_measured_s"), sum(report["breakdown"]["measured"].values())
+    if not step or not busy:
+        return None
+    room = step * (1 - (report.get("pipeline_bubble") or {}).get("measured", 0.0))
+    if busy <= room:
+        return (
+            f"measured: op times (each on its slowest device) sum to {fmt_seconds(busy)} of the "
+            f"{fmt_seconds(step)} step;\nthe rest is idle"
+        )
+    return (
+        f"measured: op times (each on its slowest device) sum to {fmt_seconds(busy)}, more than the "
+        f"{fmt_seconds(room)} they can fill\n(ops on different devices overlap): drawn x{room / busy:.2f}"
+        + ("; the bubble is the trace's share of idle pipeline steps" if room < step else "")
+    )
+
+
 def _breakdown(report: dict[str, Any], tag: str):
     bars = step_bars(report)
-    fig, ax = _figure(7.5, 3.1)
-    fig.subplots_adjust(left=0.13, right=0.97, top=0.85, bottom=0.28)  # the legend under the x label, no more
+    note = placement(report)
+    fig, ax = _figure(7.5, 3.4 if note else 3.1)
+    fig.subplots_adjust(left=0.13, right=0.97, top=0.85, bottom=0.34 if note else 0.28)
     labels = list(bars)
     left = [0.0] * len(labels)
-    for part in ("compute", "communication", "other", "idle"):
+    for part in ("compute", "communication", "other", "bubble", "idle"):
         vals = [bars[b].get(part, 0.0) for b in labels]
         if any(vals):
             ax.barh(labels, vals, left=left, color=COLORS[part], label=part)
@@ -447,7 +483,9 @@ def _breakdown(report: dict[str, Any], tag: str):
     ax.xaxis.set_major_formatter(EngFormatter(unit="s", sep=" "))
     ax.set(xlabel="per step")
     _title(ax, f"Step breakdown{tag}")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=4, frameon=False)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=5, frameon=False)
+    if note:
+        fig.text(0.5, 0.02, note, ha="center", va="bottom", fontsize=7, color="#555555")
     return fig
 
 
@@ -481,4 +519,4 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
     return list(drawn)
 
 
-__all__ = ["BAND", "figures", "plots", "preload", "preloaded", "roof", "step_bars", "without_3d"]
+__all__ = ["BAND", "figures", "placement", "plots", "preload", "preloaded", "roof", "step_bars", "without_3d"]
