@@ -101,7 +101,15 @@ def named_table(named: list[dict[str, Any]], limit: int = 25) -> str:
             ]
         )
     headers = ["named op", "kind", "estimated", "predicted", "measured", "meas/est", "work est / compiled", "HLO ops"]
-    return render(headers, body)
+    text = render(headers, body)
+    lost = [n["name"] for n in shown if n["flops_estimated"] and not n["flops_compiled"]]
+    if lost:  # e.g. libtpu fuses mlp/up's matmul into the fusion named for the gate's: the work moved, not vanished
+        text += (
+            f"\n(work compiled 0 for {', '.join(lost[:3])}{' ...' if len(lost) > 3 else ''}: no compiled op carries "
+            "that scope's name, since XLA fused its matmul into an op named for another scope, whose compiled work "
+            "holds it; the audit compares the program's totals)"
+        )
+    return text
 
 
 FAR = 3.0  # an elementwise op measured this many times its roofline or more gets the note below
@@ -240,9 +248,21 @@ def _tools(report: dict[str, Any]) -> list[str]:
     if not links:
         return []
     lines = ["", "## TensorBoard", "", f"`{runnable('tensorboard')} --logdir {report['tensorboard']}`, then:", ""]
+    module = report.get("hlo_module")
     for t in links:
         empty = f": empty here, {t['empty_on_cpu']}" if t.get("empty_on_cpu") else ""
-        lines.append(f"- [{t['name']}]({t['url']}){empty}")
+        pick = (
+            f": pick the module `{module}` in its Modules menu (it shows nothing until one is picked)"
+            if module and t["tool"] in ("memory_viewer", "graph_viewer")
+            else ""
+        )
+        lines.append(f"- [{t['name']}]({t['url']}){empty}{pick}")
+    if any(t.get("empty_on_cpu") for t in links):
+        lines += [
+            "",
+            "Where a tool is empty here, the lab's own view has the same facts: the ledger above (per-op times "
+            "against their roofline), `roofline.png` and `breakdown.png`, and `ops.csv`.",
+        ]
     return lines
 
 
