@@ -10,7 +10,7 @@ from lab.core.errors import UserError
 from lab.core.hardware import get_chip
 from lab.core.models import get_model
 from lab.core.table import dumps
-from lab.predict.planner.layouts import PlanResult, _space, plan, search_space_size
+from lab.predict.planner.layouts import HEADROOM, PlanResult, _space, plan, search_space_size
 from lab.predict.training.estimate import Layout, TrainConfig, check_config, estimate, memory_per_chip, state_min_chips
 
 MI = 1024 * 1024
@@ -189,8 +189,18 @@ def test_table_names_every_column(h100):
     assert result.top[0].config.layout.describe() in text
     assert result.top[0].bottleneck in text
     ties = sum(bool(t) for t in result.indistinguishable()[1:])
-    # title, header, rule, one row per result, and a line saying what ~ marks when a layout's interval overlaps
-    assert len(text.splitlines()) == 3 + 3 + (1 if ties else 0)
+    full = result.top[0].memory.total > HEADROOM * result.top[0].memory.hbm_bytes
+    # title, header, rule, one row per result, a line saying what ~ marks when a layout's interval overlaps, and
+    # one warning when the best layout leaves under 10% of the chip's memory free
+    assert len(text.splitlines()) == 3 + 3 + (1 if ties else 0) + (1 if full else 0)
+
+
+def test_a_best_layout_that_fills_the_chip_is_flagged(h100):
+    """llama3-8b on 8 H100s at 1 M tokens: the best layout holds 97% of the HBM (docs/training.md's planner)."""
+    result = plan(get_model("llama3-8b"), h100, 8, 128 * 8192, 8192, top=3)
+    best = result.top[0].memory
+    assert best.total > HEADROOM * best.hbm_bytes
+    assert f"!: rank 1 fills {100 * best.total / best.hbm_bytes:.0f}% of the chip's memory" in result.table()
 
 
 @pytest.mark.parametrize(

@@ -189,7 +189,20 @@ class PlanResult:
                 f"\n~: {n} layout{'s' if n > 1 else ''} whose 80% interval overlaps the best one's: the model cannot "
                 "tell them from it"
             )
+        if self.top and self.top[0].memory.total > HEADROOM * self.top[0].memory.hbm_bytes:
+            best = self.top[0].memory
+            text += (
+                f"\n!: rank 1 fills {100 * best.total / best.hbm_bytes:.0f}% of the chip's memory (more than "
+                f"{100 * HEADROOM:.0f}%): XLA's buffers and fragmentation may not fit beside it; prefer a layout with "
+                "room, or check it compiled (`shardlab audit`, `run --compile-only`)"
+            )
         return text
+
+
+# The share of HBM above which the best layout gets a warning: the estimator's memory model is the sum of named
+# parts, and XLA's peak was 8-23% above it for llama3_8b_train_2layer cross-compiled for v5e:2x4 (remat full,
+# selective, none; issue 37, measured 2026-12-03).
+HEADROOM = 0.90
 
 
 def _likely(iv: Any, tie: bool | None, best: bool) -> str:
