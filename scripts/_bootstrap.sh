@@ -19,16 +19,26 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "[bootstrap] creating $VENV with $("$PY" --version 2>&1)" >&2
   "$PY" -m venv "$VENV"
 fi
-# SHARDLAB_EXTRAS adds extras to the install: cuda on a GPU machine (jax[cuda12]), tpu on a TPU VM (libtpu; the dev
-# extra already brings it on Linux x86-64), profile for TensorBoard. A comma-separated list: SHARDLAB_EXTRAS=cuda
-EXTRAS="dev${SHARDLAB_EXTRAS:+,$SHARDLAB_EXTRAS}"
+# What the calling script needs: SHARDLAB_NEEDS (set by it before sourcing this) names extras of pyproject.toml:
+# `dev` for the tests and the doc generator (pytest, ruff, TensorBoard, libtpu for cross-compiling), `profile` for
+# the demo (TensorBoard to open its trace, no test tools). SHARDLAB_EXTRAS adds the user's: cuda on a GPU machine
+# (jax[cuda12]), tpu on a TPU VM. A comma-separated list: SHARDLAB_EXTRAS=cuda
+NEEDS="${SHARDLAB_NEEDS:-dev}"
+EXTRAS="$NEEDS${SHARDLAB_EXTRAS:+,$SHARDLAB_EXTRAS}"
 case "$EXTRAS" in *[!a-z0-9,-]*)
   echo "shardlab: error: SHARDLAB_EXTRAS=$SHARDLAB_EXTRAS: give extras from pyproject.toml separated by commas, e.g. cuda" >&2
   exit 2;;
 esac
-STAMP="$VENV/.shardlab-install-stamp"
-WANT="$( (cat "$ROOT/pyproject.toml"; echo "$ROOT"; echo "$EXTRAS") | sha256sum | cut -d' ' -f1)"
-if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+_want() { (cat "$ROOT/pyproject.toml"; echo "$ROOT"; echo "$1") | sha256sum | cut -d' ' -f1; }
+_stamp() { echo "$VENV/.shardlab-install-stamp-$(echo "$1" | tr ',' '+')"; }
+WANT="$(_want "$EXTRAS")"
+# The dev install holds everything the demo's needs (profile) do: a venv the tests set up serves the demo as it is.
+DEV="dev${EXTRAS#"$NEEDS"}"
+if [ -f "$(_stamp "$EXTRAS")" ] && [ "$(cat "$(_stamp "$EXTRAS")")" = "$WANT" ]; then
+  :
+elif [ "$NEEDS" = profile ] && [ -f "$(_stamp "$DEV")" ] && [ "$(cat "$(_stamp "$DEV")")" = "$(_want "$DEV")" ]; then
+  :
+else
   echo "[bootstrap] installing shardlab[$EXTRAS] into .venv (first run takes a minute or two)" >&2
   LOG="$VENV/install.log"
   if ! { "$VENV/bin/python" -m pip install --disable-pip-version-check --upgrade pip \
@@ -37,7 +47,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     echo "shardlab: error: installing into .venv failed; the full log is $LOG" >&2
     exit 1
   fi
-  echo "$WANT" > "$STAMP"
+  echo "$WANT" > "$(_stamp "$EXTRAS")"
+  echo "[bootstrap] .venv now holds $(du -sh "$VENV" 2>/dev/null | cut -f1) (shardlab[$EXTRAS])" >&2
 fi
 # The caller's own PATH, before ours: a command the lab prints (tensorboard --logdir ...) is run in that shell.
 export SHARDLAB_CALLER_PATH="${SHARDLAB_CALLER_PATH:-$PATH}"
