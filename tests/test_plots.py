@@ -118,7 +118,7 @@ def test_the_roofline_is_the_programs_dtype_and_every_op_with_flops_is_on_it():
     roof_line = ax.get_lines()[0]
     assert max(roof_line.get_ydata()) == PEAKS["fp32"]  # not the int8 peak
     texts = " ".join(t.get_text() for t in ax.texts)
-    assert "peak 40 TFLOP/s (fp32)" in texts and "ridge 40 FLOP/B" in texts and "HBM 1 TB/s" in texts
+    assert "peak 40 TFLOP/s (fp32)" in texts and "ridge 40 FLOP/B" in texts and "host memory 1 TB/s" in texts
     roof_fig.canvas.draw()  # ticks in engineering units, as plain text (no mathtext 10^n)
     ticks = [t.get_text() for t in ax.get_yticklabels() + cx.get_xticklabels() if t.get_text()]
     assert any(t.endswith("FLOP/s") for t in ticks) and not any("$" in t for t in ticks), ticks
@@ -137,7 +137,7 @@ def test_the_bandwidth_roofs_label_runs_along_the_roof_on_the_page():
         fig = figures(_report(ops))["roofline.png"]
         ax = fig.axes[0]
         FigureCanvasAgg(fig).draw()
-        (label,) = [t for t in ax.texts if t.get_text().startswith("HBM")]
+        (label,) = [t for t in ax.texts if t.get_text().startswith("host memory")]  # emulated: the host's RAM
         xs, ys = ax.get_lines()[0].get_data()
         (x0, y0), (x1, y1) = ax.transData.transform([(xs[0], ys[0]), (xs[1], ys[1])])
         drawn = math.degrees(math.atan2(y1 - y0, x1 - x0))
@@ -225,8 +225,13 @@ def test_ops_faster_than_their_roof_are_counted_in_the_title():
     """1 GFLOP over 1 GB (intensity 1: roof 1 TB/s x 1 = 1 TFLOP/s) in 0.1 ms is 10 TFLOP/s: above its roof."""
     fast = _op("dot.9", "matmul", 1e-3, 1e-4, flops=1e9, nbytes=1e9)
     assert figures(_report(OPS))["roofline.png"].axes[0].get_title() == "Roofline: exp (emulated)"
-    ax = figures(_report([*OPS, fast]))["roofline.png"].axes[0]
-    assert ax.get_title() == "Roofline: exp (emulated); 1 op above the roof"
+    fig = figures(_report([*OPS, fast]))["roofline.png"]
+    assert fig.axes[0].get_title() == "Roofline: exp (emulated); 1 op above the roof"
+    note = fig.texts[0].get_text()  # what the roof is, and why a dot can sit above it
+    assert note.startswith("roof: the spec's peak, or its host memory bandwidth") and "a dot above it" in note
+    assert any(t.get_text().startswith("host memory ") for t in fig.axes[0].texts)  # not "HBM": the host's RAM
+    real = figures(_report(OPS, emulated=False))["roofline.png"]
+    assert "HBM bandwidth" in real.texts[0].get_text() and "a dot above it" not in real.texts[0].get_text()
 
 
 def test_log_axes_keep_minor_ticks_only_where_they_carry_the_labels():

@@ -225,12 +225,29 @@ def roof(hw: dict[str, Any], dtype: str) -> tuple[float, str]:
     return peaks[wide], wide
 
 
+def _roof_note(report: dict[str, Any], memory: str, above: int) -> str:
+    """What the roof is, and why a dot may sit above it, under the chart."""
+    text = (
+        f"roof: the spec's peak, or its {memory} bandwidth x the op's FLOPs per byte, whichever is lower "
+        "(each op's own bytes; fused ops read less)"
+    )
+    if above:
+        why = (
+            "one device thread can take more than its share of the host's cores, which the calibration measured "
+            "all busy at once"
+            if report.get("emulated")
+            else "the spec or the op's FLOP and byte count is off"
+        )
+        text += f";\na dot above it ran faster than the spec allows: {why}"
+    return text
+
+
 def _roofline(report: dict[str, Any], tag: str):
     hw = report["hardware"]
     peak, dtype = roof(hw, report.get("dtype", "bf16"))
     bw = hw["hbm_bandwidth"]
-    fig, (ax, cx) = _figure(11, 4.8, 2)
-    fig.subplots_adjust(left=0.12, right=0.98, top=0.9, bottom=0.12, wspace=0.33)
+    fig, (ax, cx) = _figure(11, 5.1, 2)
+    fig.subplots_adjust(left=0.12, right=0.98, top=0.9, bottom=0.17, wspace=0.33)
     ops = [r for r in report["ops"] if r["measured_s"] and r["flops"] > 0 and r["bytes"] > 0]
     crit = peak / bw
     lo = min([r["flops"] / r["bytes"] for r in ops] + [crit / 100]) / 2
@@ -272,7 +289,9 @@ def _roofline(report: dict[str, Any], tag: str):
     note = f"; {above} op{'s' if above != 1 else ''} above the roof" if above else ""
     _title(ax, f"Roofline: {report['experiment']}{tag}{note}")
     ax.legend(fontsize=7, loc="upper left")  # above the HBM roof: where no op can be
-    hbm = ax.annotate(f"HBM {_eng(bw, 'B/s')}", (lo * 2, lo * 2 * bw), xytext=(0, 3), textcoords="offset points")
+    memory = "host memory" if report.get("emulated") else "HBM"  # emulated devices share the host's RAM
+    hbm = ax.annotate(f"{memory} {_eng(bw, 'B/s')}", (lo * 2, lo * 2 * bw), xytext=(0, 3), textcoords="offset points")
+    fig.text(0.01, 0.01, _roof_note(report, memory, above), ha="left", va="bottom", fontsize=7, color="#555555")
     hbm.set(ha="left", va="bottom", fontsize=8, rotation=_decade_angle(ax), rotation_mode="anchor")
     _collectives(cx, report)
     return fig
