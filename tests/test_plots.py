@@ -395,3 +395,17 @@ def test_a_named_op_whose_matmul_was_fused_elsewhere_gets_a_note():
     text = writer.named_table([up, gate])
     assert "work compiled 0 for mlp/up:" in text and "fused its matmul into an op named for another scope" in text
     assert "work compiled 0" not in writer.named_table([gate])
+
+
+def test_each_collective_kind_gets_its_own_fitted_roof_on_a_calibrated_host():
+    """calibration.collective_factor 2.0 for all-reduce: its bandwidth term costs twice the link's, so its roof is
+    half the link (100 GB/s -> 50 GB/s); a factor of 1 is the link's own roof, not drawn twice."""
+    report = _report(OPS)
+    report["hardware"] = report["hardware"] | {
+        "calibration": {"collective_factor": {"all-reduce": 2.0, "all-gather": 1.0}}
+    }
+    _, cx = figures(report)["roofline.png"].axes
+    fits = {line.get_label(): line.get_ydata()[0] for line in cx.get_lines() if " fit, whole mesh " in line.get_label()}
+    assert fits == {"all-reduce fit, whole mesh 50 GB/s": pytest.approx(5e10)}
+    _, plain = figures(_report(OPS))["roofline.png"].axes  # uncalibrated factors: the link's roof alone
+    assert not [line for line in plain.get_lines() if "fit, whole mesh" in line.get_label()]

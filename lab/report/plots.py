@@ -336,10 +336,20 @@ def _group(report: dict[str, Any], r: dict[str, Any]) -> int | None:
     return math.prod(int(mesh[a]) for a in axes)
 
 
+def _kind_roof(hw: dict[str, Any], kind: str, link: float) -> float | None:
+    """A calibrated host's bus-bandwidth roof for one collective kind: the link over the factor its bandwidth term
+    was measured at for the whole mesh (lab.predict.collectives prices the term x factor); None uncalibrated."""
+    factors = (hw.get("calibration") or {}).get("collective_factor") or {}
+    factor = factors.get("permute" if kind == "collective-permute" else kind)
+    if not factor or abs(float(factor) - 1) < 0.02:  # the link's own roof already (AllGather's is the fit itself)
+        return None
+    return link / float(factor)
+
+
 def _collectives(ax, report: dict[str, Any]) -> None:
     """Each collective's bus bandwidth (measured: dots; its prediction: rings) against its message size, under the
-    link's one-way roof. A collective whose group is not known is drawn at ``V / time`` (and counted in the
-    title)."""
+    link's one-way roof and, on a calibrated host, each kind's own fitted roof (dotted, in its colour). A collective
+    whose group is not known is drawn at ``V / time`` (and counted in the title)."""
     hw = report["hardware"]
     comm = [r for r in report["ops"] if r["measured_s"] and r["kind"] in COMM_KINDS and r["collective_bytes"] > 0]
     link = hw.get("link_bandwidth") or hw["hbm_bandwidth"]
@@ -365,6 +375,10 @@ def _collectives(ax, report: dict[str, Any]) -> None:
         color, v = f"C{i}", [r["collective_bytes"] for r in sel]
         measured = [b / r["measured_s"] for b, r in zip(moved, sel, strict=True)]
         ax.scatter(v, measured, s=24, color=color, label=kind)
+        own = _kind_roof(hw, kind, link)
+        if own is not None:  # the calibration's own fit for this kind: the roof its predictions are priced under
+            ax.plot(xs, [own, own], color=color, lw=1.0, ls=":", label=f"{kind} fit, whole mesh {_eng(own, 'B/s')}")
+            ys.append(own)
         priced = [(x, b / r["predicted_s"]) for x, b, r in zip(v, moved, sel, strict=True) if r.get("predicted_s")]
         if priced:
             ax.scatter(*zip(*priced, strict=True), s=40, facecolors="none", edgecolors=color, lw=1.0)

@@ -170,6 +170,12 @@ def _worst_op(report: dict[str, Any]) -> str:
     return f"{o['name']} ({fmt_seconds(o['estimated_s'])} est., {fmt_seconds(o['measured_s'])} meas.)"
 
 
+def _indented(say):
+    """One layout's own phases (building, compiling, profiling, and a line every 5 s while one runs), indented
+    under the layout's line."""
+    return lambda text: say(f"  {text}")
+
+
 def validate_plan(
     result,
     model,
@@ -186,6 +192,7 @@ def validate_plan(
     on this host's devices is profiled over ``repeats`` calls of its train step after ``warmup`` untraced ones."""
     from lab.compile.audit import _analyses, compile_plan
     from lab.compile.target import DoesNotFit, parse_target
+    from lab.core.heartbeat import still
     from lab.run.environment import Progress, environment
     from lab.run.experiment import Experiment
     from lab.run.point import fit_problem, host_bytes_per_device, run_point
@@ -207,7 +214,8 @@ def validate_plan(
         priced = programs[i].detail["train"]
         if topology is not None:
             try:
-                _, compiled = compile_plan(plan, topology)
+                with still(say, f"compiling layout {i + 1} for {topology.name}"):
+                    _, compiled = compile_plan(plan, topology)
                 mem = _analyses(compiled)[1]
             except DoesNotFit as exc:  # the compiler's verdict, with what it said the temporaries need
                 mem = {"temp_size_in_bytes": exc.need_bytes}
@@ -216,7 +224,7 @@ def validate_plan(
             out_dir = Path(out) / f"validate-{i + 1}"
             out_dir.mkdir(parents=True, exist_ok=True)
             report = run_point(
-                Experiment(plan=plan, warmup=warmup, repeats=repeats), plan, out_dir, chip, lambda _s: None, env
+                Experiment(plan=plan, warmup=warmup, repeats=repeats), plan, out_dir, chip, _indented(say), env
             )
             mem, measured = report["audit"].get("memory_analysis", {}), report["step_time_measured_s"]
         held = sum(mem.get(f"{k}_size_in_bytes", 0.0) for k in ("argument", "output", "temp"))
