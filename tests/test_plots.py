@@ -409,3 +409,13 @@ def test_each_collective_kind_gets_its_own_fitted_roof_on_a_calibrated_host():
     assert fits == {"all-reduce fit, whole mesh 50 GB/s": pytest.approx(5e10)}
     _, plain = figures(_report(OPS))["roofline.png"].axes  # uncalibrated factors: the link's roof alone
     assert not [line for line in plain.get_lines() if "fit, whole mesh" in line.get_label()]
+
+
+def test_the_report_names_the_perfetto_copys_device_tracks_on_emulated_devices():
+    from lab.measure.profile import DEVICES_PROCESS
+    from lab.measure.xprof_tools import tool_links
+
+    links = tool_links("/tmp/run/tensorboard/plugins/profile/2025_01_02_03_04_05", backend="cpu")
+    extra = {"tensorboard": "/tmp/run/tensorboard", "tensorboard_tools": links, "perfetto_trace": "/tmp/p.json.gz"}
+    assert f'"{DEVICES_PROCESS}" with one track per emulated device' in writer.markdown(_report(OPS) | extra)
+    assert "one track per emulated device" not in writer.markdown(_report(OPS, emulated=False) | extra)

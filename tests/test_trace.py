@@ -392,3 +392,28 @@ def test_trace_without_steps_counts_everything_once(tmp_path):
     assert all(e.step == -1 for e in tr.events)
     assert tr.per_op()["dot.2"].median_s == pytest.approx(8e-6)  # device 0 ran it twice: 8 us is the slowest device
     assert isinstance(tr, Trace)
+
+
+def test_the_perfetto_copy_gets_a_track_per_emulated_device(tmp_path):
+    """XLA:CPU's threads are not devices: the copy gains one 'device N' track per device, with that device's ops at
+    the trace's own times; a device backend's copy is left as it was."""
+    from lab.measure.profile import DEVICES_PROCESS, add_device_tracks
+    from lab.measure.trace import OpEvent
+
+    path = tmp_path / "perfetto_trace.json.gz"
+    original = {"displayTimeUnit": "ns", "traceEvents": [{"ph": "X", "pid": 1, "tid": 7, "ts": 10.0, "dur": 5.0}]}
+    path.write_bytes(gzip.compress(json.dumps(original).encode()))
+    events = [OpEvent("fusion.1", d, 0, 100.0 + d, 20.0, 18.0, 2.0) for d in (0, 1)] + [
+        OpEvent("dot.2", 1, 1, 200.0, 30.0, 30.0, 0.0)
+    ]
+    assert not add_device_tracks(str(path), events, "gpu")
+    assert json.loads(gzip.decompress(path.read_bytes())) == original
+    assert add_device_tracks(str(path), events, "cpu")
+    doc = json.loads(gzip.decompress(path.read_bytes()))
+    added = doc["traceEvents"][1:]
+    assert doc["traceEvents"][0] == original["traceEvents"][0]
+    names = {e["tid"]: e["args"]["name"] for e in added if e.get("name") == "thread_name"}
+    assert names == {0: "device 0", 1: "device 1"}
+    assert [e["args"]["name"] for e in added if e.get("name") == "process_name"] == [DEVICES_PROCESS]
+    slices = [(e["tid"], e["name"], e["ts"], e["dur"]) for e in added if e["ph"] == "X"]
+    assert slices == [(0, "fusion.1", 100.0, 20.0), (1, "fusion.1", 101.0, 20.0), (1, "dot.2", 200.0, 30.0)]

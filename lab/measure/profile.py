@@ -78,6 +78,51 @@ def _write_perfetto(run_dir: str) -> None:
         write_atomic(os.path.join(run_dir, "perfetto_trace.json.gz"), gzip.compress(text.encode("utf-8"), 1))
 
 
+DEVICES_PID = 1_000_000  # the Perfetto copy's added process: far above the host's process ids in a JAX trace
+DEVICES_PROCESS = "emulated devices (shardlab: each device's ops)"
+
+
+def add_device_tracks(perfetto: str | None, events: Sequence, backend: str) -> bool:
+    """On emulated devices, add to the Perfetto copy one track per device (``device N`` under
+    :data:`DEVICES_PROCESS`) holding that device's op events: XLA:CPU runs them on host threads named
+    ``tf_XLAEigen/<hash>``, and one device's program hops threads, so no thread stands for a device. The events
+    (``lab.measure.trace.OpEvent``) keep the trace's own times. The copy is left as it is on a device backend,
+    without events, or when its text does not end in its ``traceEvents`` list. Returns whether tracks were added."""
+    if backend != "cpu" or not perfetto or not events:
+        return False
+    with contextlib.suppress(OSError, ValueError):
+        text = open_text(perfetto).rstrip()
+        if not text.endswith("]}"):
+            return False
+        devices = sorted({e.device for e in events if e.device >= 0})
+        added = [{"ph": "M", "pid": DEVICES_PID, "name": "process_name", "args": {"name": DEVICES_PROCESS}}]
+        for d in devices:
+            added.append(
+                {"ph": "M", "pid": DEVICES_PID, "tid": d, "name": "thread_name", "args": {"name": f"device {d}"}}
+            )
+            added.append(
+                {"ph": "M", "pid": DEVICES_PID, "tid": d, "name": "thread_sort_index", "args": {"sort_index": d}}
+            )
+        added += [
+            {
+                "ph": "X",
+                "pid": DEVICES_PID,
+                "tid": e.device,
+                "ts": e.start_us,
+                "dur": e.dur_us,
+                "name": e.name,
+                "args": {"step": e.step, "wait_us": e.wait_us},
+            }
+            for e in events
+            if e.device >= 0
+        ]
+        body = json.dumps(added, separators=(",", ":"))[1:-1]
+        joined = text[:-2] + ("," if not text[:-2].rstrip().endswith("[") else "") + body + "]}"
+        write_atomic(perfetto, gzip.compress(joined.encode("utf-8"), 1))
+        return True
+    return False
+
+
 def _files_in(logdir: str, run_dir: str) -> TraceFiles:
     perfetto = os.path.join(run_dir, "perfetto_trace.json.gz")
     xplanes = sorted(glob.glob(os.path.join(run_dir, "*.xplane.pb")))
@@ -153,4 +198,4 @@ def record(fn: Callable, args: Sequence, logdir: str | os.PathLike, *, warmup: i
     return _files_in(logdir, run_dir)
 
 
-__all__ = ["record", "without_member"]
+__all__ = ["DEVICES_PROCESS", "add_device_tracks", "record", "without_member"]

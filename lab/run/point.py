@@ -249,6 +249,7 @@ def _measure(exp: Experiment, built, compiled, out_dir: Path, names: set[str], p
     result = digest(last[0])
     progress("parsing the trace")
     per_op = (stats := trace.parse(files, hlo_names=names)).per_op()
+    profile.add_device_tracks(files.perfetto, stats.events, stats.backend)  # emulated: a track per device
     return _Measured(
         files,
         {name: s.median_self_s for name, s in per_op.items()},
