@@ -414,7 +414,7 @@ def _register_calibrate(sub, common) -> None:
         default=None,
         help="mesh for the collective fits (default X=2,Y=4 emulated; on an accelerator every device in one axis)",
     )
-    c.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about a minute on 2 cores)")
+    c.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about 12 s on an idle 2-core host)")
     c.add_argument(
         "--force", action="store_true", help="keep a calibration taken on a busy host (marked so in the spec)"
     )

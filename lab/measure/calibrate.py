@@ -345,7 +345,8 @@ def calibrate(
     Args:
         mesh: axis name to size, major first; default ``{"X": 2, "Y": 4}`` (8 devices). Collectives span
             every axis; single axes give the latency regime's smaller groups.
-        quick: fewer and smaller sizes and repeats (52 s measured on 2 idle cores on 2026-12-03).
+        quick: fewer and smaller sizes and repeats (11.5 s on an idle 2-core host on 2026-12-03; about 50 s
+            with the test suite running beside it).
         progress: called with one line per phase.
         force: keep a calibration taken on a busy host (load before or after above :data:`BUSY`), marked so.
 
