@@ -257,14 +257,12 @@ def _tools(report: dict[str, Any]) -> list[str]:
             else ""
         )
         lines.append(f"- [{t['name']}]({t['url']}){empty}{pick}")
-    if report.get("perfetto_trace") and report.get("emulated"):
-        from lab.measure.profile import DEVICES_PROCESS
-
+    if report.get("perfetto_trace") and report.get("perfetto_device_tracks"):
         lines += [
             "",
             f"The trace viewer's threads are XLA:CPU's workers (`tf_XLAEigen/...`), which no device owns: the "
             f"Perfetto copy, `{report['perfetto_trace']}` (open it at ui.perfetto.dev), adds the process "
-            f'"{DEVICES_PROCESS}" with one track per emulated device.',
+            f'"{report["perfetto_device_tracks"]}" with one track per emulated device.',
         ]
     if any(t.get("empty_on_cpu") for t in links):
         lines += [

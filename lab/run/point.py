@@ -227,6 +227,7 @@ class _Measured:
     host_load: float | None = None
     result: dict[str, float | int] | None = None  # kernels.program.digest of the last output
     events: tuple = ()  # the trace's op events (lab.measure.trace.OpEvent)
+    device_tracks: str | None = None  # the Perfetto copy's process of per-device tracks, where it was added
 
 
 def _measure(exp: Experiment, built, compiled, out_dir: Path, names: set[str], progress, clock: _Clock) -> _Measured:
@@ -249,7 +250,7 @@ def _measure(exp: Experiment, built, compiled, out_dir: Path, names: set[str], p
     result = digest(last[0])
     progress("parsing the trace")
     per_op = (stats := trace.parse(files, hlo_names=names)).per_op()
-    profile.add_device_tracks(files.perfetto, stats.events, stats.backend)  # emulated: a track per device
+    tracks = profile.add_device_tracks(files.perfetto, stats.events, stats.backend)  # emulated: one per device
     return _Measured(
         files,
         {name: s.median_self_s for name, s in per_op.items()},
@@ -258,6 +259,7 @@ def _measure(exp: Experiment, built, compiled, out_dir: Path, names: set[str], p
         load.others,
         result,
         stats.events,
+        profile.DEVICES_PROCESS if tracks else None,
     )
 
 
@@ -364,6 +366,7 @@ def run_point(
         **({"compiled_for": env["compiled_for"], "xla": audit.get("xla")} if target is not None else {}),
         **_trace_fields(files, env["backend"], xprof, out_dir, final_dir),
         "hlo_module": _module_name(hlo_text),  # what to pick in TensorBoard's memory and graph viewers
+        "perfetto_device_tracks": m.device_tracks,
     }
     written = report.write_all(data, out_dir, timings=lambda: _timings(clock))
     progress(f"wrote {', '.join(written)}")
