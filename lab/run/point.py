@@ -7,6 +7,9 @@ roofline (the ledger's ``predicted``); **profile** warm-up plus repeats of the s
 ``jax.profiler`` and parse per-op times; **join** estimated | predicted | compiled | measured per op; write the
 reports. As one of several processes it gathers every process's step times to process 0, whose ledger is the
 slowest process's; the other processes keep their trace and a small ``report.json``.
+
+About 500 lines on purpose: the phases of one point hand their results down in order (estimate -> compiled ->
+measured -> the report's fields), and each helper here is used by that one path only.
 """
 
 from __future__ import annotations
