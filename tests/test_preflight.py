@@ -382,3 +382,21 @@ def test_a_printed_tool_command_runs_as_printed(monkeypatch, tmp_path):
     assert runnable("shardlab") == "shardlab"
     monkeypatch.setenv("SHARDLAB_CALLER_PATH", "/usr/bin:/bin")  # scripts/ put .venv/bin on PATH; the shell has not
     assert Path(runnable("shardlab")).resolve() == (here / "shardlab").resolve()
+
+
+def test_the_usual_xla_flags_cost_no_child_process(monkeypatch):
+    """The flags the suite itself runs with are checked in-process (3.5 s a command otherwise); an unknown flag, or
+    a known one with a value not of its kind, is still tried by XLA in a child, once per process and value."""
+    from lab.run import preflight
+
+    probed = []
+    monkeypatch.setattr(preflight, "_probe", lambda value, env: probed.append(value))
+    monkeypatch.setattr(preflight, "_checked", set())
+    usual = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    check_environment({"XLA_FLAGS": f"{usual} {DEVICE_COUNT}=8"})
+    assert probed == []
+    odd = f"{usual} --xla_backend_optimization_level=abc"
+    check_environment({"XLA_FLAGS": odd})
+    check_environment({"XLA_FLAGS": odd})  # the same value again: not tried twice
+    check_environment({"XLA_FLAGS": "--xla_cpu_something_new=1"})
+    assert probed == [odd, "--xla_cpu_something_new=1"]
