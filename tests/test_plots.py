@@ -420,3 +420,16 @@ def test_the_report_names_the_perfetto_copys_device_tracks_on_emulated_devices()
     added = extra | {"perfetto_device_tracks": DEVICES_PROCESS}  # what a run records where it added them
     assert f'"{DEVICES_PROCESS}" with one track per emulated device' in writer.markdown(_report(OPS) | added)
     assert "one track per emulated device" not in writer.markdown(_report(OPS, emulated=False) | extra)
+
+
+def test_ops_csv_lists_the_heaviest_measured_op_first(tmp_path):
+    import csv
+
+    rows = [
+        _op("a", "matmul", 1e-3, 1e-3) | {"measured_s": None},
+        _op("b", "matmul", 1e-3, 2e-3),
+        _op("c", "matmul", 1e-3, 5e-3),
+    ]
+    writer.write_csv(rows, tmp_path / "ops.csv")
+    with open(tmp_path / "ops.csv", newline="") as f:
+        assert [r["name"] for r in csv.DictReader(f)] == ["c", "b", "a"]

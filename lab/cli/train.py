@@ -29,7 +29,7 @@ from lab.cli.args import (
 from lab.cli.commands import help_of
 from lab.core.errors import UserError
 from lab.core.table import render
-from lab.core.units import fmt_count, fmt_seconds
+from lab.core.units import fmt_count, fmt_seconds, fmt_share
 from lab.predict.intervals import for_training
 from lab.predict.intervals import text as interval_text
 from lab.predict.training.config import ELEMENTWISE
@@ -222,7 +222,7 @@ def _step_rows(est, iv=None) -> list[list[str]]:
         ["  optimizer", fmt_seconds(b["optimizer_s"])],
         *([["  offload (exposed)", fmt_seconds(b["offload_s"])]] if b.get("offload_s") else []),
         ["tokens/s", f"{fmt_count(est.tokens_per_s)} ({fmt_count(est.tokens_per_s / cfg.layout.chips)} per chip)"],
-        ["MFU / HFU", f"{100 * est.mfu:.1f}% / {100 * est.hfu:.1f}%"],
+        ["MFU / HFU", f"{fmt_share(est.mfu)} / {fmt_share(est.hfu)}"],
         [
             "memory per chip",
             f"{mem.total / GiB:.1f} GiB of {mem.hbm_bytes / GiB:.1f} GiB: params "

@@ -96,5 +96,11 @@ def fmt_rate(x: float, unit: str) -> str:
     return _scaled(x, _SI, unit)
 
 
+def fmt_share(x: float) -> str:
+    """A share as a percentage with one decimal; a positive share too small for it is ``<0.1%``, not ``0.0%`` (a
+    toy model's MFU: its FLOPs are real, just few)."""
+    return "<0.1%" if 0 < x < 0.0005 else f"{100 * x:.1f}%"
+
+
 def fmt_count(x: float) -> str:
     return _scaled(x, _SI, "").strip()

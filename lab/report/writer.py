@@ -38,10 +38,12 @@ CSV_KEYS = (
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    """Every op, heaviest measured first as in the ledger (ops never measured last, in HLO order)."""
+    ordered = sorted(rows, key=lambda r: -(r.get("measured_s") or 0.0))  # stable: ties keep HLO order
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(CSV_KEYS), extrasaction="ignore")
         w.writeheader()
-        for r in rows:
+        for r in ordered:
             w.writerow(r)
 
 

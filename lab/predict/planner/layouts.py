@@ -37,7 +37,7 @@ from lab.core.errors import UserError
 from lab.core.hardware import Chip
 from lab.core.models import ModelConfig
 from lab.core.table import render
-from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
+from lab.core.units import fmt_bytes, fmt_count, fmt_seconds, fmt_share
 from lab.predict.planner.search import Search
 from lab.predict.training.estimate import (
     GRAD_BYTES,
@@ -165,7 +165,7 @@ class PlanResult:
                     fmt_seconds(est.step_time_s),
                     _likely(iv, same[i - 1], i == 1),
                     fmt_count(est.tokens_per_s),
-                    f"{100 * est.mfu:.1f}%",
+                    fmt_share(est.mfu),
                     f"{mem.total / GIB:.1f} / {mem.hbm_bytes / GIB:.1f}",
                     est.bottleneck,
                 ]
