@@ -398,9 +398,16 @@ def command(
 def model_flags() -> tuple[str, ...]:
     """The custom-model flags' names: every size of :mod:`lab.core.models` but the context (the job's --seq-len
     sets it), and the two switches; read from the model's own table when a command needs them."""
-    from lab.core.models import POSITIVE_DIMS, ZERO_MEANS_NONE
+    from lab.core.models import ZERO_MEANS_NONE
 
-    return (*(f for f in POSITIVE_DIMS if f != "max_seq_len"), "tied_embeddings", *ZERO_MEANS_NONE, "gated_mlp")
+    return (*_sizes(), "tied_embeddings", *ZERO_MEANS_NONE, "gated_mlp")
+
+
+def _sizes() -> tuple[str, ...]:
+    """The model's positive sizes a flag sets: all but the context, which the job's --seq-len sets."""
+    from lab.core.models import POSITIVE_DIMS
+
+    return tuple(f for f in POSITIVE_DIMS if f != "max_seq_len")
 
 
 _ZERO_MEANS_NONE_HELP = {
@@ -421,13 +428,12 @@ def model_parent(positional: bool) -> argparse.ArgumentParser:
         p.add_argument("model", nargs="?", metavar="NAME", help="catalog model or a .toml file (see `model list`)")
     else:
         p.add_argument("--model", metavar="NAME", help="catalog model or a .toml file; flags below override it")
-    from lab.core.models import POSITIVE_DIMS, ZERO_MEANS_NONE
+    from lab.core.models import ZERO_MEANS_NONE
 
     g = p.add_argument_group("custom model")
-    for name in POSITIVE_DIMS:
-        if name != "max_seq_len":  # the job's --seq-len
-            flag = name.replace("_", "-")
-            g.add_argument(f"--{flag}", type=positive_int(f"--{flag}"), metavar="N")
+    for name in _sizes():
+        flag = name.replace("_", "-")
+        g.add_argument(f"--{flag}", type=positive_int(f"--{flag}"), metavar="N")
     for name in ZERO_MEANS_NONE:
         flag = name.replace("_", "-")
         g.add_argument(f"--{flag}", type=nonneg_int(f"--{flag}"), metavar="N", help=_ZERO_MEANS_NONE_HELP[name])

@@ -87,8 +87,9 @@ def sweep_text(result) -> str:
 def _coverage_line(r: dict, large: str) -> str:
     """How much of the measured time the predictions cover; a compiled-only run says nothing ran instead of 0%."""
     if r.get("compile_only"):
-        where = f"cross-compiled for {r['compiled_for']['topology']}" if r.get("compiled_for") else "compiled only"
-        return f"{where}: nothing ran, so no measured times and no coverage"
+        from lab.report.writer import compiled_where
+
+        return f"{compiled_where(r)}: nothing ran, so no measured times and no coverage"
     cover = r.get("estimate_coverage")
     return (
         f"coverage {100 * r['coverage']:.1f}% of measured op time in predicted ops"
@@ -102,13 +103,13 @@ def run_text(result) -> str:
     from lab.core.paths import runnable
     from lab.core.units import fmt_seconds
     from lab.report.trust import spec_words, verdict_words
-    from lab.report.writer import ledger_table, named_table
+    from lab.report.writer import compiled_where, ledger_table, named_table, trust_of
 
     r = result.report
     hw = r["hardware"]
     ratio = r["summary"]["median_ratio_large"]
     cal = "a host-calibrated spec" if hw.get("calibrated") else "an UNCALIBRATED spec"
-    trust = r["summary"].get("trust") or {"verdict": "not measured", "reasons": ["no verdict recorded"]}
+    trust = trust_of(r)
     emulated = f" (EMULATED: timings vs {cal}, structure exact)" if r["emulated"] else ""
     verdict = {True: "all match", False: "MISMATCH", None: "not estimated"}[r["audit"].get("all_match")]
     large = f"median measured/predicted {ratio:.2f}" if ratio else "none"
@@ -119,7 +120,7 @@ def run_text(result) -> str:
     scaled = r.get("scaled_to_host")
     lines = [
         f"{r['experiment']} on {r['devices']} {r['backend']} devices{emulated}"
-        + (f" (cross-compiled for {r['compiled_for']['topology']}: nothing ran)" if r.get("compiled_for") else ""),
+        + (f" ({compiled_where(r)}: nothing ran)" if r.get("compiled_for") else ""),
         *(
             [f"SCALED to this host by 1/{scaled['factor']} (--scale-to-host; sizes in the report)"]
             if scaled and scaled["factor"] > 1

@@ -265,6 +265,14 @@ def _section(text: str, title: str) -> str:
     return m.group(1) if m else ""
 
 
+def module_name(text: str) -> str | None:
+    """The module's name (``jit_body``), from the first line of its HLO text (``HloModule NAME, ...``)."""
+    first = text.split("\n", 1)[0]
+    if not first.startswith("HloModule "):
+        return None
+    return first[len("HloModule ") :].split(",", 1)[0].strip() or None
+
+
 def parse_module(text: str) -> Module:
     """Split HLO text into computations of instructions."""
     comps: dict[str, list[Instruction]] = {}

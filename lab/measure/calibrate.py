@@ -446,17 +446,14 @@ def check_writable(path: str | os.PathLike | None = None) -> Path:
     Raises:
         UserError: naming the path, and the setting it came from (``--out``, or ``$SHARDLAB_SPECS_DIR``).
     """
+    from lab.core.paths import check_folder
+
     p = _spec_path(path)
+    flag = "--out" if path is not None else f"${SPECS_DIR_ENV}"
     where = "pass --out PATH" if path is not None else f"set {SPECS_DIR_ENV} to a folder (or unset it for ./specs)"
     if p.is_dir():
         raise UserError(f"cannot write the spec to {str(p)!r}: it is a folder; {where}")
-    probe = p.parent
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise UserError(f"cannot write the spec to {str(p)!r}: {str(probe)!r} is a file; {where}")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write the spec to {str(p)!r}: {str(probe)!r} is not writable; {where}")
+    check_folder(p.parent, flag, what="write the spec there", hint=where, shown=p)
     return p
 
 

@@ -462,18 +462,14 @@ def step_bars(report: dict[str, Any]) -> dict[str, dict[str, float]]:
     idle), ``predicted`` (the roofline's sum of op times, the step_time_predicted_s it is reported as) and
     ``estimated`` (the estimator's step, split like its ops). :func:`placement` says how the measured bar was made."""
     parts = report["breakdown"]
-    bubble = report.get("pipeline_bubble") or {}
     bars: dict[str, dict[str, float]] = {}
-    step = report.get("step_time_measured_s")
-    measured = dict(parts["measured"])
-    busy = sum(measured.values())
-    if step and busy:
-        waiting = bubble.get("measured", 0.0) * step  # the stages' idle steps: drawn as the bubble, not idle
-        room = step - waiting
+    fill = _measured_fill(report)
+    if fill is not None:
+        step, busy, room = fill
         scale = min(1.0, room / busy)  # ops overlap across devices: never more than the step itself
         bars["measured"] = (
-            {k: v * scale for k, v in measured.items()}
-            | ({"bubble": waiting} if waiting else {})
+            {k: v * scale for k, v in parts["measured"].items()}
+            | ({"bubble": step - room} if room < step else {})
             | {"idle": max(0.0, room - busy * scale)}
         )
     bars["predicted"] = dict(parts["predicted"])
@@ -484,14 +480,23 @@ def step_bars(report: dict[str, Any]) -> dict[str, dict[str, float]]:
     return bars
 
 
+def _measured_fill(report: dict[str, Any]) -> tuple[float, float, float] | None:
+    """The measured step, the sum of its op times, and the room they fill: the step less the pipeline's measured
+    bubble (the stages' idle steps, drawn as the bubble); None without a measured step or op times."""
+    step, busy = report.get("step_time_measured_s"), sum(report["breakdown"]["measured"].values())
+    if not step or not busy:
+        return None
+    return step, busy, step * (1 - (report.get("pipeline_bubble") or {}).get("measured", 0.0))
+
+
 def placement(report: dict[str, Any]) -> str | None:
     """How the measured bar places the op times in the step, in one line (None without a measured step)."""
     from lab.core.units import fmt_seconds
 
-    step, busy = report.get("step_time_measured_s"), sum(report["breakdown"]["measured"].values())
-    if not step or not busy:
+    fill = _measured_fill(report)
+    if fill is None:
         return None
-    room = step * (1 - (report.get("pipeline_bubble") or {}).get("measured", 0.0))
+    step, busy, room = fill
     if busy <= room:
         return (
             f"measured: op times (each on its slowest device) sum to {fmt_seconds(busy)} of the "

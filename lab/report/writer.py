@@ -144,16 +144,24 @@ def _likely(interval: list[float] | None) -> str:
     return f", likely {_s(interval[0])}-{_s(interval[1])} (80%)"
 
 
+def compiled_where(report: dict[str, Any]) -> str:
+    """``cross-compiled for v5e:2x4`` or ``compiled only``: what a run that measured nothing did instead."""
+    target = report.get("compiled_for")
+    return f"cross-compiled for {target['topology']}" if target else "compiled only"
+
+
+def trust_of(report: dict[str, Any]) -> dict[str, Any]:
+    """The run's trust verdict (``summary.trust``), or, for a report written before runs recorded one, the verdict
+    of its summary."""
+    summary = report["summary"]
+    return summary.get("trust") or verdict(summary, BAND_WIDTH, bool(report.get("compile_only")))
+
+
 def _coverage(report: dict[str, Any], summary: dict[str, Any]) -> list[str]:
     """How much of the measured time the predictions cover, and the large ops' ratio; a compiled-only run says that
     nothing ran (not "coverage 0%")."""
     if report.get("compile_only"):
-        where = (
-            f"cross-compiled for {report['compiled_for']['topology']}"
-            if report.get("compiled_for")
-            else "compiled only"
-        )
-        return [f"- measured: nothing ({where}: nothing ran, so there is no coverage and no ratio)"]
+        return [f"- measured: nothing ({compiled_where(report)}: nothing ran, so there is no coverage and no ratio)"]
     ratio = summary["median_ratio_large"]
     return [
         f"- coverage: {100 * report['coverage']:.1f}% of measured op time is in predicted ops"
@@ -184,7 +192,7 @@ def _facts(report: dict[str, Any]) -> list[str]:
         lines.append(f"- routing: {routing_line(report['routing'])}")
     if report.get("pipeline_bubble"):
         lines.append(f"- pipeline bubble: {bubble_line(report['pipeline_bubble'])}")
-    trust = summary.get("trust") or verdict(summary, BAND_WIDTH, bool(report.get("compile_only")))
+    trust = trust_of(report)
     lines.append(f"- trust: {verdict_words(trust)}")
     if trust["verdict"] == "UNSTEADY":
         lines.append(

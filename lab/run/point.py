@@ -24,6 +24,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from lab.compile.hlo import module_name
 from lab.core.errors import UserError, raise_if_interrupted
 from lab.core.hardware import Chip
 from lab.core.heartbeat import still
@@ -368,7 +369,7 @@ def run_point(
         "audit": audit,
         **({"compiled_for": env["compiled_for"], "xla": audit.get("xla")} if target is not None else {}),
         **_trace_fields(files, env["backend"], xprof, out_dir, final_dir),
-        "hlo_module": _module_name(hlo_text),  # what to pick in TensorBoard's memory and graph viewers
+        "hlo_module": module_name(hlo_text),  # what to pick in TensorBoard's memory and graph viewers
         "perfetto_device_tracks": m.device_tracks,
     }
     written = report.write_all(data, out_dir, timings=lambda: _timings(clock))
@@ -392,14 +393,6 @@ def _add_xprof_times(row_dicts: list[dict[str, Any]], xprof: list[dict[str, Any]
         by_op = xprof_self_times(xprof)
         for r in row_dicts:
             r["xprof_self_s"] = by_op.get(r["name"])
-
-
-def _module_name(hlo_text: str) -> str | None:
-    """The compiled module's name (``jit_body``), from the first line of its HLO text (``HloModule NAME, ...``)."""
-    first = hlo_text.split("\n", 1)[0]
-    if not first.startswith("HloModule "):
-        return None
-    return first[len("HloModule ") :].split(",", 1)[0].strip() or None
 
 
 def _trace_fields(files, backend: str, xprof, out_dir: Path, final_dir: Path) -> dict[str, Any]:
