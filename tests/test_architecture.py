@@ -158,3 +158,39 @@ def test_analytic_commands_and_the_experiment_loader_start_no_jax():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def _start_up_tricks(tree: ast.AST) -> list[str]:
+    """Assignments into ``sys.modules``, ``marshal`` imports and collector switches (``gc.freeze``/``disable``) in a
+    module's syntax tree: what a start-up benchmark once bent product code into."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+            found += [f"line {node.lineno}: imports marshal" for n in names if n == "marshal"]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            if isinstance(owner, ast.Name) and owner.id == "gc" and node.func.attr in ("freeze", "disable"):
+                found.append(f"line {node.lineno}: gc.{node.func.attr}()")
+        elif isinstance(node, ast.Assign | ast.Delete):
+            for t in node.targets:
+                if isinstance(t, ast.Subscript) and ast.unparse(t.value) == "sys.modules":
+                    found.append(f"line {node.lineno}: {ast.unparse(t)}")
+    return found
+
+
+def test_the_start_up_check_finds_each_trick():
+    code = "import marshal\nimport gc, sys\ngc.freeze()\nsys.modules['inspect'] = None\ndel sys.modules['x']\n"
+    assert len(_start_up_tricks(ast.parse(code))) == 4
+
+
+def test_product_code_patches_no_module_table_and_no_collector():
+    """Issue 36: no start-up patching in lab/ or kernels/. The one registration allowed is a user's model file
+    under its own fresh name (kernels/user_model.py), which importlib needs for dataclasses and pickling."""
+    allowed = {("kernels.user_model", "sys.modules[name]")}
+    bad = []
+    for name, path in _modules().items():
+        for hit in _start_up_tricks(ast.parse(path.read_text(encoding="utf-8"))):
+            if not any(name == m and hit.endswith(t) for m, t in allowed):
+                bad.append(f"{name} {hit}")
+    assert bad == []

@@ -365,17 +365,3 @@ def test_the_trace_starts_after_the_plots_import_has_finished(jax_devices, tmp_p
     exp = str(Path(__file__).resolve().parent.parent / "experiments" / "sharded_matmul_case2.toml")
     run_experiment(exp, str(tmp_path), quiet=True, hardware="cpu", overrides={"warmup": 0, "repeats": 1})
     assert seen == [True]
-
-
-def test_a_command_line_run_draws_without_the_3d_toolkit_and_a_python_session_keeps_it():
-    """`shardlab run` imports matplotlib without mpl_toolkits.mplot3d (0.4 s of its import); the toolkit itself
-    still imports afterwards, and a Python session that did not ask keeps the "3d" projection."""
-    code = (
-        "import sys\nfrom lab.report import plots\n{call}plots._load()\n"
-        "import matplotlib.projections as p\nprint('mpl_toolkits.mplot3d' in sys.modules, '3d' in "
-        "p.get_projection_names())\nfrom mpl_toolkits.mplot3d import Axes3D\nprint(Axes3D.__name__)\n"
-    )
-    for call, first in (("plots.without_3d()\n", "False False"), ("", "True True")):
-        argv = [sys.executable, "-W", "error", "-c", code.format(call=call)]
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0 and r.stdout.splitlines() == [first, "Axes3D"], r.stderr[-2000:]

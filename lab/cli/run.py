@@ -18,10 +18,8 @@ EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"  # the checkou
 
 
 def cmd_run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    from lab.report.plots import without_3d
     from lab.run.pipeline import run_experiment
 
-    without_3d()  # this process draws the report's charts and nothing else
     result = run_experiment(
         args.experiment,
         args.out,
@@ -286,10 +284,7 @@ def cmd_demo(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     report = run_demo(hardware=args.hardware, hardware_file=args.hardware_file)
     if args.analytic_only:
         return report.data, report.text
-    from lab.report.plots import without_3d
     from lab.run.pipeline import run_experiment
-
-    without_3d()  # as `shardlab run`: the report's charts are all this process draws
 
     experiment = EXPERIMENTS / "tp_mlp.toml"
     job = main_job()

@@ -21,9 +21,7 @@ modules for no reader's gain.
 
 from __future__ import annotations
 
-import gc
 import math
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -44,29 +42,7 @@ COLORS = {
 }
 
 
-_WITHOUT_3D = False  # set by without_3d()
-
-
-def without_3d() -> None:
-    """For a process that draws only the lab's charts (the command line): import matplotlib without its 3-D toolkit.
-
-    matplotlib's import loads ``mpl_toolkits.mplot3d`` to register the ``"3d"`` projection, about 0.4 s of its 1 s
-    import on a 2-core host. Where matplotlib is imported after this, ``projection="3d"`` is unknown for the rest of
-    the process; ``shardlab run`` and ``demo`` call it (in-process too, through ``lab.cli.main.main``), the Python
-    API (``lab.run.pipeline.run_experiment``) does not."""
-    global _WITHOUT_3D
-    _WITHOUT_3D = True
-
-
 def _load() -> None:
-    fresh = "matplotlib.figure" not in sys.modules
-    block = _WITHOUT_3D and "matplotlib.projections" not in sys.modules and "mpl_toolkits.mplot3d" not in sys.modules
-    if block:  # a stand-in whose Axes3D is None: matplotlib then registers no "3d" projection, and says nothing
-        import types
-
-        stand_in = types.ModuleType("mpl_toolkits.mplot3d", "not loaded: this process draws no 3-D axes")
-        stand_in.Axes3D = None
-        sys.modules["mpl_toolkits.mplot3d"] = stand_in
     try:
         from matplotlib import font_manager
         from matplotlib.backends import backend_agg  # noqa: F401  (savefig's canvas)
@@ -75,14 +51,6 @@ def _load() -> None:
         font_manager.fontManager  # noqa: B018  (the font cache, read on the first text drawn)
     except Exception:  # the plots import it again and say what is wrong
         return
-    finally:
-        if block and sys.modules.get("mpl_toolkits.mplot3d") is stand_in:
-            del sys.modules["mpl_toolkits.mplot3d"]  # a later import of the toolkit itself works
-    # what was imported lives as long as the process: out of the collector's sight, so that the trace's parse
-    # (many short-lived objects) does not rescan matplotlib's hundred thousand at every full collection (once: a
-    # process running many reports, a test session, freezes nothing more)
-    if fresh:
-        gc.freeze()
 
 
 _PRELOADING: list[threading.Thread] = []
@@ -562,4 +530,4 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
     return list(drawn)
 
 
-__all__ = ["BAND", "figures", "placement", "plots", "preload", "preloaded", "roof", "step_bars", "without_3d"]
+__all__ = ["BAND", "figures", "placement", "plots", "preload", "preloaded", "roof", "step_bars"]
