@@ -142,6 +142,10 @@ def bases(work: Path) -> dict[str, list[str]]:
             "--generate",
             "128",
         ],
+        "infer serve": [
+            *("infer", "serve", "--model", "llama3-8b", "--hardware", "h100", "--rate", "10", "--requests", "50"),
+            *("--png", f"{out}/serve.png"),
+        ],
         "audit": ["audit", "--list"],
     }
 
@@ -269,6 +273,14 @@ BAD_NOTATION = st.one_of(
     st.sampled_from(["", "A[I_X,J", "A[I_X,J_X] * B[J,K]", "A[I_Z,J] * B[J,K]", "A[I,J]", "A[I,I] * B[I,K]"]),
     TEXT.filter(lambda s: "[" not in s),
 )
+# a request length (infer serve): a count or a range LO-HI, each >= 1 and LO <= HI
+BAD_LENGTHS = st.one_of(st.sampled_from(["", "0", "-5", "9-3", "1.5", "3-", "-", "1-2-3", "nan"]), TEXT)
+# latency targets: METRIC=NUMBER with a unit of s, ms or us
+BAD_SLO = st.one_of(
+    st.sampled_from(["", ",", "ttft", "ttft=", "ttft=0.5", "ttft=-1s", "ttft=0s", "ttft=nans", "ttft=infs", "x=1s"]),
+    st.sampled_from(["ttft=5minutes", "tpot=1e999ms", "ttft=1s,,tpot"]),
+    TEXT,
+)
 BAD_TARGET = st.one_of(
     st.sampled_from(["", "nope", "missing.toml", "a b", "x;y", "decode", "train_step"]),
     NAMES.filter(lambda s: s not in PROGRAMS),
@@ -317,6 +329,7 @@ def strategy(command: str, action: argparse.Action, work: Path):
         "out": bad_paths(work, "out"),
         "folder": bad_paths(work, "folder"),
         "path": bad_paths(work, "in"),
+        "lengths": BAD_LENGTHS,
     }
     if kind in by_kind:
         return by_kind[kind]
@@ -328,6 +341,7 @@ def strategy(command: str, action: argparse.Action, work: Path):
         "--model": BAD_MODEL,
         "model": BAD_MODEL,
         "--bytes": BAD_BYTES,
+        "--slo": BAD_SLO,
         "kind": BAD_KIND,
         "expression": BAD_NOTATION,
         "--sizes": BAD_ASSIGNMENTS,

@@ -338,13 +338,16 @@ def cmd_study_memtech(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, with_chip) -> dict[str, Any]:
-    """Add ``infer`` (estimate, sweep, topology, disaggregate); return the ``infer`` subparsers."""
+    """Add ``infer`` (estimate, sweep, topology, disaggregate, serve); return the ``infer`` subparsers."""
     ip = sub.add_parser("infer", help=help_of("infer"))
     isub = ip.add_subparsers(dest="infer_command", required=True, parser_class=Parser, metavar="COMMAND")
     ie = _register_estimate(isub, common)
     _register_sweep(isub, common)
     _register_topology(isub, common)
     _register_disaggregate(isub, common, hw, with_chip, ie)
+    from lab.cli import serve
+
+    serve.register(isub, common, _storage_dtype, MOE_WEIGHTS)
     return {"infer": isub}
 
 

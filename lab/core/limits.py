@@ -17,4 +17,12 @@ MAX_EMULATED = 2048
 # 2-core hosts this lab is measured on, a busy host measured peak fp32 4-5x low.
 HOST_BUSY = 0.25
 
-__all__ = ["HOST_BUSY", "MAX_CALLS", "MAX_EMULATED"]
+# Requests one serving simulation takes (infer serve): 10,000 take about 1.7 s on one core of a 2-core host
+# (scripts/bench_serve), so the most runs in minutes.
+MAX_REQUESTS = 100_000
+
+# Chips a serving search tries up to (infer serve --search): each power of two and each tensor-parallel degree is
+# a simulation of its own.
+MAX_CHIPS_SEARCHED = 256
+
+__all__ = ["HOST_BUSY", "MAX_CALLS", "MAX_CHIPS_SEARCHED", "MAX_EMULATED", "MAX_REQUESTS"]
