@@ -310,6 +310,10 @@ def build(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0) -> Built:
         from kernels.transformer.decode import build_decode
 
         return build_decode(plan, mesh, seed=seed)
+    if plan.program == "serve":
+        from kernels.transformer.paged import build_serve
+
+        return build_serve(plan, mesh, seed=seed)
     if plan.program == "user_model":
         from kernels.user_model import build_user
 

@@ -97,3 +97,32 @@ def test_each_token_lands_in_its_page_at_its_offset(mesh, jax_devices):
     after = jax.device_get(eng.kv)["k"]
     changed = np.argwhere(np.any(after != before, axis=(0, 4, 5)))  # (replica, page, offset)
     assert changed.tolist() == [[r, s.pages[1], 2] for r, s in enumerate(seqs)]
+
+
+def test_a_serve_run_reports_measured_beside_predicted_for_every_request(tmp_path):
+    """shardlab run experiments/serve_tp.toml: the profiled step audits whole, and report.json's serving section
+    holds the engine's percentiles beside the simulator's for the same requests (timings are not judged here:
+    scripts/bench_serve compares them over repeated runs)."""
+    import json
+    from pathlib import Path
+
+    from lab.run.pipeline import run_experiment
+
+    exp = Path(__file__).resolve().parent.parent / "experiments" / "serve_tp.toml"
+    result = run_experiment(str(exp), str(tmp_path), quiet=True, hardware="cpu", overrides={"warmup": 1, "repeats": 1})
+    report = json.loads((result.run_dir / "report.json").read_text())
+    assert report["audit"]["all_match"]
+    serving = report["serving"]
+    for side in ("measured", "predicted"):
+        s = serving[side]
+        assert s["requests"] == 64 and s["steps"] > 64
+        for key in ("ttft_s", "tpot_s", "e2e_s"):
+            assert 0 < s[key]["p50"] <= s[key]["p90"] <= s[key]["p99"]
+    assert [r["rid"] for r in serving["requests"]] == list(range(64))
+    # every step of the prediction costs the estimate of the step plus the host's measured work per step
+    step = serving["step_s"]
+    assert step["predicted"] == pytest.approx(step["estimated_device"] + step["host_overhead"])
+    assert step["estimated_device"] == pytest.approx(report["step_time_estimated_s"])
+    text = (result.run_dir / "report.md").read_text()
+    assert "## Serving under load: measured | predicted" in text and "**emulated**" in text
+    assert (result.run_dir / "serving.png").stat().st_size > 10_000

@@ -37,8 +37,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
+from kernels.mesh import make_mesh
+from kernels.program import Built
 from kernels.transformer.model import (
     HEADS,
     KV_HEADS,
@@ -53,14 +56,17 @@ from kernels.transformer.model import (
     _mlp,
     _rms_norm,
     _rope,
+    abstract,
     check_layout,
     compute_dtype,
+    init_params,
     param_info,
     shardings,
     validate,
 )
 from lab.core.errors import UserError
 from lab.core.models import ModelConfig
+from lab.core.plan import Plan
 from lab.core.rules import ShardingRules
 from lab.core.serving import PoolConfig
 
@@ -195,22 +201,84 @@ def paged_step(params: Params, kv: Cache, batch: dict[str, jax.Array], cfg: Mode
     return nxt, {"k": lay.constrain(k, axes), "v": lay.constrain(v, axes)}
 
 
+def _step_shardings(cfg: ModelConfig, rules: ShardingRules, mesh: Mesh, pool: PoolConfig, dtype: str):
+    """``(in_shardings, out_shardings)`` of the step: weights, pool and slots in; next tokens and pool out."""
+    r = replicas(rules, mesh)
+    p_sh = shardings(param_info(cfg), rules, mesh)
+    kv_sh = shardings(pool_info(cfg, pool, r, dtype), rules, mesh)
+    b_sh = shardings(slot_info(cfg, pool, r), rules, mesh)
+    return (p_sh, kv_sh, b_sh), (b_sh["tokens"], kv_sh)
+
+
 def make_paged_step(
-    cfg: ModelConfig, rules: ShardingRules, mesh: Mesh, pool: PoolConfig, dtype: str = "float32"
+    cfg: ModelConfig, rules: ShardingRules, mesh: Mesh, pool: PoolConfig, dtype: str = "float32", donate: bool = True
 ) -> Callable:
-    """Jitted ``(params, kv, batch) -> (next [R, T], kv)`` with pinned shardings; the pool ``kv`` is donated.
+    """Jitted ``(params, kv, batch) -> (next [R, T], kv)`` with pinned shardings; the pool ``kv`` is donated (the
+    engine's steps), or not (``donate=False``: a profiled step called again on the same arguments).
 
     One program for the whole run: every shape is fixed by ``cfg`` and ``pool`` (T = ``pool.token_budget``).
     """
     check(cfg, rules, mesh, pool)
-    r = replicas(rules, mesh)
     lay = _Layout(rules, mesh, compute_dtype(dtype), decode=True)  # the slots are no one sequence: T stays whole
-    p_sh = shardings(param_info(cfg), rules, mesh)
-    kv_sh = shardings(pool_info(cfg, pool, r, dtype), rules, mesh)
-    b_sh = shardings(slot_info(cfg, pool, r), rules, mesh)
-    out_sh = (b_sh["tokens"], kv_sh)
+    ins, outs = _step_shardings(cfg, rules, mesh, pool, dtype)
     fn = functools.partial(paged_step, cfg=cfg, lay=lay)
-    return jax.jit(fn, in_shardings=(p_sh, kv_sh, b_sh), out_shardings=out_sh, donate_argnums=1)
+    return jax.jit(fn, in_shardings=ins, out_shardings=outs, donate_argnums=1 if donate else ())
+
+
+def make_dispatch_probe(
+    cfg: ModelConfig, rules: ShardingRules, mesh: Mesh, pool: PoolConfig, dtype: str = "float32"
+) -> Callable:
+    """A program with the step's arguments, shardings and donation that computes nothing (the slots' tokens back,
+    the pool as it was): its time is what launching the step costs the host, whatever the model."""
+    ins, outs = _step_shardings(cfg, rules, mesh, pool, dtype)
+    return jax.jit(
+        lambda params, kv, batch: (batch["tokens"] + 0, kv), in_shardings=ins, out_shardings=outs, donate_argnums=1
+    )
+
+
+def pool_of(plan: Plan) -> PoolConfig:
+    """The pool a ``serve`` Plan's sizes describe."""
+    z = plan.sizes
+    return PoolConfig(z["pages"], z["page_size"], z["max_seqs"], z["token_budget"])
+
+
+def full_batch(cfg: ModelConfig, pool: PoolConfig, n_replicas: int) -> dict[str, np.ndarray]:
+    """A step with every slot real: slot t of a replica is a token of sequence row ``t % max_seqs`` at position
+    ``t // max_seqs``, each row's page table a run of pages. What a profiled step computes is the same for any
+    batch (the shapes are fixed); this one writes and reads pages as a loaded step does."""
+    T, Q, M, P = pool.token_budget, pool.max_seqs, pages_per_seq(cfg, pool), pool.pages
+    t = np.arange(T)
+    row = np.broadcast_to(t % Q, (n_replicas, T)).astype(np.int32)
+    pos = np.broadcast_to(np.minimum(t // Q, cfg.max_seq_len - 1), (n_replicas, T)).astype(np.int32)
+    table = (np.arange(Q)[:, None] * M + np.arange(M)[None, :]) % P
+    return {
+        "tokens": np.broadcast_to(t % cfg.vocab, (n_replicas, T)).astype(np.int32),
+        "positions": pos,
+        "rows": row,
+        "valid": np.ones((n_replicas, T), np.bool_),
+        "page_table": np.broadcast_to(table, (n_replicas, Q, M)).astype(np.int32),
+    }
+
+
+def build_serve(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0) -> Built:
+    """One serving step of a validated ``serve`` Plan on a full batch of slots (:func:`full_batch`), not donating
+    its pool: what the run profiles and audits. The load itself runs through :mod:`lab.run.serve`."""
+    plan.validate()
+    cfg, rules = plan.model, plan.rules
+    assert cfg is not None and rules is not None
+    pool = pool_of(plan)
+    m = mesh if mesh is not None else make_mesh(plan.shape, slow=plan.slow_axes)
+    fn = make_paged_step(cfg, rules, m, pool, plan.dtype, donate=False)
+    r = replicas(rules, m)
+    kv_info, slots = pool_info(cfg, pool, r, plan.dtype), slot_info(cfg, pool, r)
+    spec = (abstract(param_info(cfg), rules, m), abstract(kv_info, rules, m), abstract(slots, rules, m))
+
+    def make_args():
+        params = init_params(cfg, rules, m, jax.random.key(seed))
+        batch = jax.device_put(full_batch(cfg, pool, r), shardings(slots, rules, m))
+        return params, init_pool(cfg, pool, rules, m, plan.dtype), batch
+
+    return Built(fn, spec, make_args)
 
 
 def pool_bytes_per_device(cfg: ModelConfig, pool: PoolConfig, rules: ShardingRules, mesh: Mesh, dtype: str) -> float:
@@ -221,13 +289,17 @@ def pool_bytes_per_device(cfg: ModelConfig, pool: PoolConfig, rules: ShardingRul
 
 __all__ = [
     "SLOTS",
+    "build_serve",
     "check",
+    "full_batch",
     "init_pool",
+    "make_dispatch_probe",
     "make_paged_step",
     "paged_step",
     "pages_per_seq",
     "pool_bytes_per_device",
     "pool_info",
+    "pool_of",
     "replicas",
     "slot_info",
 ]

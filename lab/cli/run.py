@@ -148,12 +148,21 @@ def run_text(result) -> str:
     if r.get("estimated_ops"):
         lines += ["", named_table(r["estimated_ops"], limit=12)]
     lines += ["", ledger_table(r["ops"], limit=10 if r.get("estimated_ops") else 15), ""]
+    if r.get("serving"):  # a serve run's load: the engine beside the scheduler priced by the step's estimate
+        from lab.report.serving import table
+
+        lines += [
+            f"serving {r['serving']['measured']['requests']} requests (measured: the engine; predicted: the "
+            "scheduler on the step's estimate plus the host's work per step):",
+            table(r["serving"]),
+            "",
+        ]
     if r.get("compile_only"):
         lines.append(f"compiled only (no profile): {result.run_dir}/report.md, report.json, ops.csv, hlo.txt")
     else:
         lines += [
             f"report: {result.run_dir}/report.md (report.json, ops.csv, roofline.png, predicted_vs_measured.png, "
-            "breakdown.png)",
+            "breakdown.png" + (", serving.png)" if r.get("serving") else ")"),
             f"trace:  {runnable('tensorboard')} --logdir {r['tensorboard']}",
         ]
     return "\n".join(lines)

@@ -353,6 +353,10 @@ class Plan:
                 raise UserError(f"seq={seq} must be between 2 and max-seq-len={m.max_seq_len}")
             stored = dataclasses.replace(m, layers=self.stored_layers())  # the stacked layers, padded
             check_transformer(stored, rules, self.shape, batch=self.sizes["batch"], seq=seq)
+        elif self.program == "serve":  # a replica per step of the batch axes, one token a slot
+            if rules.axes("layers"):
+                raise UserError("serve does not pipeline: leave [rules] layers unsharded")
+            check_transformer(m, rules, self.shape, batch=rules.size("batch", self.shape), seq=1, decode=True)
         else:
             p, s = self.sizes["prompt_len"], self.sizes["steps"]
             if p + s > m.max_seq_len + 1:

@@ -12,7 +12,8 @@ kernel registry (``kernels/registry.py``) attaches a builder to every name here,
 * **moe**: a mixture-of-experts MLP, ``x [T, D]`` with T over ``data`` x ``expert`` and E experts over ``expert``;
 * **pipeline**: a stack of L residual MLP blocks in stages over mesh axis ``pipe`` (B over ``data``), a GPipe train
   step over M microbatches;
-* **transformer**: the LLaMA-style model's train step and greedy decode, placed by sharding rules.
+* **transformer**: the LLaMA-style model's train step, greedy decode and paged serving step, placed by sharding
+  rules.
 """
 
 from __future__ import annotations
@@ -252,6 +253,13 @@ _SPECS: tuple[ProgramSpec, ...] = (
         "transformer",
         "the Transformer's greedy generation: prefill the prompt, then one token per step from the KV cache",
         ("batch", "prompt_len", "steps"),
+    ),
+    ProgramSpec(
+        "serve",
+        "transformer",
+        "the Transformer serving requests under load: one step of token slots over a paged KV cache (profiled), "
+        "then the continuous-batching scheduler's load ([serve])",
+        ("pages", "page_size", "max_seqs", "token_budget"),
     ),
 )
 

@@ -363,6 +363,7 @@ class Served:
     steps: int
     preemptions: int
     makespan_s: float
+    step_times: list[float] = field(default_factory=list)  # each step's seconds, in order
 
 
 StepRunner = Callable[[Sequence[Step]], tuple[float, dict[int, int] | None]]
@@ -396,7 +397,7 @@ def drive(
     heapq.heapify(due)
     seqs: list[Seq] = []
     trace: list[tuple[float, float]] = []
-    now, steps = 0.0, 0
+    now, steps, durations = 0.0, 0, []
     steady = getattr(run, "steady", None)
 
     def finished(done: list[Seq]) -> None:
@@ -426,6 +427,7 @@ def drive(
                 if now >= arrival:
                     break
             steps += j
+            durations += times[:j]
             before = 0.0
             for sched in scheds:
                 done, used = sched.advance(j, now)
@@ -440,10 +442,11 @@ def drive(
         seconds, sampled = run(plan)
         now += seconds
         steps += 1
+        durations.append(seconds)
         for sched, step in zip(scheds, plan, strict=True):
             finished(sched.complete(step, now, sampled))
         trace.append((now, max(s.used_fraction for s in scheds)))
-    return Served(seqs, trace, steps, sum(s.preemptions for s in scheds), now)
+    return Served(seqs, trace, steps, sum(s.preemptions for s in scheds), now, durations)
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float | None]:

@@ -501,13 +501,18 @@ def _breakdown(report: dict[str, Any], tag: str):
 
 
 def figures(report: dict[str, Any]) -> dict[str, Any]:
-    """The three charts of a report with measurements, by file name."""
+    """The three charts of a report with measurements (and a serve run's load), by file name."""
     tag = " (emulated)" if report["emulated"] else ""
-    return {
+    drawn = {
         "roofline.png": _roofline(report, tag),
         "predicted_vs_measured.png": _vs_measured(report, tag),
         "breakdown.png": _breakdown(report, tag),
     }
+    if report.get("serving"):  # a serve run's load (lab.report.serving)
+        from lab.report import serving
+
+        drawn["serving.png"] = serving.figure(report["serving"], tag)
+    return drawn
 
 
 # Glyphs rasterised as their outlines give them, without FreeType's hinting to the pixel grid (matplotlib's default):

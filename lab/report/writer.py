@@ -339,6 +339,10 @@ def markdown(report: dict[str, Any]) -> str:
         ),
         "",
     ]
+    if report.get("serving"):
+        from lab.report import serving
+
+        lines += serving.markdown(report["serving"])
     lines += _tools(report)
     return "\n".join(lines)
 

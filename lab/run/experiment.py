@@ -50,6 +50,7 @@ from lab.core.rules import FIELDS, PRESETS, ShardingRules, rules_from_table
 from lab.core.schema import Field, check_value, read_table
 from lab.core.units import RUN_DTYPES, canonical_dtype
 from lab.predict.training.config import MAX_CHECKPOINTS_PER_LAYER
+from lab.run.serve_table import serve_table
 
 DTYPES = (*RUN_DTYPES, "f32", "fp8")  # fp8: priced by the estimators, not run
 EXPERIMENT = {
@@ -98,7 +99,7 @@ MODEL = {
 } | {"base": Field("str", "a catalog model to start from")}
 for _name in ZERO_MEANS_NONE:  # 0: none (the MoE details a dense model leaves out)
     MODEL[_name] = Field("int0", _name)
-SECTIONS = ("experiment", "mesh", "sizes", "model", "rules", "options", "run", "sweep")
+SECTIONS = ("experiment", "mesh", "sizes", "model", "rules", "options", "run", "sweep", "serve")
 # Untraced calls before the profiled ones when an experiment does not say. In a fresh process XLA:CPU's first
 # several calls of a program run slower (measured on 2 cores: a 1 MB AllReduce, slowest device, took 1.8-2.8 ms
 # in the first traced steps after one warm-up call and 0.53-0.61 ms after ten or thirty; see
@@ -121,6 +122,7 @@ class Experiment:
     repeats: int = REPEATS
     sweep: dict[str, tuple[int, ...]] = field(default_factory=dict)
     question: str = ""
+    serve: dict[str, Any] | None = None  # a serve program's load ([serve]: rate or concurrency, requests, lengths)
 
     @property
     def name(self) -> str:
@@ -440,6 +442,7 @@ def load_experiment(path: str | Path) -> Experiment:
         repeats=run.get("repeats", REPEATS),
         sweep=_sweep(r, sizes),
         question=exp.get("question", ""),
+        serve=serve_table(r, plan),
     )
 
 

@@ -318,6 +318,12 @@ def run_point(
         built.args  # noqa: B018  (placed now: after the memory check, and outside the profile's time)
         clock.lap("build_s")
         m = _measure(exp, built, compiled, out_dir, {p.name for p in ops_pred}, progress, clock)
+    serving = None
+    if plan.program == "serve" and not compile_only and dist.process_count() == 1:
+        from lab.run.serve import serve_experiment
+
+        serving = serve_experiment(exp, plan, chip, est.step_time_s, progress)
+        clock.lap("serve_s")
     processes: dict[str, Any] = {}
     if dist.process_count() > 1:  # every process's step times; the ledger of the slowest
         everyone, slowest = dist.combine(_process_summary(m, final_dir, rank))
@@ -371,6 +377,7 @@ def run_point(
         **_trace_fields(files, env["backend"], xprof, out_dir, final_dir),
         "hlo_module": module_name(hlo_text),  # what to pick in TensorBoard's memory and graph viewers
         "perfetto_device_tracks": m.device_tracks,
+        **({"serving": serving} if serving is not None else {}),
     }
     written = report.write_all(data, out_dir, timings=lambda: _timings(clock))
     progress(f"wrote {', '.join(written)}")

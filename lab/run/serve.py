@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -61,11 +62,14 @@ class Engine:
         self.kv = paged.init_pool(cfg, pool, self.rules, self.mesh, dtype)
         self.warmup()
 
-    def warmup(self) -> None:
-        """Compile (and run once) the step on padding only, which writes nothing: no measured step compiles."""
+    def warmup(self, calls: int = 1) -> None:
+        """Compile and run the step ``calls`` times on padding only, which writes nothing: no measured step
+        compiles, and with more calls none runs at a fresh program's slower first calls (XLA:CPU's first several
+        calls of a program run slower: lab.run.experiment WARMUP)."""
         batch = self.pack([Step(()) for _ in range(self.replicas)])[0]
-        nxt, self.kv = self.step(self.params, self.kv, batch)
-        jax.block_until_ready(nxt)
+        for _ in range(calls):
+            nxt, self.kv = self.step(self.params, self.kv, batch)
+            jax.block_until_ready(nxt)
 
     def pack(self, plan: Sequence[Step]) -> tuple[dict[str, np.ndarray], list[tuple[int, int, int]]]:
         """The step's host arrays (:func:`kernels.transformer.paged.slot_info`) from one Step per replica, and
@@ -162,3 +166,97 @@ def reference_greedy(engine: Engine, prompt_ids: Sequence[int], n: int) -> list[
 
 
 __all__ = ["Engine", "check_prompts", "reference_greedy", "serve"]
+
+
+# ----- a serve experiment's load: executed beside its simulation --------------------------------------------------
+
+
+def _prompts(requests: Sequence[Request], vocab: int, seed: int) -> dict[int, list[int]]:
+    rng = np.random.default_rng(seed)
+    return {r.rid: rng.integers(0, vocab, r.prompt_len).tolist() for r in requests}
+
+
+def host_step_s(engine: Engine, repeats: int = 20) -> float:
+    """The engine's host work per step, measured apart from the model: packing a full step's slots, dispatching a
+    program that takes the step's own arguments (weights, donated pool, slots) and computes nothing with them, and
+    reading its result back (median of ``repeats``). What the serving simulator adds to each step's device time as
+    the stack's overhead."""
+    noop = paged.make_dispatch_probe(engine.cfg, engine.rules, engine.mesh, engine.pool, engine.dtype)
+    full = [_full_step(engine) for _ in range(engine.replicas)]
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        batch, _ = engine.pack(full)
+        nxt, engine.kv = noop(engine.params, engine.kv, batch)
+        np.asarray(jax.device_get(nxt))
+        if i:  # the first call compiles
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _full_step(engine: Engine) -> Step:
+    """A step whose every slot is a decode of its own sequence (what packing a loaded step costs)."""
+    from lab.core.serving import Seq, Work
+
+    size, work = engine.pool.page_size, []
+    for t in range(min(engine.pool.token_budget, engine.pool.max_seqs)):
+        seq = Seq(Request(t, 0.0, size, 2), tokens=[0] * size, known=size, computed=size - 1, pages=[0], slot=t)
+        work.append(Work(seq, size - 1, 1, True))
+    return Step(tuple(work))
+
+
+def serve_experiment(exp, plan, chip, step_estimate_s: float, progress) -> dict[str, Any]:
+    """Run a ``serve`` experiment's load ([serve]) through the engine, and the same requests through the scheduler
+    priced by the estimate of one step (every step computes all its slots: the shapes are fixed) plus the host's
+    measured work per step: per request and in aggregate, measured beside predicted."""
+    from kernels.mesh import make_mesh
+    from lab.core.serving import poisson_requests, summarize
+
+    load = exp.serve
+    rate = load.get("rate", float("inf"))
+    requests = poisson_requests(load["requests"], rate, load["prompt_len"], load["output_len"], load["seed"])
+    prompts = _prompts(requests, plan.model.vocab, load["seed"])
+    pool = paged.pool_of(plan)
+    engine = Engine(plan.model, make_mesh(plan.shape, slow=plan.slow_axes), plan.rules, pool, plan.dtype)
+    engine.warmup(exp.warmup)  # the experiment's warm-up calls, as its profiled step had
+    overhead = host_step_s(engine)
+    progress(f"serving {len(requests)} requests on the engine (host work per step {overhead * 1e3:.2f} ms)")
+    measured = serve(engine, requests, prompts, load.get("concurrency"))
+    price = step_estimate_s + overhead
+    predicted = drive(requests, pool, lambda plan_: (price, None), engine.replicas, load.get("concurrency"))
+    by_rid = {s.req.rid: s for s in predicted.seqs}
+    rows = [_request_row(s, by_rid[s.req.rid]) for s in sorted(measured.seqs, key=lambda s: s.req.rid)]
+    return {
+        "load": {k: str(v) if k.endswith("_len") else v for k, v in load.items()},
+        "emulated": chip.kind == "cpu",
+        "step_s": {
+            "estimated_device": step_estimate_s,
+            "host_overhead": overhead,
+            "predicted": price,
+            "measured_median": float(np.median(measured.step_times)) if measured.step_times else None,
+        },
+        "measured": summarize(measured),
+        "predicted": summarize(predicted),
+        "requests": rows,
+        "pool_trace": {"measured": measured.pool_trace, "predicted": predicted.pool_trace},
+    }
+
+
+def _request_row(m, p) -> dict[str, Any]:
+    def lat(s):
+        ttft = s.first_token_s - s.req.arrival_s
+        tpot = (s.finish_s - s.first_token_s) / (s.req.output_len - 1) if s.req.output_len > 1 else None
+        return ttft, tpot, s.finish_s - s.req.arrival_s
+
+    (mt, mp, me), (pt, pp, pe) = lat(m), lat(p)
+    r = m.req
+    return {
+        "rid": r.rid,
+        "arrival_s": r.arrival_s,
+        "prompt_len": r.prompt_len,
+        "output_len": r.output_len,
+        "preemptions": m.preemptions,
+        "ttft_s": {"measured": mt, "predicted": pt},
+        "tpot_s": {"measured": mp, "predicted": pp},
+        "e2e_s": {"measured": me, "predicted": pe},
+    }

@@ -127,8 +127,8 @@ def pool_for(cfg: InferConfig, page_size: int = 16, max_seqs: int = 256, token_b
     pages = int(free // (per_token * page_size)) if free > 0 else 0
     if pages < 1:
         raise UserError(
-            f"{m.name}'s weights ({cfg.weights}) leave no room for a KV cache on {cfg.tp * cfg.ep} x {chip.name} "
-            f"(tp={cfg.tp} ep={cfg.ep}); give more chips to --tp, or smaller --weights"
+            f"{m.name}'s weights ({cfg.weights}) leave no room for a KV cache on a replica of {cfg.tp * cfg.ep} x "
+            f"{chip.name} (tp={cfg.tp} ep={cfg.ep}); give more chips to --tp, or smaller --weights"
         )
     return PoolConfig(pages=pages, page_size=page_size, max_seqs=max_seqs, token_budget=token_budget)
 

@@ -30,7 +30,7 @@ from lab.core.plan import Plan
 from lab.core.programs import MOE_CAPACITY_FACTOR
 from lab.core.units import dtype_bytes
 from lab.predict.inference.estimate import InferConfig, estimate_inference
-from lab.predict.inference.ops import generate_ops
+from lab.predict.inference.ops import decode_ops, generate_ops
 from lab.predict.program.axis_programs import AXIS_ESTIMATES
 from lab.predict.program.ops import (
     COLLECTIVE_KINDS,
@@ -123,6 +123,55 @@ def infer_config(plan: Plan, chip: Chip) -> InferConfig:
         achievable=True,
         vocab_parallel=bool(plan.rules.live("vocab", plan.shape)),
         flash_attention=plan.options.flash_attention,
+    )
+
+
+def serve_config(plan: Plan, chip: Chip) -> InferConfig:
+    """The inference estimator's config of one step of a ``serve`` Plan, as the program is written: every replica
+    computes all ``token_budget`` slots (padding too: the shapes are fixed) and each slot gathers its sequence's
+    whole page-table row, ``ceil(max_seq_len / page_size)`` pages (kernels.transformer.paged). That is a decode
+    step of ``token_budget`` sequences per replica at a context of that row's positions."""
+    _check_estimable(plan)
+    deg, m, z = plan.degrees(), plan.model, plan.sizes
+    assert m is not None and plan.rules is not None
+    replicas = deg["dp"] * deg["fsdp"]
+    row = min(z["pages"], -(-m.max_seq_len // z["page_size"])) * z["page_size"]
+    return InferConfig(
+        model=m,
+        chip=chip,
+        batch=z["token_budget"] * replicas,
+        context=row,
+        tp=deg["tp"],
+        dp=replicas,
+        weights=plan.param_dtype,
+        kv=plan.dtype,
+        compute=plan.dtype,
+        achievable=True,
+        vocab_parallel=bool(plan.rules.live("vocab", plan.shape)),
+    )
+
+
+def _serve(plan: Plan, chip: Chip) -> ProgramEstimate:
+    cfg = serve_config(plan, chip)
+    est = estimate_inference(cfg)
+    ops = tuple(_op(plan, d) for d in decode_ops(cfg))
+    flops = sum(o.flops for o in ops if o.kind in ("matmul", "attention"))
+    memory = {"total": est.total_bytes_per_chip, "hbm_bytes": chip.hbm_bytes, "params": est.param_bytes_per_chip}
+    memory["kv"] = est.kv_bytes_per_chip
+    note = (
+        f"inference estimator: one serving step of {plan.sizes['token_budget']} token slots per replica, each "
+        f"reading its sequence's {cfg.context} positions of pages (fixed shapes: padding computes too)"
+    )
+    return ProgramEstimate(
+        plan.program,
+        chip.name,
+        sum(o.time_s for o in ops),
+        ops,
+        "inference estimator",
+        flops,
+        memory,
+        (note,),
+        {"infer": est},
     )
 
 
@@ -247,6 +296,8 @@ def estimate_program(plan: Plan, chip: Chip) -> ProgramEstimate:
         return _train(plan, chip)
     if plan.program == "decode":
         return _decode(plan, chip)
+    if plan.program == "serve":
+        return _serve(plan, chip)
     if plan.spec.family == "user":
         raise UserError(
             f"{plan.name or plan.program}: the estimators describe the lab's own programs, not a user model; run or "
