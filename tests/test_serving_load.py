@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -351,3 +352,58 @@ def test_search_names_the_fewest_chips_meeting_the_target():
 def test_bad_serving_input_is_one_line_and_exit_2(extra, needle):
     code, _, err = _cli(*BASE, *extra)
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+# ----- a serve experiment's [serve] table ---------------------------------------------------------------------------
+
+SERVE_TP = Path(__file__).resolve().parent.parent / "experiments" / "serve_tp.toml"
+
+
+def _serve_experiment(tmp_path, serve_table: str, trace: str | None = None) -> Path:
+    text = SERVE_TP.read_text()
+    head, _, tail = text.partition("[serve]")
+    rest = tail[tail.index("[run]") :]
+    path = tmp_path / "s.toml"
+    path.write_text(f"{head}[serve]\n{serve_table}\n\n{rest}")
+    if trace is not None:
+        (tmp_path / "load.jsonl").write_text(trace)
+    return path
+
+
+def test_the_shipped_serve_experiment_reads_its_load():
+    from lab.run.experiment import load_experiment
+
+    load = load_experiment(SERVE_TP).serve
+    assert load["rate"] == 40.0 and load["requests"] == 64
+    assert load["prompt_len"] == Lengths(4, 40) and load["output_len"] == Lengths(2, 16)
+
+
+def test_a_trace_gives_the_requests_of_a_serve_experiment(tmp_path):
+    from lab.run.experiment import load_experiment
+
+    rows = [{"arrival_s": 0.01 * i, "prompt_len": 5 + i, "output_len": 3} for i in range(4)]
+    path = _serve_experiment(tmp_path, 'trace = "load.jsonl"', "\n".join(json.dumps(r) for r in rows))
+    load = load_experiment(path).serve
+    assert [r.prompt_len for r in load["trace_requests"]] == [5, 6, 7, 8] and load["requests"] == 4
+    assert load["prompt_len"] == Lengths(5, 8)
+
+
+@pytest.mark.parametrize(
+    ("table", "trace", "needle"),
+    [
+        ("requests = 4", None, "needs the load"),
+        ("rate = 4.0\nconcurrency = 2", None, "needs the load"),
+        ("rate = 0.0", None, "positive"),
+        ('rate = 4.0\nprompt_len = "40-4"', None, "token count or a range"),
+        ("rate = 4.0\nprompt_len = 60\noutput_len = 10", None, "pass max_seq_len"),
+        ('trace = "load.jsonl"', '{"arrival_s": 0, "prompt_len": 4}', "line 1"),
+        ('trace = "load.jsonl"\nrequests = 3', '{"arrival_s": 0, "prompt_len": 4, "output_len": 2}', "drop"),
+        ('trace = "missing.jsonl"', None, "cannot be read"),
+    ],
+)
+def test_a_bad_serve_table_names_the_key_and_the_file(tmp_path, table, trace, needle):
+    from lab.run.experiment import load_experiment
+
+    with pytest.raises(UserError, match=needle) as info:
+        load_experiment(_serve_experiment(tmp_path, table, trace))
+    assert "s.toml:" in str(info.value)

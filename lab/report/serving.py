@@ -48,7 +48,11 @@ def markdown(serving: dict[str, Any]) -> list[str]:
     """The report's serving section."""
     s = serving["step_s"]
     load = serving["load"]
-    how = f"Poisson {load['rate']:g} requests/s" if "rate" in load else f"{load['concurrency']} clients"
+    how = (
+        f"Poisson {load['rate']:g} requests/s"
+        if "rate" in load
+        else (f"{load['concurrency']} clients" if "concurrency" in load else f"from {load['trace']}")
+    )
     measured_step = s["measured_median"]
     return [
         "## Serving under load: measured | predicted",

@@ -214,7 +214,9 @@ def serve_experiment(exp, plan, chip, step_estimate_s: float, progress) -> dict[
 
     load = exp.serve
     rate = load.get("rate", float("inf"))
-    requests = poisson_requests(load["requests"], rate, load["prompt_len"], load["output_len"], load["seed"])
+    requests = list(load.get("trace_requests") or ()) or poisson_requests(
+        load["requests"], rate, load["prompt_len"], load["output_len"], load["seed"]
+    )
     prompts = _prompts(requests, plan.model.vocab, load["seed"])
     pool = paged.pool_of(plan)
     engine = Engine(plan.model, make_mesh(plan.shape, slow=plan.slow_axes), plan.rules, pool, plan.dtype)
@@ -227,7 +229,7 @@ def serve_experiment(exp, plan, chip, step_estimate_s: float, progress) -> dict[
     by_rid = {s.req.rid: s for s in predicted.seqs}
     rows = [_request_row(s, by_rid[s.req.rid]) for s in sorted(measured.seqs, key=lambda s: s.req.rid)]
     return {
-        "load": {k: str(v) if k.endswith("_len") else v for k, v in load.items()},
+        "load": {k: str(v) if k.endswith("_len") else v for k, v in load.items() if k != "trace_requests"},
         "emulated": chip.kind == "cpu",
         "step_s": {
             "estimated_device": step_estimate_s,

@@ -17,6 +17,9 @@ SERVE = {
     "concurrency": Field("int+", "or: clients, one request each at a time"),
     "requests": Field("int+", "requests served"),
     "seed": Field("int0", "of the arrivals, the lengths and the prompts' tokens"),
+    "trace": Field(
+        "str", "or: a JSON-lines file of requests beside the experiment (arrival_s, prompt_len, output_len)"
+    ),
 }
 SERVE_LENGTHS = ("prompt_len", "output_len")
 MAX_SERVED = 4096  # requests one executed load takes: each is tens of engine steps on the host
@@ -33,10 +36,14 @@ def serve_table(r, plan: Plan) -> dict[str, Any] | None:
     if not isinstance(raw, dict):
         raise UserError(f"{r.path}: program serve needs a [serve] table (rate = 4.0 or concurrency = 2, requests = 16)")
     table = read_table({k: v for k, v in raw.items() if k not in SERVE_LENGTHS}, SERVE, "serve", r.where("serve"))
-    if ("rate" in table) == ("concurrency" in table):
-        raise r.error("serve", None, "needs the load: rate = <requests/s> or concurrency = <clients>, one of them")
+    if sum(k in table for k in ("rate", "concurrency", "trace")) != 1:
+        raise r.error(
+            "serve", None, "needs the load: rate = <requests/s>, concurrency = <clients> or trace = <file>, one of them"
+        )
     if table.get("requests", 16) > MAX_SERVED:
         raise r.error("serve", "requests", f"= {table['requests']}: an executed load takes at most {MAX_SERVED}")
+    if "trace" in table:
+        return _traced(r, plan, table)
     lengths = {}
     for key in SERVE_LENGTHS:
         value = raw.get(key, 8)
@@ -58,6 +65,48 @@ def serve_table(r, plan: Plan) -> dict[str, Any] | None:
     except UserError as exc:
         raise r.error("serve", None, f"cannot run: {exc}") from None
     return {"requests": 16, "seed": 0} | table | lengths
+
+
+def _traced(r, plan: Plan, table: dict[str, Any]) -> dict[str, Any]:
+    """A [serve] load read from its trace file (a path relative to the experiment's folder)."""
+    from lab.core.serving import load_trace
+
+    if any(k in r.doc["serve"] for k in (*SERVE_LENGTHS, "requests")):
+        raise r.error(
+            "serve", "trace", "gives every request's lengths and arrival; drop prompt_len, output_len, requests"
+        )
+    path = (r.path.parent / table["trace"]).resolve()
+    try:
+        requests = load_trace(path)
+    except UserError as exc:
+        raise r.error("serve", "trace", str(exc).removeprefix(f"--trace {str(path)!r} ")) from None
+    if len(requests) > MAX_SERVED:
+        raise r.error("serve", "trace", f"holds {len(requests)} requests: an executed load takes at most {MAX_SERVED}")
+    z, m = plan.sizes, plan.model
+    pool = PoolConfig(z["pages"], z["page_size"], z["max_seqs"], z["token_budget"])
+    for req in requests:
+        if m is not None and req.prompt_len + req.output_len - 1 > m.max_seq_len:
+            raise r.error(
+                "serve",
+                "trace",
+                f"request {req.rid} of {req.prompt_len} + {req.output_len} tokens passes max_seq_len = {m.max_seq_len}",
+            )
+        try:
+            pool.check_fits(req)
+        except UserError as exc:
+            raise r.error("serve", "trace", f"cannot run request {req.rid}: {exc}") from None
+    lo_p, hi_p = min(q.prompt_len for q in requests), max(q.prompt_len for q in requests)
+    lo_o, hi_o = min(q.output_len for q in requests), max(q.output_len for q in requests)
+    return (
+        {"seed": 0}
+        | table
+        | {
+            "requests": len(requests),
+            "prompt_len": Lengths(lo_p, hi_p),
+            "output_len": Lengths(lo_o, hi_o),
+            "trace_requests": tuple(requests),
+        }
+    )
 
 
 __all__ = ["MAX_SERVED", "SERVE", "SERVE_LENGTHS", "serve_table"]
