@@ -284,7 +284,7 @@ def test_infer_serve_json_has_the_percentiles_and_the_rate_an_slo_allows():
     assert code == 0, err
     d = json.loads(out)
     for key in ("ttft_s", "tpot_s", "e2e_s"):
-        assert set(d[key]) == {"p50", "p90", "p99"} and d[key]["p50"] <= d[key]["p90"] <= d[key]["p99"]
+        assert set(d[key]) == {"mean", "p50", "p90", "p99"} and d[key]["p50"] <= d[key]["p90"] <= d[key]["p99"]
     assert d["requests"] == 300 and d["preemptions"] == 0 and 0 < d["kv_pool_peak_fraction"] < 1
     assert d["throughput_tokens_per_s"] == pytest.approx(10 * 128, rel=0.15)  # what arrives leaves
     # the rate found meets the SLO, and a rate 10% above it does not (the bisection's answer is an edge)
@@ -303,7 +303,7 @@ def test_an_overloaded_server_reports_unbounded_queueing_not_a_number():
     assert code == 0, err
     d = json.loads(out)
     assert d["overloaded"] and d["queueing"] == "unbounded"
-    assert d["ttft_s"] == {"p50": None, "p90": None, "p99": None} and d["e2e_s"]["p99"] is None
+    assert d["ttft_s"] == {"mean": None, "p50": None, "p90": None, "p99": None} and d["e2e_s"]["p99"] is None
     code, out, _ = _cli(*BASE, "--rate", "500")
     assert "OVERLOADED" in out and "unbounded" in out
 

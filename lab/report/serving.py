@@ -20,7 +20,7 @@ def table(serving: dict[str, Any]) -> str:
     m, p = serving["measured"], serving["predicted"]
     rows = []
     for label, key in LATENCIES:
-        for q in ("p50", "p90", "p99"):
+        for q in ("mean", "p50", "p90", "p99"):
             a, b = m[key][q], p[key][q]
             rows.append(
                 [

@@ -43,7 +43,20 @@ TRAIN_LAYOUT = {
     "pp_embedding_slots": bool,
     "cross_node": list,
 }
-SERVE_LAYOUT = {"tp": int, "batch": int, "prompt": int, "generated": int, "concurrency": int}
+# serving under load: ``concurrency`` clients (closed loop) or Poisson ``rate`` requests/s (open loop), ``requests``
+# sent in all; the engine's ``token_budget`` (tokens a step: chunked-prefill size / max_num_batched_tokens) and
+# ``max_seqs`` (running requests at most) where the source states them
+SERVE_LAYOUT = {
+    "tp": int,
+    "batch": int,
+    "prompt": int,
+    "generated": int,
+    "concurrency": int,
+    "rate": float,
+    "requests": int,
+    "token_budget": int,
+    "max_seqs": int,
+}
 SERVE_REQUIRED = ("tp", "batch", "prompt", "generated")
 # fields a file may not set: the loader fills them from [source]
 FROM_SOURCE = ("source", "grade", "split", "source_key")
@@ -79,10 +92,14 @@ def _check_layout(where: str, kind: str, layout: object) -> None:
         _typed(where, f"layout.{k}", v, allowed[k])
         if allowed[k] is int and v < (0 if k == "zero" else 1):
             raise UserError(f"{where}: layout.{k} must be positive, got {v!r}")
+        if allowed[k] is float and not 0 < v < float("inf"):
+            raise UserError(f"{where}: layout.{k} must be a positive, finite number, got {v!r}")
     if kind == "serving":
         missing = [k for k in SERVE_REQUIRED if k not in layout]
         if missing:
             raise UserError(f"{where}: a serving layout needs {', '.join(missing)}")
+        if "concurrency" in layout and "rate" in layout:
+            raise UserError(f"{where}: a load is concurrency (clients) or rate (requests/s), not both")
 
 
 def _check_catalog(where: str, run: PublicRun) -> None:

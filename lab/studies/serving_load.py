@@ -108,8 +108,8 @@ class ServeResult:
         rows = []
         for label, key in LATENCIES:
             cut = self.overloaded and key != "tpot_s"
-            rows.append([label, *("unbounded" if cut else _secs(s[key][f"p{q}"]) for q in (50, 90, 99))])
-        lines = [head, "", render(["latency", "p50", "p90", "p99"], rows)]
+            rows.append([label, *("unbounded" if cut else _secs(s[key][q]) for q in ("mean", "p50", "p90", "p99"))])
+        lines = [head, "", render(["latency", "mean", "p50", "p90", "p99"], rows)]
         lines.append(
             f"throughput {s['throughput_tokens_per_s']:,.0f} output tokens/s; KV pool peak "
             f"{s['kv_pool_peak_fraction']:.1%}; {s['preemptions']} preemptions; {s['steps']:,} steps"
