@@ -111,6 +111,8 @@ class PublicRun:
     # last generated tokens were made)
     context_at: str = "mean"
     kv_dtype: str | None = None  # serving: the KV cache's dtype where it is not ``dtype`` (fp8 weights, bf16 cache)
+    # serving under load: which statistic over the requests the figure is (``mean`` or ``median``)
+    statistic: str = "mean"
     quote: str = ""  # the figure as the source prints it, and where (table, row, column)
     split: str = "development"  # ``development`` (looked at while the model changed) or ``test`` (never tuned on)
     source_key: str = ""  # one short name a source: the per-source means group by it

@@ -27,6 +27,7 @@ UNITS = {
     "serving": ("s/token", "s/prefill"),
 }
 GRADES = ("A", "B", "C")
+STATISTICS = ("mean", "median")  # over a loaded run's requests
 SOURCE_FIELDS = {"key": str, "cite": str, "url": str, "grade": str, "stack": str, "assumed": str, "rule": str}
 SOURCE_REQUIRED = ("key", "cite", "grade", "stack", "rule")
 TRAIN_LAYOUT = {
@@ -156,6 +157,8 @@ def parse(text: str, path: str = "<text>", split: str = "test") -> tuple[PublicR
         if row.get("unit") not in UNITS[kind]:
             raise UserError(f"{where}: unit {row.get('unit')!r} is not one of {', '.join(UNITS[kind])}")
         _check_layout(where, kind, row.get("layout", {}))
+        if row.get("statistic", "mean") not in STATISTICS:
+            raise UserError(f"{where}: statistic {row['statistic']!r} is not one of {', '.join(STATISTICS)}")
         if not (isinstance(row.get("measured"), int | float) and row["measured"] > 0):
             raise UserError(f"{where}: measured must be a positive number, got {row.get('measured')!r}")
         if kind == "serving":
