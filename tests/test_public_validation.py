@@ -12,9 +12,10 @@ import pytest
 
 from lab.cli.main import main
 from lab.core.hardware import get_chip
+from lab.core.models import get_model
 from lab.predict import efficiency as eff
 from lab.studies.public_runs import SOURCE_KEYS
-from lab.studies.validate_public import RUNS, run_public_validation
+from lab.studies.validate_public import RUNS, run_public_validation, split_runs
 
 
 @pytest.fixture(scope="module")
@@ -23,18 +24,19 @@ def public():
 
 
 def test_every_public_run_is_cited_and_either_predicted_or_counted_with_its_reason(public):
-    assert len({r.case_id for r in RUNS}) == len(RUNS)
+    runs = split_runs("development")  # the modules' runs and the sources moved here from the test split
+    assert len({r.case_id for r in runs}) == len(runs) > len(RUNS)
     for row in public.rows:
         run = row.run
         assert run.source and run.grade in ("A", "B", "C") and run.measured > 0
         assert run.context_at in ("mean", "end") and run.kv_dtype in (None, "bf16", "fp8", "int8", "int4")
-        assert run.split == "development" and run.source_name in SOURCE_KEYS.values()
+        assert run.split == "development" and (run.source_name in SOURCE_KEYS.values() or run.source_key)
         if run.expressible is None:
             assert row.error is not None and row.predicted is not None, row.detail
         else:
             assert row.error is None and row.detail.startswith("not expressible: ")
     s = public.summary()
-    assert s["runs"] == len(RUNS) and s["answered"] + s["not_expressible"] + s["refused"] == len(RUNS)
+    assert s["runs"] == len(runs) and s["answered"] + s["not_expressible"] + s["refused"] == len(runs)
     groups = {r.run.group for r in public.rows}
     assert {"GPU training", "TPU training", "GPU serving", "TPU serving"} <= groups
 
@@ -63,7 +65,7 @@ def test_the_error_reads_as_a_time_whatever_the_source_measured(public):
     """Negative means optimistic in every row: a throughput or an MFU is inverted before the ratio."""
     for row in public.predicted:
         run = row.run
-        if run.unit in ("s/step", "s/token"):
+        if run.unit in ("s/step", "s/token", "s/prefill"):
             assert math.isclose(row.error, row.predicted / run.measured - 1, rel_tol=1e-12)
         else:
             assert math.isclose(row.error, run.measured / row.predicted - 1, rel_tol=1e-12)
@@ -352,3 +354,23 @@ def test_the_step_ops_say_what_tp_overlap_hides():
         ops = step_ops(estimate(_gpt3_tp4(dtype="fp8", tp_comm_overlap=overlap)))
         sp = [r for r in ops if r.get("role") == "tp" and r["name"].startswith("SP ") and "again" not in r["name"]]
         assert len(sp) == 2 and {r["hidden"] for r in sp} == hidden
+
+
+def test_a_run_under_a_stated_load_is_priced_by_the_serving_simulator():
+    """A loaded run's prediction is the simulated requests' mean (or median, where its source printed that) TTFT or
+    TPOT, with the requests its source sent and closed-loop clients as stated."""
+    import dataclasses
+
+    from lab.core.serving import Lengths, poisson_requests, summarize
+    from lab.predict.inference.estimate import InferConfig
+    from lab.predict.inference.serve import pool_for, simulate
+    from lab.studies.validate_public import predict
+
+    base = next(r for r in split_runs("development") if r.case_id == "T202")  # TTFT, 8 clients, 150 requests, median
+    assert base.layout["concurrency"] == 8 and base.layout["requests"] == 150 and base.statistic == "median"
+    cfg = InferConfig(model=get_model("llama3-8b"), chip=get_chip("h100"), batch=1, context=22000, achievable=True)
+    requests = poisson_requests(150, math.inf, Lengths(20000), Lengths(2000))
+    s = summarize(simulate(cfg, requests, pool_for(cfg), concurrency=8))
+    assert predict(base).predicted == pytest.approx(s["ttft_s"]["p50"], rel=1e-12)
+    as_mean = dataclasses.replace(base, statistic="mean", unit="s/token")
+    assert predict(as_mean).predicted == pytest.approx(s["tpot_s"]["mean"], rel=1e-12)

@@ -217,10 +217,12 @@ class Scheduler:
     def _grow(self, seq: Seq, upto: int) -> bool:
         """Give ``seq`` pages for ``upto`` tokens; False when the free list is short."""
         need = -(-upto // self.pool.page_size) - len(seq.pages)
-        if need > len(self.free_pages):
+        free = self.free_pages
+        if need > len(free):
             return False
-        for _ in range(need):
-            seq.pages.append(self.free_pages.pop())
+        if need > 0:  # from the end of the free list, the next page handed out first
+            seq.pages.extend(reversed(free[-need:]))
+            del free[-need:]
         return True
 
     def _release(self, seq: Seq) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 from lab.core.errors import UserError
 from lab.predict import constants as K
 from lab.predict import intervals as iv
-from lab.studies.validate_public import PublicValidation, predict, run_public_validation
+from lab.studies.validate_public import PublicValidation, loaded, predict, run_public_validation, steady_price
 
 
 def _time_ratio(error: float) -> float:
@@ -36,12 +36,22 @@ def touched(c: K.Constant, run) -> bool:
     return c.touches(family(chip), chip.kind) and run.kind in c.prices
 
 
-def repriced(v: PublicValidation, c: K.Constant) -> dict[str, float]:
-    """With the constant ``c`` swapped for its alternative: each answered run it touches, its error (as a time)."""
-    runs = [r.run for r in v.predicted if touched(c, r.run)]
+def repriced(v: PublicValidation, c: K.Constant, steady: dict[str, float] | None = None) -> dict[str, float]:
+    """With the constant ``c`` swapped for its alternative: each answered run it touches, its error (as a time). A
+    run served under load moves by its steady step's ratio (validate_public.steady_price; ``steady``: the built
+    prices, by case), not by a new simulation of its load."""
+    rows = [r for r in v.predicted if touched(c, r.run)]
+    steady = steady if steady is not None else {}
+    for r in rows:  # the built steady prices, before the swap
+        if loaded(r.run) and r.run.case_id not in steady:
+            steady[r.run.case_id] = steady_price(r.run)
     out = {}
     with K.swapped(c.name):
-        for run in runs:
+        for r in rows:
+            run = r.run
+            if loaded(run):
+                out[run.case_id] = (1.0 + r.error) * steady_price(run) / steady[run.case_id] - 1.0
+                continue
             row = predict(run)
             if row.error is not None:
                 out[run.case_id] = row.error
@@ -53,8 +63,9 @@ def run_shifts(split: str, base: PublicValidation | None = None) -> dict[str, di
     base = base or run_public_validation(split)
     built = {r.run.case_id: r.error for r in base.rows if r.error is not None}
     out: dict[str, dict[str, float]] = {case: {} for case in built}
+    steady: dict[str, float] = {}
     for c in K.uncertain():
-        for case, error in repriced(base, c).items():
+        for case, error in repriced(base, c, steady).items():
             ratio = _time_ratio(error) / _time_ratio(built[case])
             if abs(ratio - 1) > 1e-9:
                 out[case][c.name] = ratio
@@ -95,7 +106,8 @@ def fit(dev: PublicValidation) -> dict[str, Any]:
             ).to_dict()
         )
     return {
-        "derived_from": "the development set's answered runs (lab/studies/public_runs.py, public_serving.py)",
+        "derived_from": "the development set's answered runs (lab/studies: public_runs.py, public_serving.py, "
+        "data/development/)",
         "pooled_s_between": pooled_between,
         "classes": sorted(classes, key=lambda c: c["name"]),
     }

@@ -58,7 +58,9 @@ def split_runs(split: str) -> tuple[PublicRun, ...]:
     """The runs of one split: the development set (:mod:`public_runs`, :mod:`public_serving`) or the test split (the
     data files of :mod:`lab.studies.run_files`, committed before the estimators saw them)."""
     if split == "development":
-        return RUNS
+        from lab.studies.run_files import DEVELOPMENT, load_folder
+
+        return RUNS + load_folder(DEVELOPMENT, "development")
     if split == "test":
         from lab.studies.run_files import load_folder
 
@@ -152,14 +154,96 @@ def _train(run: PublicRun) -> tuple[float, float, str]:
     raise ValueError(f"unknown unit {run.unit!r}")
 
 
-def _serve(run: PublicRun) -> tuple[float, float, str]:
-    """A serving run: one decode step at the run's cache length (or a whole generate call over its tokens, or a time to
-    first token); under load (``concurrency`` in its layout) as continuous batching serves it, each step carrying its
-    share of the joining requests' prefills, and a time to first token as one request's prefill plus a step."""
+# Requests a loaded run's client sent when its source does not say: the steady state a measuring harness reports
+# (genai-perf/AIPerf measure over a window after warm-up; vLLM's bench sends 1,000 by default), where the first
+# wave, all clients' prompts arriving at once, is a twentieth of the requests. A source that states its count
+# (SGL-JAX's cookbook: three per client) is simulated with it: its first wave is then a third of the mean.
+LOADED_REQUESTS_PER_CLIENT = 20
+LOADED_REQUESTS_MAX = 2000
+
+
+def _under_load(run: PublicRun) -> tuple[float, float, str]:
+    """A run measured under a stated load (``concurrency`` clients or a Poisson ``rate``): the requests served by the
+    continuous-batching scheduler on the inference estimator's prices (``shardlab infer serve``), the mean (or, where
+    the source printed it, the median) TTFT (``s/prefill``) or TPOT (``s/token``) of the simulated requests."""
+    from lab.core.serving import Lengths, poisson_requests, summarize
+    from lab.predict.inference.serve import pool_for, simulate
+
+    lay = run.layout
+    tp = int(lay["tp"])  # type: ignore[call-overload]
+    replicas = max(1, run.chips // tp)
+    extra = {"moe_weights": run.moe_weights} if run.moe_weights else {}
+    cfg = InferConfig(
+        model=_model(run),
+        chip=_chip(run),
+        batch=replicas,
+        context=int(lay["prompt"]) + int(lay["generated"]),  # type: ignore[call-overload]
+        tp=tp,
+        dp=replicas,
+        weights=run.dtype,
+        kv=run.kv_dtype or run.dtype,
+        compute=run.dtype if run.dtype in ("bf16", "fp8") else "bf16",
+        achievable=True,
+        **extra,
+    )
+    pool = pool_for(cfg, max_seqs=int(lay.get("max_seqs", 256)), token_budget=int(lay.get("token_budget", 2048)))
+    clients = lay.get("concurrency")
+    n = lay.get("requests") or min(LOADED_REQUESTS_MAX, LOADED_REQUESTS_PER_CLIENT * int(clients or 64))
+    rate = float(lay["rate"]) if "rate" in lay else float("inf")  # type: ignore[arg-type]
+    requests = poisson_requests(int(n), rate, Lengths(int(lay["prompt"])), Lengths(int(lay["generated"])), seed=0)
+    s = summarize(simulate(cfg, requests, pool, concurrency=int(clients) if clients else None))
+    key = "ttft_s" if run.unit == "s/prefill" else "tpot_s"
+    value = s[key]["p50" if run.statistic == "median" else "mean"]
+    if value is None:
+        raise UserError(f"{run.case_id}: no {key} in a load of {lay['generated']}-token outputs")
+    how = f"{clients} clients" if clients else f"Poisson {rate:g}/s"
+    detail = f"{n} requests, {how}: mean TTFT {s['ttft_s']['mean'] * 1e3:.3g} ms, TPOT " + (
+        "-" if s["tpot_s"]["mean"] is None else f"{s['tpot_s']['mean'] * 1e3:.3g} ms"
+    )
+    return value, value / run.measured - 1, detail
+
+
+def loaded(run: PublicRun) -> bool:
+    """Whether the run was measured under a stated load (priced by :func:`_under_load`)."""
+    return run.kind == "serving" and ("concurrency" in run.layout or "rate" in run.layout)
+
+
+def steady_price(run: PublicRun) -> float:
+    """What a loaded run's simulated figure scales with, cheaply: one decode step of its running batch at its mean
+    context (TPOT), and one prompt's prefill plus that step (TTFT). The intervals take a constant's effect on a loaded
+    run from this ratio, swapped over built, rather than simulating the load again for every constant."""
     lay = run.layout
     prompt, generated = int(lay["prompt"]), int(lay["generated"])  # type: ignore[call-overload]
+    extra = {"moe_weights": run.moe_weights} if run.moe_weights else {}
+    cfg = InferConfig(
+        model=_model(run),
+        chip=_chip(run),
+        batch=int(lay["batch"]),  # type: ignore[call-overload]
+        context=prompt + generated // 2,
+        tp=int(lay["tp"]),  # type: ignore[call-overload]
+        weights=run.dtype,
+        kv=run.kv_dtype or run.dtype,
+        compute=run.dtype if run.dtype in ("bf16", "fp8") else "bf16",
+        prefill_len=prompt,
+        achievable=True,
+        **extra,
+    )
+    est = estimate_inference(cfg)
+    if run.unit != "s/prefill":
+        return est.decode_step_s
+    one = estimate_inference(dataclasses.replace(cfg, batch=1))
+    return (one.prefill_s or 0.0) + est.decode_step_s
+
+
+def _serve(run: PublicRun) -> tuple[float, float, str]:
+    """A serving run: one decode step at the run's cache length (or a whole generate call over its tokens, or a time to
+    first token); under a stated load (``concurrency`` or ``rate`` in its layout) the scheduler's requests
+    (:func:`_under_load`)."""
+    lay = run.layout
+    if loaded(run):
+        return _under_load(run)
+    prompt, generated = int(lay["prompt"]), int(lay["generated"])  # type: ignore[call-overload]
     ttft = run.unit == "s/prefill"
-    loaded = "concurrency" in lay
     extra = {"moe_weights": run.moe_weights} if run.moe_weights else {}
     cfg = InferConfig(
         model=_model(run),
@@ -170,26 +254,18 @@ def _serve(run: PublicRun) -> tuple[float, float, str]:
         weights=run.dtype,
         kv=run.kv_dtype or run.dtype,
         compute=run.dtype if run.dtype in ("bf16", "fp8") else "bf16",
-        prefill_len=prompt if (run.per_token_includes_prefill or ttft or loaded) else None,
-        generate=generated if loaded and generated > 0 else None,
-        continuous=loaded and generated > 1 and not ttft,
+        prefill_len=prompt if (run.per_token_includes_prefill or ttft) else None,
         achievable=True,
         **extra,
     )
     est = estimate_inference(cfg)
     if ttft:
-        if loaded:  # one request's prefill, joining a running batch: its prefill and the step it joins
-            one = estimate_inference(dataclasses.replace(cfg, batch=1, continuous=False))
-            t = (one.prefill_s or 0.0) + est.decode_step_s
-            return t, t / run.measured - 1, f"one request's prefill of {prompt} tokens and a step of batch {cfg.batch}"
         if est.prefill_s is None:
             raise UserError(f"{run.case_id}: no prefill priced")
         detail = f"prefill of {prompt} tokens at batch {cfg.batch}"
         return est.prefill_s, est.prefill_s / run.measured - 1, detail
     step = est.decode_step_s
     detail = f"weights {est.weights_s * 1e3:.3g} ms, KV {est.kv_s * 1e3:.3g} ms, collectives {est.comm_s * 1e3:.3g} ms"
-    if est.prefill_stall_s:
-        detail += f", joining prefills {est.prefill_stall_s * 1e3:.3g} ms"
     if run.per_token_includes_prefill and generated > 0 and est.prefill_s is not None:
         detail += f", prefill {est.prefill_s * 1e3:.3g} ms over {generated} tokens"
         step = (est.prefill_s + (generated - 1) * step) / generated
