@@ -179,3 +179,37 @@ def test_validate_five_on_eight_emulated_devices(tmp_path, capsys):
     assert main([*argv, "--hardware", "cpu", "--validate", "5", "--out", str(tmp_path), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)["validation"]
     assert len(d["layouts"]) == 5 and d["memory_agrees"] and d["spearman"] is not None
+
+
+def _layouts(planner, xla, measured, spreads):
+    return [
+        {"planner_memory_bytes": p, "compiled_memory_bytes": x, "measured_step_s": m, "measured_spread": s}
+        for p, x, m, s in zip(planner, xla, measured, spreads, strict=True)
+    ]
+
+
+def test_memory_words_say_when_verdicts_agree_but_bytes_do_not():
+    from lab.run.plan_validate import memory_words
+
+    close = {"layouts": _layouts([100, 200], [110, 190], [1, 1], [1, 1]), "memory_agrees": True}
+    assert memory_words(close).endswith("XLA holds 0.95-1.10x the planner's bytes")
+    far = {"layouts": _layouts([100, 200], [210, 400], [1, 1], [1, 1]), "memory_agrees": True}
+    assert "2.00-2.10x" in memory_words(far) and "the bytes do not agree, only the verdicts" in memory_words(far)
+    assert "DISAGREE" in memory_words(far | {"memory_agrees": False})
+
+
+@pytest.mark.parametrize(
+    ("spearman", "measured", "spreads", "words"),
+    [
+        (1.0, [1.0, 1.5, 2.0, 2.5, 3.0], [1.05] * 5, "orders the layouts as measured (at or above 0.90"),
+        (0.7, [1.0, 1.5, 2.0, 2.5, 3.0], [1.05] * 5, "no evidence of order: below 0.90, the 5% critical value for 5"),
+        (-0.6, [1.0, 1.5, 2.0, 2.5, 3.0], [1.05] * 5, "does not order the layouts as measured"),
+        (0.7, [1.0, 1.02, 1.05, 1.08, 1.1], [1.3] * 5, "less than a layout's own repeats differ (median 1.30x)"),
+    ],
+)
+def test_rank_words_judge_the_correlation_by_its_critical_value_and_the_repeats(spearman, measured, spreads, words):
+    from lab.run.plan_validate import rank_words
+
+    data = {"layouts": _layouts([1] * 5, [1] * 5, measured, spreads), "spearman": spearman, "kendall": 0.0}
+    assert words in rank_words(data)
+    assert ("mostly noise" in rank_words(data)) == (spreads[0] > max(measured) / min(measured))

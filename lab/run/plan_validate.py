@@ -240,6 +240,7 @@ def validate_plan(
                 "compiled_memory_bytes": held,
                 "compiled_fits": held <= chip.hbm_bytes,
                 "measured_step_s": measured,
+                "measured_spread": report["summary"].get("spread_large") if measured is not None else None,
                 "worst_op": _worst_op(report),
             }
         )
@@ -264,6 +265,56 @@ def _summary(rows: list[dict[str, Any]], chip, topology) -> dict[str, Any]:
         "spearman": spearman(pred, meas) if ran else None,
         "kendall": kendall(pred, meas) if ran else None,
     }
+
+
+# One-tailed 5% critical values of Spearman's rank correlation for n ranked pairs (J. H. Zar, 'Significance testing
+# of the Spearman rank correlation coefficient', J. Am. Stat. Assoc. 67 (1972), Table 1): below it, a positive
+# correlation of so few layouts is within what chance orderings give.
+SPEARMAN_CRITICAL = {4: 1.0, 5: 0.900, 6: 0.829, 7: 0.714, 8: 0.643, 9: 0.600, 10: 0.564}
+BYTES_BAND = (0.8, 1.25)  # XLA's bytes over the planner's, inside which the two memory figures agree
+
+
+def memory_words(data: dict[str, Any]) -> str:
+    """The fits verdicts and how far the bytes agree: verdicts can agree while the bytes differ 2x, when every
+    layout sits far below the chip's memory."""
+    ratios = [
+        r["compiled_memory_bytes"] / r["planner_memory_bytes"] for r in data["layouts"] if r["planner_memory_bytes"]
+    ]
+    verdict = "agree" if data["memory_agrees"] else "DISAGREE"
+    text = f"memory (planner against XLA's memory analysis): fits verdicts {verdict}"
+    if not ratios:
+        return text
+    lo, hi = min(ratios), max(ratios)
+    text += f"; XLA holds {lo:.2f}-{hi:.2f}x the planner's bytes"
+    if lo < BYTES_BAND[0] or hi > BYTES_BAND[1]:
+        text += f", outside [{BYTES_BAND[0]}, {BYTES_BAND[1]}]: the bytes do not agree" + (
+            ", only the verdicts (every layout is far from the chip's memory)" if data["memory_agrees"] else ""
+        )
+    return text
+
+
+def rank_words(data: dict[str, Any]) -> str | None:
+    """Spearman's and Kendall's correlations with what they can say for this many layouts and this spread."""
+    s, k = data["spearman"], data["kendall"]
+    if s is None:
+        return None
+    meas = [r["measured_step_s"] for r in data["layouts"]]
+    n, spread = len(meas), max(meas) / min(meas)
+    noise = sorted(r["measured_spread"] for r in data["layouts"] if r.get("measured_spread"))
+    crit = SPEARMAN_CRITICAL.get(n)
+    text = f"rank correlation, estimated against measured: Spearman {s:.2f}, Kendall {k:.2f}: "
+    if crit is not None and s >= crit:
+        text += f"the estimate orders the layouts as measured (at or above {crit:.2f}, the 5% critical value for {n})"
+    elif s > 0:
+        text += f"no evidence of order: below {crit:.2f}, the 5% critical value for {n} layouts" if crit else "weak"
+    else:
+        text += "the estimate does not order the layouts as measured"
+    if noise and spread < noise[len(noise) // 2]:  # the layouts differ less than one layout's repeats do
+        text += (
+            f"; the layouts' measured steps lie within {spread:.2f}x of each other, less than a layout's own repeats "
+            f"differ (median {noise[len(noise) // 2]:.2f}x), so their order is mostly noise"
+        )
+    return text
 
 
 def table(data: dict[str, Any]) -> str:
@@ -292,16 +343,9 @@ def table(data: dict[str, Any]) -> str:
                 f"\n{r['layout'].split(',')[0]}: priced as the lab runs it; the planner's {r['planner_schedule']} "
                 f"estimate is {fmt_seconds(r['planner_step_s'])}"
             )
-    verdict = "agree" if data["memory_agrees"] else "DISAGREE"
-    text += f"\nmemory verdicts (planner against XLA's memory analysis): {verdict}"
-    if data["spearman"] is not None or data["kendall"] is not None:
-        s, k = data["spearman"], data["kendall"]
-        text += (
-            f"\nrank correlation, estimated against measured: Spearman {s:.2f}, Kendall {k:.2f}"
-            if s is not None
-            else ""
-        )
-    return text
+    text += "\n" + memory_words(data)
+    words = rank_words(data)
+    return text + (f"\n{words}" if words else "")
 
 
 __all__ = [
