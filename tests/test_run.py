@@ -143,6 +143,12 @@ def test_sweep_keeps_finished_points_and_resume_continues(jax_devices, tmp_path)
     assert points == ["N1024", "N16384", "N4096"]
     summary = json.loads((first.run_dir / "sweep.json").read_text())
     assert [p["sizes"]["N"] for p in summary["points"]] == [1024, 4096, 16384]
+    # the sweep's own report: a row per point with its three step times and its timing verdict, and the plot
+    text = (first.run_dir / "summary.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("N")]
+    assert [r.split()[0] for r in rows] == ["N1024", "N4096", "N16384"]
+    assert all(("steady" in r or "UNSTEADY" in r) and "all match" in r for r in rows)
+    assert (first.run_dir / "sweep.png").stat().st_size > 5_000
     # Simulate an interruption after the first point: the others are gone, the first stays.
     kept = first.run_dir / "points" / "N1024" / "report.json"
     stamp = kept.stat().st_mtime_ns

@@ -79,7 +79,8 @@ def sweep_text(result) -> str:
         rows,
         title=f"{r['experiment']}: {len(rows)} points" + (" (emulated)" if r["emulated"] else ""),
     )
-    return text + f"\n\nreports under {result.run_dir}/points/"
+    drawn = ", sweep.png" if (result.run_dir / "sweep.png").is_file() else ""
+    return text + f"\n\nsummary: {result.run_dir}/summary.md{drawn}; each point's report under {result.run_dir}/points/"
 
 
 def _coverage_line(r: dict, large: str) -> str:

@@ -58,11 +58,22 @@ def _point_summary(exp: Experiment, rid: str, points, reports, emulated: bool) -
                 "coverage": r["coverage"],
                 "median_ratio_large": r["summary"]["median_ratio_large"],
                 "all_match": r["audit"]["all_match"],
+                "trust": r["summary"].get("trust", {}).get("verdict"),
             }
             for (label, _), r in zip(points, reports, strict=True)
         ],
         "emulated": emulated,
     }
+
+
+def _sweep_report(summary: dict[str, Any], run_dir: Path) -> None:
+    """The sweep's own summary.md and sweep.png beside its points (each written whole or not at all)."""
+    from lab.report import sweep
+
+    store.write_atomic(run_dir / "summary.md", sweep.markdown(summary))
+    tmp = run_dir / ".sweep.png.tmp.png"
+    if sweep.save_figure(summary, tmp):
+        tmp.replace(run_dir / "sweep.png")
 
 
 def run_experiment(
@@ -493,6 +504,8 @@ def _run_sweep(ctx: _Context, base: Path, name: str, points, resume: bool) -> Ru
                 else {"experiment": ctx.exp.name, "run_id": run_dir.name, "rank": ctx.rank}
             )
             store.write_atomic(run_dir / "sweep.json", dumps(summary))
+            if ctx.rank == 0:
+                _sweep_report(summary, run_dir)
     except KeyboardInterrupt:
         flags = _run_flags(ctx.env.get("chip_flags", {}), ctx.env.get("overrides", {}))
         raise Interrupted(
