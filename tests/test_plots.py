@@ -6,7 +6,7 @@ import math
 
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.collections import PathCollection, PolyCollection
+from matplotlib.collections import LineCollection, PathCollection, PolyCollection
 from matplotlib.text import Text
 
 from lab.report import writer
@@ -197,8 +197,8 @@ def test_a_collective_whose_group_is_unknown_is_drawn_at_v_over_time_and_counted
 
 
 def test_the_heaviest_ops_labels_do_not_cover_one_another_or_the_peak():
-    """Five heavy matmuls in a cluster (a train step's): each named, no two names (nor the peak's label) overlap,
-    and a name moved off its point has a line back to it."""
+    """Five heavy matmuls in a cluster (a train step's): each numbered, no two numbers (nor the peak's label)
+    overlap, a number moved off its point has a line back to it, and the key names each one whole."""
     cluster = [
         _op(f"dot.{i}", "matmul", 1e-3, 1e-3 * (1 + i / 50), flops=1e9, nbytes=1e7, estimate=f"layer/op{i}")
         for i in range(5)
@@ -207,8 +207,10 @@ def test_the_heaviest_ops_labels_do_not_cover_one_another_or_the_peak():
     renderer = FigureCanvasAgg(fig).get_renderer()
     fig.draw(renderer)
     ax = fig.axes[0]
-    names = [t for t in ax.texts if t.get_text().startswith(("layer/op", "peak"))]
+    names = [t for t in ax.texts if t.get_text() in {"1", "2", "3", "4", "5"} or t.get_text().startswith("peak")]
     assert len(names) == 6
+    (key,) = [t for t in ax.texts if t.get_text().startswith("the heaviest ops:")]
+    assert [line.split()[1] for line in key.get_text().splitlines()[1:]] == [f"layer/op{i}" for i in range(4, -1, -1)]
     boxes = [Text.get_window_extent(t, renderer).frozen() for t in names]  # the text alone, not its line
     overlaps = [
         (a.get_text(), b.get_text())
@@ -217,7 +219,7 @@ def test_the_heaviest_ops_labels_do_not_cover_one_another_or_the_peak():
         if boxes[names.index(a)].overlaps(boxes[names.index(b)])
     ]
     assert not overlaps, overlaps
-    moved = [t for t in names if t.get_text().startswith("layer/op") and t.arrow_patch is not None]
+    moved = [t for t in names if t.get_text().isdigit() and t.arrow_patch is not None]
     assert moved  # some had to move, and kept a line to their point
 
 
@@ -288,7 +290,15 @@ def test_predicted_vs_measured_draws_the_band_both_predictions_and_hides_tiny_op
     sizes = [s for c in dots for s in c.get_sizes()]
     assert max(sizes) > 3 * min(sizes)  # sized by measured time
     assert "1 ops under 1 us left out" in ax.get_title()
-    assert {t.get_text() for t in ax.texts} >= {"mlp/up", "all-reduce over Y"}
+    (key,) = [t.get_text() for t in ax.texts if t.get_text().startswith("dot area: measured time")]
+    assert {"mlp/up", "all-reduce over Y"} <= {line.split("  ", 1)[1] for line in key.splitlines()[1:]}
+    # every op with repeats gets a bar over its repeats' spread, centred on its median in log space
+    bars = [c for c in ax.collections if isinstance(c, LineCollection)]
+    spread = [r for r in OPS if r.get("spread") and r["measured_s"] >= 1e-6 and r["predicted_s"]]
+    assert sum(len(c.get_segments()) for c in bars) == len(spread) > 0
+    for seg in (s for c in bars for s in c.get_segments()):
+        (x0, y0), (x1, y1) = seg
+        assert x0 == x1 and y0 < y1
 
 
 def test_the_breakdown_bars_add_up_to_their_steps():

@@ -189,6 +189,31 @@ def _short(name: str, n: int = 22) -> str:
     return name if len(name) <= n else name[: n - 1] + "…"
 
 
+KEY_WIDTH = 70  # characters of a name in a chart's key before it is cut
+
+
+def _numbered(ax, items: list[tuple[str, float, float]], left_of: float | None = None, taken=(), note: str = ""):
+    """Number the points ``(name, x, y)`` 1, 2, ... beside each (placed as :func:`_label` places names, so none
+    covers another) and write the key, number and whole name, in a box in the axes' lower right corner (where a
+    measured-against-predicted or roofline chart has no points): long names stay readable, not cut at a label's
+    width. ``note`` heads the key (what the marks mean)."""
+    _label(ax, [(str(i), x, y) for i, (_, x, y) in enumerate(items, 1)], left_of=left_of, taken=taken)
+    lines = [note] if note else []
+    lines += [f"{i}  {_short(name, KEY_WIDTH)}" for i, (name, _, _) in enumerate(items, 1)]
+    if lines:
+        ax.text(
+            0.98,
+            0.02,
+            "\n".join(lines),
+            transform=ax.transAxes,
+            ha="right",
+            va="bottom",
+            multialignment="left",
+            fontsize=6.5,
+            bbox={"boxstyle": "round,pad=0.3", "fc": "white", "ec": "#cccccc", "alpha": 0.9},
+        )
+
+
 def roof(hw: dict[str, Any], dtype: str) -> tuple[float, str]:
     """The peak the program's dtype runs at on the chip, and the dtype it is (the widest the chip has else)."""
     peaks = hw["peak_flops"]
@@ -229,14 +254,14 @@ def _roofline(report: dict[str, Any], tag: str):
     ax.axvline(crit, color="gray", lw=0.8, ls=":")
     peak_text = f"peak {_eng(peak, 'FLOP/s')} ({dtype})"
     ax.annotate(peak_text, (hi, peak), ha="right", va="bottom", fontsize=8)
-    # the ridge named at the foot of its line, below the HBM roof, where no op can be
+    # the ridge named at the foot of its line, on its left: the key of the heaviest ops holds the lower right
     ax.annotate(
         f"ridge {crit:.3g} FLOP/B",
         (crit, 0.0),
         xycoords=("data", "axes fraction"),
-        xytext=(3, 4),
+        xytext=(-3, 4),
         textcoords="offset points",
-        ha="left",
+        ha="right",
         fontsize=8,
         color="gray",
     )
@@ -249,9 +274,9 @@ def _roofline(report: dict[str, Any], tag: str):
     for r in sorted(ops, key=lambda r: -r["measured_s"]):  # the heaviest ops, one label per name
         label = r.get("estimate_op") or r["name"]
         if label not in heavy and len(heavy) < LABELLED:
-            heavy[label] = (_short(label), r["flops"] / r["bytes"], r["flops"] / r["measured_s"])
+            heavy[label] = (label, r["flops"] / r["bytes"], r["flops"] / r["measured_s"])
     _log_axes(ax, "", "FLOP/s")
-    _label(ax, list(heavy.values()), taken=[(peak_text, hi, peak)])
+    _numbered(ax, list(heavy.values()), taken=[(peak_text, hi, peak)], note="the heaviest ops:")
     ax.set(
         xlabel="arithmetic intensity (FLOPs / byte)",
         ylabel="achieved FLOP/s",
@@ -391,13 +416,14 @@ def _vs_measured(report: dict[str, Any], tag: str):
         for kind in sorted({r["kind"] for r in pts}):
             sel = [r for r in pts if r["kind"] == kind]
             sizes = [12 + 200 * r["measured_s"] / top for r in sel]
-            ax.scatter(
+            dots = ax.scatter(
                 [r["predicted_s"] for r in sel],
                 [r["measured_s"] for r in sel],
                 s=sizes,
                 alpha=0.75,
                 label=f"{kind} (roofline)",
             )
+            _spread_bars(ax, [r for r in sel if r.get("spread")], dots.get_facecolor()[0])
         if named:
             ax.scatter(
                 [n["estimated_s"] for n in named],
@@ -407,13 +433,14 @@ def _vs_measured(report: dict[str, Any], tag: str):
                 color="black",
                 label="named op (estimator)",
             )
-        # name the heaviest: the estimator's ops where there are some (one label each), else the HLO ops
+        # number the heaviest: the estimator's ops where there are some (one each), else the HLO ops
         heavy = [(n["name"], n["estimated_s"], n["measured_s"]) for n in named]
         heavy = heavy or [(r["name"], r["predicted_s"], r["measured_s"]) for r in pts]
         _log_axes(ax, "s", "s")
         heaviest = sorted(heavy, key=lambda h: -h[2])[:LABELLED]
-        # points right of the middle get their label on their left
-        _label(ax, [(_short(t), x, y) for t, x, y in heaviest], left_of=math.sqrt(lo * hi))
+        note = "dot area: measured time; bar: its repeats' spread"
+        # points right of the middle get their number on their left
+        _numbered(ax, heaviest, left_of=math.sqrt(lo * hi), note=note)
         ax.legend(fontsize=7, loc="upper left")
     note = f"; {hidden} ops under 1 us left out" if hidden else ""
     ax.set(
@@ -422,6 +449,24 @@ def _vs_measured(report: dict[str, Any], tag: str):
     )
     _title(ax, f"Per op: predicted vs measured{tag}{note}")
     return fig
+
+
+def _spread_bars(ax, rows: list[dict[str, Any]], color) -> None:
+    """A vertical bar through each op's measured dot spanning its repeats' spread (slowest over fastest, centred
+    on the median in log space: ``measured / sqrt(spread)`` to ``measured x sqrt(spread)``)."""
+    if not rows:
+        return
+    ys = [r["measured_s"] for r in rows]
+    half = [math.sqrt(r["spread"]) for r in rows]
+    ax.errorbar(
+        [r["predicted_s"] for r in rows],
+        ys,
+        yerr=[[y - y / h for y, h in zip(ys, half, strict=True)], [y * h - y for y, h in zip(ys, half, strict=True)]],
+        fmt="none",
+        ecolor=color,
+        elinewidth=0.8,
+        alpha=0.6,
+    )
 
 
 def step_bars(report: dict[str, Any]) -> dict[str, dict[str, float]]:
