@@ -98,3 +98,34 @@ def test_a_long_step_says_it_is_still_working_and_stops_when_it_ends():
         raise RuntimeError("the step failed")
     time.sleep(0.15)
     assert not any("failing" in s for s in said)  # an error stops it too: no line after the error
+
+
+def test_the_ledger_says_where_in_the_program_each_hlo_op_is():
+    """An HLO name alone (fusion.7) says nothing of where it sits: the ledger gives the estimator's named op it was
+    joined to, else its source's named scopes without JAX's tracing layers."""
+    from lab.report.writer import ledger_table, where_in_program
+
+    joined = {"name": "fusion.7", "estimate_op": "mlp/up", "scope": "jit(step)/layers/mlp/up/dot_general"}
+    scoped = {
+        "name": "pow.1",
+        "estimate_op": None,
+        "scope": "jit(step)/while/body/closed_call/attention/rope/vmap()/pow",
+    }
+    bare = {"name": "copy.3", "estimate_op": None, "scope": ""}
+    assert [where_in_program(r) for r in (joined, scoped, bare)] == ["mlp/up", "attention/rope/pow", "-"]
+    rows = [
+        r
+        | {
+            "kind": "matmul",
+            "predicted_s": 1e-3,
+            "measured_s": 1e-3,
+            "ratio": 1.0,
+            "spread": 1.1,
+            "bytes": 1e6,
+            "collective_bytes": 0.0,
+        }
+        for r in (joined, scoped, bare)
+    ]
+    text = ledger_table(rows)
+    assert text.splitlines()[0].split()[:4] == ["op", "in", "the", "program"]
+    assert "attention/rope/pow" in text and "mlp/up" in text

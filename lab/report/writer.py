@@ -51,8 +51,24 @@ def _s(x: float | None) -> str:
     return fmt_seconds(x) if x is not None else "-"
 
 
+_TRACE_WORDS = ("while", "body", "cond", "closed_call", "branch", "checkpoint", "remat", "rematted_computation")
+
+
+def where_in_program(row: dict[str, Any], width: int = 30) -> str:
+    """What an HLO op belongs to, in the program's words: the estimator's named op it was joined to, else the named
+    scopes of its source (``attention/rope/pow`` out of ``jit(step)/while/body/closed_call/attention/rope/vmap()/pow``:
+    JAX's tracing layers left out), else ``-``."""
+    if row.get("estimate_op"):
+        text = row["estimate_op"]
+    else:
+        parts = [p for p in (row.get("scope") or "").split("/") if p and "(" not in p and p not in _TRACE_WORDS]
+        text = "/".join(parts[-3:]) or "-"
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
 def ledger_table(rows: list[dict[str, Any]], limit: int = 25) -> str:
-    """The ledger's heaviest HLO rows by measured time (then predicted)."""
+    """The ledger's heaviest HLO rows by measured time (then predicted), each with the named op or scope it is
+    part of (an HLO name alone says nothing of where in the program it sits)."""
 
     def key(r):
         return -(r["measured_s"] or 0.0), -(r["predicted_s"] or 0.0)
@@ -61,6 +77,7 @@ def ledger_table(rows: list[dict[str, Any]], limit: int = 25) -> str:
     body = [
         [
             r["name"],
+            where_in_program(r),
             r["kind"],
             _s(r["predicted_s"]),
             _s(r["measured_s"]),
@@ -70,7 +87,8 @@ def ledger_table(rows: list[dict[str, Any]], limit: int = 25) -> str:
         ]
         for r in shown
     ]
-    return render(["op", "kind", "predicted", "measured", "measured/predicted", "spread", "bytes"], body)
+    head = ["op", "in the program", "kind", "predicted", "measured", "measured/predicted", "spread", "bytes"]
+    return render(head, body)
 
 
 def _spread(x: float | None) -> str:
