@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-PHASES = ("startup_s", "build_s", "compile_s", "profile_s", "parse_s", "report_s", "total_s")
+PHASES = ("startup_s", "prepare_s", "build_s", "compile_s", "profile_s", "parse_s", "report_s", "total_s")
 
 
 def main() -> None:

@@ -63,6 +63,12 @@ def test_a_relative_out_folder_works_as_the_default_runs_does(jax_devices, tmp_p
     assert report["tensorboard"] == "runs/exp/tensorboard"
     assert report["perfetto_trace"].startswith("runs/exp/tensorboard/plugins/profile/")
     assert (tmp_path / report["perfetto_trace"]).is_file()
+    # the process's start-up apart from what the run did before its point (devices, a calibration): a test
+    # process is old, so start-up is most of its age, and the phases add up to that age
+    t = report["timings"]
+    assert t["startup_s"] > 0 and t["prepare_s"] >= 0
+    phases = sum(t[k] for k in ("startup_s", "prepare_s", "build_s", "compile_s", "profile_s", "parse_s", "report_s"))
+    assert phases == pytest.approx(t["total_s"], rel=0.01)
 
 
 def test_warm_up_defaults_to_several_calls_when_the_experiment_names_none(jax_devices, tmp_path):

@@ -102,6 +102,9 @@ def run_experiment(
         UserError: a bad experiment, option or run directory (before anything is written where possible).
         Interrupted: Ctrl-C, saying what was kept and how to resume.
     """
+    from lab.run.environment import process_age_s
+
+    started = process_age_s()  # the process's start-up, apart from what this run does before its points
     progress = Progress(quiet)
     exp, changed = _experiment(path, hardware, overrides, compile_only)
     name = plain_name(run_id) if run_id else plain_name(exp.name, "[experiment].name")
@@ -135,6 +138,7 @@ def run_experiment(
         env.get("device_memory_bytes"),
     )
     host = host_bytes_per_device()
+    env["started_age_s"] = started
     env["chip_flags"] = chip_flags
     env["compile_only"] = compile_only  # a resume is held to it
     if changed:

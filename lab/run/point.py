@@ -379,7 +379,7 @@ def run_point(
         "perfetto_device_tracks": m.device_tracks,
         **({"serving": serving} if serving is not None else {}),
     }
-    written = report.write_all(data, out_dir, timings=lambda: _timings(clock))
+    written = report.write_all(data, out_dir, timings=lambda: _timings(clock, env.get("started_age_s")))
     progress(f"wrote {', '.join(written)}")
     return data
 
@@ -489,8 +489,11 @@ def _rank_report(exp: Experiment, final_dir: Path, out_dir: Path, m: _Measured, 
     return data
 
 
-def _timings(clock: _Clock) -> dict[str, float | None]:
-    """Seconds per phase; ``startup_s`` is the process's age when the point started, ``total_s`` its age now."""
+def _timings(clock: _Clock, started: float | None = None) -> dict[str, float | None]:
+    """Seconds per phase. ``startup_s``: the process's age when the run began (the interpreter, imports and the
+    command line; ``started``, taken by run_experiment), ``prepare_s`` from then to this point's first phase (JAX's
+    devices, the host's calibration when one is taken, earlier points of a sweep), ``total_s`` the process's age now.
+    Without ``started`` all that came before the point is ``startup_s``."""
     from lab.run.environment import process_age_s
 
     clock.lap("report_s")
@@ -499,7 +502,9 @@ def _timings(clock: _Clock) -> dict[str, float | None]:
     }
     age = process_age_s()
     phases = sum(v for v in out.values() if v is not None)
-    out["startup_s"] = None if age is None else max(0.0, age - phases)
+    before = None if age is None else max(0.0, age - phases)
+    out["startup_s"] = before if started is None or before is None else min(started, before)
+    out["prepare_s"] = None if before is None or started is None else max(0.0, before - started)
     out["total_s"] = age
     return out
 
