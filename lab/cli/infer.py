@@ -8,6 +8,7 @@ from lab.cli.args import (
     MAX_SEQ_LEN,
     Parser,
     add_overwrite,
+    add_step_overhead,
     chart_path,
     check_model_path,
     chip_of,
@@ -18,7 +19,6 @@ from lab.cli.args import (
     in_path,
     model_of,
     model_parent,
-    nonneg_float,
     ops_table,
     plan_of,
     plan_options,
@@ -399,16 +399,7 @@ def _register_estimate(isub, common):
         "common JAX implementations run at small batch; the default) or only those some token routed to (routed: "
         "vLLM's and SGLang's fused MoE kernels, JAX's megablox)",
     )
-    ie.add_argument(
-        "--step-overhead",
-        type=nonneg_float("--step-overhead"),
-        default=0.0,
-        metavar="SECONDS",
-        help="the serving stack's host work per decode step that the device does not hide (default 0: the device "
-        "alone). Measured: vLLM 0.5 spent 62%% of its time outside the GPU on Llama 3 8B (H100); engines that "
-        "schedule a step ahead (vLLM V1, SGLang's overlap scheduler) hide most of it "
-        "(docs/reference/microbenchmarks-added.md S1-S5)",
-    )
+    add_step_overhead(ie)
     ie.add_argument(
         "--continuous",
         action="store_true",

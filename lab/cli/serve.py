@@ -6,6 +6,7 @@ import argparse
 
 from lab.cli.args import (
     add_overwrite,
+    add_step_overhead,
     chart_path,
     chip_of,
     command,
@@ -14,7 +15,6 @@ from lab.cli.args import (
     in_path,
     model_of,
     model_parent,
-    nonneg_float,
     nonneg_int,
     positive_float,
     positive_int,
@@ -191,14 +191,7 @@ def register(isub, common: argparse.ArgumentParser, storage_dtype, moe_weights) 
     eng.add_argument("--kv", type=storage_dtype, default="bf16")
     eng.add_argument("--compute", type=dtype_arg, choices=("bf16", "fp8", "int8"), default="bf16")
     eng.add_argument("--moe-weights", choices=moe_weights, default="all")
-    eng.add_argument(
-        "--step-overhead",
-        type=nonneg_float("--step-overhead"),
-        default=0.0,
-        metavar="SECONDS",
-        help="the serving stack's host work per step the device does not hide (default 0; "
-        "docs/reference/microbenchmarks-added.md S1-S5)",
-    )
+    add_step_overhead(eng)
     eng.add_argument("--page-size", type=positive_int("--page-size"), default=16, help="tokens a KV page (16)")
     eng.add_argument("--pages", type=positive_int("--pages"), help="KV pages per replica (default: what HBM holds)")
     eng.add_argument("--max-seqs", type=positive_int("--max-seqs"), default=256, help="running at once (256)")
