@@ -31,7 +31,11 @@ def test_the_pages_document_examples():
     assert len(EXAMPLES) >= 25, "the marked examples were not found: is the marker convention still parsed?"
 
 
-@pytest.mark.parametrize("ex", EXAMPLES, ids=_id)
+# an example that compiles JAX programs runs in a fresh process, up to a minute for a real-size cross-compile
+CHECKED = [pytest.param(ex, marks=pytest.mark.slow) if ex.jax else ex for ex in EXAMPLES]
+
+
+@pytest.mark.parametrize("ex", CHECKED, ids=_id)
 def test_documented_output_is_the_real_output(ex, scratch):
     shown = docs.current(ex)
     if not docs.matches(ex, shown):
@@ -70,6 +74,7 @@ def test_masks_except_timings_and_nothing_else(tmp_path):
         ("<!-- example -->\nno block\n", "just above a fenced block"),
         ("<!-- example: head=3 -->\n```\n$ shardlab hardware list\n```\n", "unknown marker option"),
         ("<!-- example: lines=a..b -->\n```\n$ shardlab hardware list\n```\n", "bad lines= item"),
+        ("<!-- example: jax -->\n```\n$ shardlab run experiments/tp_mlp.toml\n```\n", "profiles a run"),
     ],
 )
 def test_a_bad_marker_is_named_by_file_and_line(tmp_path, text, message):
@@ -78,6 +83,19 @@ def test_a_bad_marker_is_named_by_file_and_line(tmp_path, text, message):
     with pytest.raises(docs.DocError, match=re.escape(message)) as err:
         docs.parse(page)
     assert "p.md:3" in str(err.value)
+
+
+def test_a_jax_example_runs_in_a_fresh_process_on_eight_emulated_devices(tmp_path):
+    """`example: jax` marks a compile whose output is the same wherever it runs: it runs in a new process with 8
+    emulated devices and none of the caller's XLA flags (a test session's would change what XLA emits)."""
+    page = tmp_path / "p.md"
+    page.write_text("<!-- example: jax -->\n```\n$ shardlab audit sharded_matmul_case1\nstale\n```\n")
+    (ex,) = docs.parse(page).examples
+    assert ex.jax and ex.argv == ("audit", "sharded_matmul_case1")
+    with docs.sandbox({}, ROOT):
+        shown = docs.current(ex)
+    assert shown[0].startswith("audit sharded_matmul_case1 on mesh X=2,Y=4 (cpu, emulated)")
+    assert shown[-1] == "result: all match"
 
 
 def test_regenerating_rewrites_a_stale_output_once(tmp_path):

@@ -17,6 +17,10 @@ Options go after a colon, as ``key=value`` words (quote a value with spaces):
 * ``mask=REGEX`` (may repeat): text a line matches is not compared (timings such as ``searched in \\S+ \\S+``);
   the page keeps the value of the run that last wrote it.
 * ``exit=N``: the exit status the command must end with (default 0; 2 for a user mistake).
+* ``jax``: the command compiles JAX programs (``audit``, ``run --compile-only``, ``--target``): it is run in a
+  fresh process on 8 emulated CPU devices with no other XLA flag, so its output is the same wherever it runs.
+  Only commands whose output is deterministic are marked so (a compile, an audit, a cross-compile: nothing
+  timed); mask their progress lines' clock. ``tests/test_docs.py`` checks these under ``slow``.
 
 A block that starts with ``>>> `` instead is a Python session (``... `` continues a statement): each statement
 runs in turn in one namespace, and what it prints (an expression's repr, as the interpreter shows it) is its
@@ -25,8 +29,8 @@ output; ``mask=`` applies, ``lines=`` and ``exit=`` do not.
 ``<!-- example-file: NAME -->`` above a fenced block writes that block as ``NAME`` in the folder the examples run
 in, so an example can read a file the page shows. Examples run in a scratch folder that sees the repository's
 ``experiments/`` (charts they draw land there, not in ``runs/``) and no host calibration (``specs/cpu.json``
-would change the ``cpu`` chip). Only commands that never start JAX may be marked; the others keep hand-trimmed
-real outputs with no marker.
+would change the ``cpu`` chip). A command that starts JAX is marked only with ``jax`` (above) and only when nothing
+in its output is measured; runs that profile keep hand-trimmed real outputs with no marker.
 
 ``python -m lab.cli.doc_examples`` rewrites every marked block whose output no longer matches; ``--check`` only
 lists them (exit 1 if any).
@@ -79,6 +83,7 @@ class Example:
     out_end: int  # 0-based index of the closing fence
     documented: tuple[str, ...]
     python: bool = False  # a ``>>>`` session: ``documented`` is the whole block, prompts included
+    jax: bool = False  # compiles JAX programs: run in a fresh process on 8 emulated devices
 
     @property
     def name(self) -> str:
@@ -115,16 +120,19 @@ def _block(text: list[str], fence_at: int, where: str) -> int:
     raise DocError(f"{where}: the fenced block under the marker is never closed")
 
 
-def _options(raw: str, where: str) -> tuple[str | None, tuple[str, ...], int]:
-    lines, masks, code = None, [], 0
+def _options(raw: str, where: str) -> tuple[str | None, tuple[str, ...], int, bool]:
+    lines, masks, code, jax = None, [], 0, False
     try:
         words = shlex.split(raw)
     except ValueError as exc:
         raise DocError(f"{where}: cannot read the marker's options {raw!r}: {exc}") from None
     for word in words:
         key, eq, value = word.partition("=")
+        if word == "jax":
+            jax = True
+            continue
         if not eq or key not in ("lines", "mask", "exit"):
-            raise DocError(f"{where}: unknown marker option {word!r}; valid: lines=1..20, mask=REGEX, exit=N")
+            raise DocError(f"{where}: unknown marker option {word!r}; valid: lines=1..20, mask=REGEX, exit=N, jax")
         if key == "lines":
             try:
                 _select(value, 1)  # read now, so that a bad range is named by its place
@@ -141,7 +149,7 @@ def _options(raw: str, where: str) -> tuple[str | None, tuple[str, ...], int]:
             if not value.isdigit():
                 raise DocError(f"{where}: exit={value!r} must be a number")
             code = int(value)
-    return lines, tuple(masks), code
+    return lines, tuple(masks), code, jax
 
 
 def _command(body: list[str], start: int, where: str) -> tuple[str, int]:
@@ -157,16 +165,20 @@ def _command(body: list[str], start: int, where: str) -> tuple[str, int]:
             return " ".join(parts), start + i
 
 
-def _argv(command: str, where: str) -> tuple[str, ...]:
+def _argv(command: str, where: str, jax: bool = False) -> tuple[str, ...]:
     words = shlex.split(command, comments=True)
     if not words or words[0] != "shardlab":
         raise DocError(f"{where}: only shardlab commands can be marked, not {command!r}")
     argv = tuple(words[1:])
     first = next((w for w in argv if not w.startswith("-")), None)
-    if first in NOT_ANALYTIC or NOT_ANALYTIC_FLAGS & set(argv):
+    starts_jax = first in NOT_ANALYTIC or bool(NOT_ANALYTIC_FLAGS & set(argv))
+    if starts_jax and not jax:
         raise DocError(
-            f"{where}: {command!r} compiles or runs JAX programs; keep its output hand-trimmed, without a marker"
+            f"{where}: {command!r} compiles or runs JAX programs; mark it `example: jax` if nothing in its output is "
+            "measured, else keep its output hand-trimmed, without a marker"
         )
+    if jax and first == "run" and "--compile-only" not in argv:
+        raise DocError(f"{where}: {command!r} profiles a run, whose times differ every time: keep it hand-trimmed")
     return argv
 
 
@@ -185,9 +197,9 @@ def parse(path: Path) -> Page:
             i = end
         elif m := MARKER.match(text[i]):
             end = _block(text, i + 1, where)
-            lines, masks, code = _options(m["opts"] or "", where)
+            lines, masks, code, jax = _options(m["opts"] or "", where)
             if end > i + 2 and text[i + 2].startswith(">>> "):
-                if lines or code:
+                if lines or code or jax:
                     raise DocError(f"{where}: a Python session takes mask= only")
                 page.examples.append(_session(path, i + 3, masks, text[i + 2 : end], i + 2))
                 i = end + 1
@@ -198,13 +210,14 @@ def parse(path: Path) -> Page:
                     path=path,
                     line=i + 3,
                     command=command,
-                    argv=_argv(command, where),
+                    argv=_argv(command, where, jax),
                     lines=lines,
                     masks=masks,
                     exit=code,
                     out_start=out_start,
                     out_end=end,
                     documented=tuple(text[out_start:end]),
+                    jax=jax,
                 )
             )
             i = end
@@ -307,6 +320,29 @@ def matches(example: Example, shown: Sequence[str]) -> bool:
     return masked(shown, example.masks) == masked(example.documented, example.masks)
 
 
+JAX_TIMEOUT_S = 600  # one compile of a documented example: the largest, a real-size cross-compile, takes about a minute
+
+
+def run_jax(argv: Sequence[str]) -> tuple[int, str]:
+    """Run one JAX command in a fresh process in the current folder (a :func:`sandbox`), on 8 emulated CPU devices
+    and no other XLA flag (the caller's, a test session's included, would change what XLA emits): its exit status,
+    and stdout and stderr as one text."""
+    import subprocess
+
+    env = dict(os.environ)
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    done = subprocess.run(
+        [sys.executable, "-m", "lab", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=JAX_TIMEOUT_S,
+    )
+    return done.returncode, done.stdout
+
+
 def run(argv: Sequence[str]) -> tuple[int, str]:
     """Run one command in this process: its exit status, and stdout and stderr as one text."""
     from lab.cli.main import main
@@ -357,7 +393,7 @@ def current(ex: Example) -> list[str]:
     status other than the marker's is an error."""
     if ex.python:
         return run_session(ex)
-    code, output = run(ex.argv)
+    code, output = (run_jax if ex.jax else run)(ex.argv)
     if code != ex.exit:
         raise DocError(f"{ex.name}: `{ex.command}` exited {code}, the marker expects {ex.exit}:\n{output}")
     shown = trim(output, ex.lines)
