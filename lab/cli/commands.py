@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("validate", "replay published measured runs: calibration, development set and test split"),
     "infer": ("infer", "serving estimates: decode, prefill, KV cache, topology"),
     "audit": ("audit", "compile a kernel or experiment and check its collectives and FLOPs against the estimate"),
+    "explain": ("explain", "the compiled program read back in the Plan's names: memory at its peak, by role"),
     "run": ("run", "estimate, compile+audit, profile, compare and report an experiment"),
     "launch": ("run", "run an experiment as N local processes over loopback (JAX's distributed runtime, CPU devices)"),
     "calibrate": ("run", "fit this backend's spec from microbenchmarks"),
@@ -26,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 GROUPS = tuple(dict.fromkeys(module for module, _ in COMMANDS.values()))
 # Commands that may start JAX (``plan --validate`` compiles); the others are analytic and never import it.
-JAX_COMMANDS = frozenset({"audit", "run", "launch", "calibrate", "demo", "plan"})
+JAX_COMMANDS = frozenset({"audit", "explain", "run", "launch", "calibrate", "demo", "plan"})
 
 
 def help_of(command: str) -> str:
