@@ -40,14 +40,17 @@ from kernels.transformer.model import (
     token_sharding,
     validate,
 )
+from lab.core.attention import Attention, check_backend, from_options
 from lab.core.errors import UserError
 from lab.core.models import ModelConfig
 from lab.core.plan import Plan
 from lab.core.rules import PRESETS, ShardingRules
 
 
-def _layout(rules: ShardingRules | None, mesh: Mesh | None, dtype: str, decode: bool = False) -> _Layout:
-    return _Layout(rules or PRESETS["single"], mesh, compute_dtype(dtype), decode)
+def _layout(
+    rules: ShardingRules | None, mesh: Mesh | None, dtype: str, decode: bool = False, attention: Attention | None = None
+) -> _Layout:
+    return _Layout(rules or PRESETS["single"], mesh, compute_dtype(dtype), decode, attention=attention or Attention())
 
 
 def prefill(
@@ -57,10 +60,11 @@ def prefill(
     rules: ShardingRules | None = None,
     mesh: Mesh | None = None,
     dtype: str = "float32",
+    attention: Attention | None = None,
 ) -> tuple[jax.Array, Cache]:
     """Run the prompt ``[B, T]``: the last position's logits ``[B, 1, V]`` (what sampling reads; serving engines
     make no others) and a KV cache ``[L, B, S, K, H]`` filled up to T."""
-    lay = _layout(rules, mesh, dtype)
+    lay = _layout(rules, mesh, dtype, attention=attention)
     logits, (k, v) = _forward(params, tokens, cfg, lay, keep_kv=True, last_only=True)  # k, v: [L, B, T, K, H]
     pad = ((0, 0), (0, 0), (0, cfg.max_seq_len - tokens.shape[1]), (0, 0), (0, 0))
     cache_axes = cache_info(cfg, tokens.shape[0])["k"].logical_axes
@@ -77,9 +81,10 @@ def decode_step(
     rules: ShardingRules | None = None,
     mesh: Mesh | None = None,
     dtype: str = "float32",
+    attention: Attention | None = None,
 ) -> tuple[jax.Array, Cache]:
     """One new token per sequence: ``token [B]`` at position ``pos`` -> logits ``[B, V]`` and the updated cache."""
-    lay = _layout(rules, mesh, dtype, decode=True)
+    lay = _layout(rules, mesh, dtype, decode=True, attention=attention)
     pos = jnp.asarray(pos, jnp.int32)
     positions = pos[None]  # [T=1]
     x = _embed(params, token[:, None], cfg, lay)  # [B, 1, D]
@@ -94,7 +99,7 @@ def decode_step(
             q, k, v = _qkv(h, p, positions, cfg, lay)
             ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (zero, pos, zero, zero))
             cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (zero, pos, zero, zero))
-            o = lay.constrain(_attend(q, ck, cv, visible, cfg), HEADS)
+            o = lay.constrain(_attend_cache(q, ck, cv, pos, visible, cfg, lay), HEADS)
             with jax.named_scope("out"):
                 x = x + lay.constrain(jnp.einsum("btnh,nhd->btd", o, p["wo"].astype(lay.dtype)), RESIDUAL)
         with jax.named_scope("mlp"):
@@ -107,6 +112,16 @@ def decode_step(
     return _logits(params, x, cfg, lay)[:, 0], cache
 
 
+def _attend_cache(q, ck, cv, pos, visible, cfg: ModelConfig, lay: _Layout) -> jax.Array:
+    """The step's attention over the cache: the einsum softmax, or the layout's kernel."""
+    if not lay.attention.fused:
+        return _attend(q, ck, cv, visible, cfg)
+    from kernels.transformer.attention import attend_cache
+
+    with jax.named_scope("scores"):
+        return attend_cache(q, ck, cv, pos, lay.attention, lay.rules, lay.mesh)
+
+
 def generate(
     params: Params,
     prompt: jax.Array,
@@ -115,18 +130,19 @@ def generate(
     rules: ShardingRules | None = None,
     mesh: Mesh | None = None,
     dtype: str = "float32",
+    attention: Attention | None = None,
 ) -> jax.Array:
     """Greedy decoding: ``steps`` new tokens ``[B, steps]`` after the prompt ``[B, T]`` (prefill + a scan)."""
     T = prompt.shape[1]
     if T + steps > cfg.max_seq_len + 1:
         raise UserError(f"prompt {T} + {steps} steps exceeds the KV cache (max-seq-len={cfg.max_seq_len})")
-    logits, cache = prefill(params, prompt, cfg, rules, mesh, dtype)
+    logits, cache = prefill(params, prompt, cfg, rules, mesh, dtype, attention)
     with jax.named_scope("sample"):
         first = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)  # [B]
 
     def body(carry, _):
         cache, tok, pos = carry
-        logits, cache = decode_step(params, cache, tok, pos, cfg, rules, mesh, dtype)
+        logits, cache = decode_step(params, cache, tok, pos, cfg, rules, mesh, dtype, attention)
         with jax.named_scope("sample"):
             nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return (cache, nxt, pos + 1), tok
@@ -135,12 +151,19 @@ def generate(
     return jnp.concatenate([toks.T, last[:, None]], axis=1)  # [B, steps]
 
 
-def make_generate(cfg: ModelConfig, rules: ShardingRules, mesh: Mesh, steps: int, dtype: str = "float32") -> Callable:
+def make_generate(
+    cfg: ModelConfig,
+    rules: ShardingRules,
+    mesh: Mesh,
+    steps: int,
+    dtype: str = "float32",
+    attention: Attention | None = None,
+) -> Callable:
     """Jitted ``(params, prompt) -> tokens [B, steps]`` with pinned input and output shardings."""
     validate(cfg, rules, mesh)
     p_sh = shardings(param_info(cfg), rules, mesh)
     tok_sh = token_sharding(rules, mesh)
-    fn = functools.partial(generate, steps=steps, cfg=cfg, rules=rules, mesh=mesh, dtype=dtype)
+    fn = functools.partial(generate, steps=steps, cfg=cfg, rules=rules, mesh=mesh, dtype=dtype, attention=attention)
     return jax.jit(fn, in_shardings=(p_sh, tok_sh), out_shardings=tok_sh)
 
 
@@ -151,7 +174,10 @@ def build_decode(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0) -> Buil
     assert cfg is not None and rules is not None
     batch, prompt_len, steps = plan.sizes["batch"], plan.sizes["prompt_len"], plan.sizes["steps"]
     m = mesh if mesh is not None else make_mesh(plan.shape, slow=plan.slow_axes)
-    fn = make_generate(cfg, rules, m, steps, plan.dtype)
+    attention = from_options(plan.options)
+    if attention.fused:  # one line for a kernel these devices cannot run, before anything is traced
+        check_backend(attention.impl, m.devices.flat[0].platform)
+    fn = make_generate(cfg, rules, m, steps, plan.dtype, attention)
     tok_sh = token_sharding(rules, m)
     spec = (abstract(param_info(cfg), rules, m), jax.ShapeDtypeStruct((batch, prompt_len), "int32", sharding=tok_sh))
 

@@ -24,6 +24,7 @@ from kernels.transformer.model import (
     _logits,
     compute_dtype,
 )
+from lab.core.attention import Attention
 from lab.core.models import ModelConfig
 from lab.core.programs import MOE_CAPACITY_FACTOR
 
@@ -41,6 +42,7 @@ def loss_fn(
     moe_groups: tuple[int, int] = (1, 1),
     interleave: int = 1,
     stage_split: tuple[int, ...] = (),
+    attention: Attention | None = None,
 ) -> jax.Array:
     """Mean next-token cross entropy (float32): position t predicts token t+1; the last position is masked.
 
@@ -60,6 +62,7 @@ def loss_fn(
         capacity_factor=capacity_factor,
         moe_groups=tuple(moe_groups),
         stage_split=tuple(stage_split),
+        attention=attention or Attention(),
     )
     if mesh is not None and pipeline_stages(lay.rules, mesh) > 1:
         if interleave > 1:

@@ -87,6 +87,7 @@ from kernels.mesh import make_mesh
 from kernels.transformer.moe_layer import SAVED as MOE_SAVED
 from kernels.transformer.moe_layer import moe_mlp
 from lab.core import arrays
+from lab.core.attention import Attention
 from lab.core.errors import UserError
 from lab.core.models import ModelConfig
 from lab.core.programs import MOE_CAPACITY_FACTOR
@@ -314,6 +315,9 @@ def token_sharding(rules: ShardingRules, mesh: Mesh) -> NamedSharding:
 # ----- the model ------------------------------------------------------------------------------------------------
 
 
+XLA_ATTENTION = Attention()  # the plain einsum softmax (the default)
+
+
 @dataclass(frozen=True)
 class _Layout:
     """Rules plus the mesh they place on; without a mesh nothing is constrained (propagation only). ``manual``:
@@ -327,6 +331,7 @@ class _Layout:
     capacity_factor: float = MOE_CAPACITY_FACTOR  # MoE: slots per expert, ceil(k t cf / E) per routing group
     moe_groups: tuple[int, int] = (1, 1)  # without a mesh: routing groups along B and T, as devices would split them
     stage_split: tuple[int, ...] = ()  # pipelined: each stage's real layers; its stacked rows past them are padding
+    attention: Attention = XLA_ATTENTION  # the einsum softmax, or a kernel (kernels.transformer.attention)
 
     def constrain(self, x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
         if self.mesh is None:
@@ -419,6 +424,16 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cfg: Mode
     return o.reshape(B, T, N, H)
 
 
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cfg: ModelConfig, lay: _Layout):
+    """Causal attention by the layout's implementation: :func:`_attend`, or a kernel inside ``shard_map``."""
+    if not lay.attention.fused:
+        return _attend(q, k, v, mask, cfg)
+    from kernels.transformer.attention import attend
+
+    with jax.named_scope("scores"):
+        return attend(q, k, v, lay.attention, lay.rules, lay.mesh)
+
+
 def _mlp(h: jax.Array, p: Params, cfg: ModelConfig, lay: _Layout) -> jax.Array:
     cd = lay.dtype
     with jax.named_scope("up"):
@@ -447,7 +462,7 @@ def _attention_half(x: jax.Array, p: Params, positions: jax.Array, cfg: ModelCon
         h = _rms_norm(x, p["attn_norm"], cfg.norm_eps)
         q, k, v = _qkv(h, p, positions, cfg, lay)
         causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]  # [T, S]
-        o = lay.constrain(_attend(q, k, v, causal, cfg), HEADS)
+        o = lay.constrain(_attention(q, k, v, causal, cfg, lay), HEADS)
         with jax.named_scope("out"):
             x = x + lay.constrain(jnp.einsum("btnh,nhd->btd", o, p["wo"].astype(lay.dtype)), RESIDUAL)
     return x, (k, v)
@@ -523,12 +538,14 @@ def forward(
     mesh: Mesh | None = None,
     remat: str = "none",
     dtype: str = "float32",
+    attention: Attention | None = None,
 ) -> jax.Array:
     """Logits ``[B, T, V]`` (float32) of int tokens ``[B, T]``; activations pinned when ``mesh`` is given.
 
     ``dtype`` is what the matmuls run in (``bfloat16`` for mixed precision); parameters stay float32.
+    ``attention``: the einsum softmax (default) or a kernel (:mod:`lab.core.attention`).
     """
-    lay = _Layout(rules or PRESETS["single"], mesh, compute_dtype(dtype))
+    lay = _Layout(rules or PRESETS["single"], mesh, compute_dtype(dtype), attention=attention or Attention())
     return _forward(params, tokens, cfg, lay, remat)[0]
 
 

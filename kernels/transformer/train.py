@@ -40,6 +40,7 @@ from kernels.transformer.model import (
     token_sharding,
     validate,
 )
+from lab.core.attention import Attention, check_backend, from_options
 from lab.core.models import ModelConfig
 from lab.core.plan import Plan
 from lab.core.programs import MOE_CAPACITY_FACTOR
@@ -88,6 +89,7 @@ def make_grads_fn(
     capacity_factor: float = MOE_CAPACITY_FACTOR,
     interleave: int = 1,
     stage_split: tuple[int, ...] = (),
+    attention: Attention | None = None,
 ) -> Callable:
     """Jitted ``(params, tokens) -> (loss, grads)``, gradients placed like the parameters (``microbatches``: of
     the pipeline, when the rules put the layers on a mesh axis; ``capacity_factor``: a mixture of experts')."""
@@ -97,7 +99,7 @@ def make_grads_fn(
 
     def grads(params, tokens):
         loss = jax.value_and_grad(loss_fn)
-        options = {"interleave": interleave, "stage_split": stage_split}
+        options = {"interleave": interleave, "stage_split": stage_split, "attention": attention}
         return loss(params, tokens, cfg, rules, mesh, remat, dtype, microbatches, capacity_factor, **options)
 
     return jax.jit(
@@ -115,6 +117,7 @@ def make_train_step(
     microbatches: int = 1,
     interleave: int = 1,
     stage_split: tuple[int, ...] = (),
+    attention: Attention | None = None,
 ) -> Callable:
     """Jitted ``step(params, opt_state, tokens) -> (params, opt_state, loss)``: one AdamW step.
 
@@ -128,7 +131,7 @@ def make_train_step(
     o_sh = opt_state_shardings(tx, cfg, rules, mesh)
 
     def step(params, opt_state, tokens):
-        options = {"interleave": interleave, "stage_split": stage_split}
+        options = {"interleave": interleave, "stage_split": stage_split, "attention": attention}
         value_and_grad = jax.value_and_grad(loss_fn)
         loss, grads = value_and_grad(params, tokens, cfg, rules, mesh, remat, dtype, microbatches, **options)
         grads = jax.lax.with_sharding_constraint(grads, p_sh)
@@ -179,7 +182,12 @@ def build_train(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0, learning
     batch, seq = plan.sizes["batch"], plan.sizes["seq"]
     m = mesh if mesh is not None else make_mesh(plan.shape, slow=plan.slow_axes)
     v = plan.options.interleave if plan.options.pp_schedule == "interleaved" else 1
-    step = make_train_step(cfg, rules, m, remat, plan.dtype, learning_rate, plan.microbatches(), v, split)
+    attention = from_options(plan.options)
+    if attention.fused:  # one line for a kernel these devices cannot run, before anything is traced
+        check_backend(attention.impl, m.devices.flat[0].platform)
+    step = make_train_step(
+        cfg, rules, m, remat, plan.dtype, learning_rate, plan.microbatches(), v, split, attention=attention
+    )
     tx = optimizer(learning_rate)
     tok_sh = token_sharding(rules, m)
     spec = (

@@ -2,7 +2,11 @@
 
 A ``dot`` in any computation (fusions included), the TPU compiler's ``convolution`` form of a matmul and cuBLAS
 GEMM custom calls, with FLOPs ``2 x prod(output) x prod(contracting dims)`` (a convolution: over the window taps
-that land on input), multiplied by the trip counts of the loops around them.
+that land on input), multiplied by the trip counts of the loops around them. A kernel's custom call (a Pallas
+``tpu_custom_call``, or any custom call whose backend config carries a ``cost_estimate``) counts the FLOPs of its
+cost estimate, which XLA cannot see inside it (the lab's kernels count them in :mod:`lab.core.pallas_cost`).
+Interpreted on the CPU a Pallas kernel is plain HLO: its dots are counted as any others, and a dot under a
+``pl.when`` (an HLO ``conditional``) as if every grid step took it.
 """
 
 from __future__ import annotations
@@ -81,10 +85,28 @@ def convolution_flops(module: Module, instr) -> float | None:
     return 2.0 * per_position * rhs[rhs_l.index("i")] * taps
 
 
+_COST_FLOPS = re.compile(r'"cost_estimate":\{[^}]*?"flops":"?(\d+)')
+
+
+def kernel_flops(instr) -> float | None:
+    """The FLOPs a kernel's custom call declares in its backend config's ``cost_estimate`` (a Pallas TPU kernel's
+    ``pl.CostEstimate``), or None."""
+    if instr.opcode != "custom-call":
+        return None
+    m = _COST_FLOPS.search(instr.attr("backend_config") or instr.attrs)
+    return float(m.group(1)) if m else None
+
+
 def dots(module: Module) -> list[CompiledDot]:
-    """Every matmul (``dot``, TPU ``convolution``, cuBLAS GEMM custom call) with its FLOPs."""
+    """Every matmul (``dot``, TPU ``convolution``, cuBLAS GEMM custom call) and every kernel custom call with a
+    cost estimate, with its FLOPs."""
     out = []
     for instr, times in module.walk():
+        flops = kernel_flops(instr)
+        if flops is not None:
+            shape = str(instr.result[0].dims) if instr.result else ""
+            out.append(CompiledDot(instr.name, flops, shape, times))
+            continue
         if instr.opcode == "dot":
             ops = operand_shapes(module, instr)
             out_shape = instr.result[0] if instr.result else None

@@ -153,7 +153,15 @@ def compile_for(built, target):
     sizes or the layout), not a crash."""
     if target is None:
         return built.fn.lower(*built.abstract).compile()
-    with uncached():
+    import jax
+
+    # Pallas asks the default device which TPU it lowers a kernel for: one of the target's
+    device = next(
+        (a.sharding.mesh.devices.flat[0] for a in jax.tree.leaves(built.abstract) if hasattr(a.sharding, "mesh")),
+        None,
+    )
+    default = jax.default_device(device) if device is not None else contextlib.nullcontext()
+    with uncached(), default:
         try:
             return built.fn.lower(*built.abstract).compile()
         except Exception as exc:  # jax's runtime error type moved between versions; its message is stable

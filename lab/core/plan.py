@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lab.core.arrays import check_transformer, unsupported_features
+from lab.core.attention import DEFAULT_BLOCK, Attention, check_plan
 from lab.core.errors import UserError
 from lab.core.models import ModelConfig
 from lab.core.programs import (
@@ -91,6 +92,8 @@ class Options:
             schedule: Megatron's.
         spmd_context: context parallelism as the lab's Transformer compiles it (K and V gathered over the context
             shards, forward and backward; weight gradients summed over them). False: a ring (Megatron's).
+        attention, attention_block_q, attention_block_k: the Transformer's attention (``xla``, ``pallas``,
+            ``splash``, ``cudnn``) and the kernels' block sizes, clipped to the sequence (:mod:`lab.core.attention`).
     """
 
     microbatch: int | None = None
@@ -107,8 +110,12 @@ class Options:
     jax_remat: bool = True
     spmd_pipeline: bool = True
     spmd_context: bool = True
+    attention: str = "xla"
+    attention_block_q: int = DEFAULT_BLOCK
+    attention_block_k: int = DEFAULT_BLOCK
 
     def __post_init__(self) -> None:
+        Attention(self.attention, self.attention_block_q, self.attention_block_k)  # refuses a bad name or size
         if self.zero not in (0, 1, 2, 3):
             raise UserError(f"zero = {self.zero!r} is not one of 0, 1, 2, 3")
         if self.pp_schedule not in PP_SCHEDULES:
@@ -328,6 +335,7 @@ class Plan:
         plan_checks.pipeline(self)
         plan_checks.context(self)
         plan_checks.experts(self)
+        check_plan(self)  # the attention kernel's blocks and layout
         for dim in NOT_EXECUTED:
             if rules.axes(dim):
                 raise UserError(

@@ -19,7 +19,7 @@ seq = 32
 
 [model]                                # model fields (see `shardlab model show`): e.g. layers = 2
 [rules]                                # preset = "fsdp_tp", and/or logical dim = mesh axis (or a list of them)
-[options]                              # remat, optimizer, param_dtype, microbatch, zero, flash_attention, ...
+[options]                              # remat, optimizer, param_dtype, microbatch, zero, attention, ...
 [run]                                  # warmup, repeats (profiling)
 [sweep]                                # size = [values]: one run per combination
 ```
@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.core import limits
+from lab.core.attention import IMPLEMENTATIONS
 from lab.core.errors import UserError
 from lab.core.models import ZERO_MEANS_NONE, ModelConfig, model_from_fields
 from lab.core.notation import AXIS_NAME  # the names --mesh takes
@@ -88,6 +89,9 @@ OPTIONS = {
     "jax_remat": Field("bool", "recomputation as jax.checkpoint runs it (the layer's last projection left out)"),
     "spmd_context": Field("bool", "context parallelism as the lab compiles it (K, V gathered; not a ring)"),
     "spmd_pipeline": Field("bool", "a pipeline as the lab runs it (stages compute and send in all M + p - 1 steps)"),
+    "attention": Field("str", "the Transformer's attention: einsum softmax or a kernel", IMPLEMENTATIONS),
+    "attention_block_q": Field("int+", "the attention kernel's query block (clipped to the sequence)"),
+    "attention_block_k": Field("int+", "the attention kernel's key block (clipped to the sequence)"),
 }
 RULES = {"preset": Field("str", "a preset the other keys override", tuple(PRESETS))} | {
     f: Field("strs", f"mesh axes of the logical dim {f}") for f in FIELDS

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from lab.core.attention import from_options
 from lab.core.collective_kinds import from_hlo
 from lab.core.errors import UserError
 from lab.core.hardware import Chip
@@ -79,6 +80,7 @@ def train_config(plan: Plan, chip: Chip) -> TrainConfig:
     )
     batch, replicas = plan.sizes["batch"], deg["dp"] * deg["fsdp"]
     assert plan.model is not None
+    att = from_options(opts)
     return TrainConfig(
         model=plan.model,
         chip=chip,
@@ -90,7 +92,8 @@ def train_config(plan: Plan, chip: Chip) -> TrainConfig:
         checkpoints_per_layer=opts.checkpoints_per_layer,
         dtype=plan.dtype,
         optimizer=plan.optimizer,
-        flash_attention=opts.flash_attention,
+        flash_attention=opts.flash_attention or att.fused,  # a kernel keeps no score matrix
+        pallas_blocks=(att.block_q, att.block_k) if att.impl == "pallas" else None,
         causal=opts.causal,
         param_dtype=plan.param_dtype,
         fused_projections=opts.fused_projections,

@@ -37,6 +37,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from lab.predict import efficiency as eff
+from lab.predict.training.attention_kernels import BACKWARD_FLOPS, pallas_attention
 from lab.predict.training.comm import calls_per_step, collectives
 from lab.predict.training.config import (
     GRAD_BYTES,
@@ -88,6 +89,7 @@ SCOPES = {
     "qkv": "attention/qkv",
     "attention": "attention/scores",
     "attention.bmm": "attention/scores",
+    "attention.pallas": "attention/scores",
     "attention.softmax": "attention/scores",
     "out_proj": "attention/out",
     "rope": "attention/rope",
@@ -265,6 +267,9 @@ def _compute_ops(cfg: TrainConfig) -> list[tuple[str, str, float, float, float, 
         mm("qkv", tokens, d, (m.attention_matmul_params - m.v_dim * d) / (d * t))
     else:
         mm("qkv", tokens, d, (q + 2 * kv) * m.head_dim)
+    if cfg.pallas_blocks is not None:  # the lab's Pallas kernel: priced from its block pairs
+        ops.append(pallas_attention(cfg, q, kv, h, s_local, _wide(cfg.dtype)))
+        return _rest_of_layer(cfg, tokens, q, kv, ops, mm, mem)
     causal_skip = 0.5 if (cfg.flash_attention and cfg.causal) else 1.0
     # fp8 recipes (Transformer Engine and the like) keep attention and the output layer in bf16.
     bmm = 2 * eff.matmul_time(chip, s_local, h, cfg.seq_len, _wide(dt), cfg.microbatch * q) * causal_skip
@@ -280,6 +285,14 @@ def _compute_ops(cfg: TrainConfig) -> list[tuple[str, str, float, float, float, 
         ops.append(("attention.bmm", "attention", bmm, 2 * bmm, bmm_flops, 0.0))
         scores = cfg.microbatch * q * s_local * cfg.seq_len
         mem("attention.softmax", scores * (4.0 + (5.0 if m.dropout else 0.0)), "attention")
+    return _rest_of_layer(cfg, tokens, q, kv, ops, mm, mem)
+
+
+def _rest_of_layer(cfg: TrainConfig, tokens: float, q: float, kv: float, ops: list, mm, mem) -> list:
+    """The layer's ops after attention's scores: rotary embedding, the output projection, the MLP, the norms and
+    the residual adds (and a calibrated host's op factors over them all)."""
+    m, lay, chip, dt = cfg.model, cfg.layout, cfg.chip, cfg.dtype
+    t, d = lay.tp, m.d_model
     if not m.learned_positions:  # rotary embedding of the queries and keys (MLA: their decoupled RoPE part)
         rotated = (q + 1) * m.rope_head_dim if m.is_mla else (q + kv) * m.head_dim
         mem("rope", tokens * rotated * ROPE_BYTES[cfg.elementwise])
@@ -391,6 +404,8 @@ def layer_cost(cfg: TrainConfig, compute: tuple | None = None) -> LayerCost:
         # layer ends in the combine, so its experts' down projection runs again
         last = "mlp.down" if not cfg.model.is_moe else "mlp.dense_down"  # a leading dense layer's
         recomputed = tuple(o[0] for o in ops if not (cfg.jax_remat and o[0] == last))
+    elif cfg.remat == "selective" and cfg.pallas_blocks is not None:  # the kernel's forward is no saved matmul
+        recomputed = ("attention.pallas", "norms", "mlp.activation")
     elif cfg.remat == "selective" and not cfg.flash_attention:
         recomputed = tuple(o[0] for o in ops if o[1] == "attention")
     elif cfg.remat == "selective":  # fused attention: recompute the norms and the MLP activation instead
@@ -483,7 +498,7 @@ def step_ops(est: TrainEstimate) -> list[dict[str, Any]]:
         scope = (m.is_moe and MOE_SCOPES.get(name)) or SCOPES.get(name, name)
         r = rows.setdefault(scope, {"name": scope, "kind": kind, "time_s": 0.0, "flops": 0.0, "bytes": 0.0})
         r["time_s"] += runs * (f + b + (f if again else 0.0))
-        r["flops"] += runs * flops * (3 + (1 if again else 0))
+        r["flops"] += runs * flops * (1 + BACKWARD_FLOPS.get(name, 2.0) + (1 if again else 0))
         r["bytes"] += runs * nbytes * (3 + (1 if again else 0))
         if kind == "matmul":
             r["kind"] = "matmul"
@@ -541,6 +556,7 @@ _TP_OVERLAPPED = (
 
 __all__ = [
     "ASSUMPTIONS",
+    "BACKWARD_FLOPS",
     "GRAD_BYTES",
     "MOE_SCOPES",
     "OPTIMIZERS",
