@@ -17,6 +17,9 @@ Every sequence is a count of *known* tokens (prompt plus generated) and *compute
 cache). A step computes a chunk of a sequence's known tokens; a chunk that reaches the last known token samples the
 next one. A decode is the chunk of one token. :func:`drive` runs a load through one scheduler per data-parallel
 replica, stepping them together (one SPMD program), on whatever prices or executes a step.
+
+Over 500 lines on purpose: the requests, the pool, the scheduler, its driver and the latency summary are one model
+of a serving loop that the engine and the simulator must share exactly; split, each piece would import the others.
 """
 
 from __future__ import annotations
