@@ -92,7 +92,7 @@ def figure(serving: dict[str, Any], tag: str):
                 xs, ys = zip(*pts, strict=True)
                 ax.scatter(xs, ys, s=14, marker=marker, color=colour, label=which)
         ax.set_ylabel(label)
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, 1.25 * max([*ax.get_ylim()[1:], 1e-9]))  # room above the highest point for the legend
         ax.grid(alpha=0.3)
     ttft_ax.legend(loc="upper left", frameon=False, ncol=2)
     for which, colour in (("measured", "#4c72b0"), ("predicted", "#dd8452")):
