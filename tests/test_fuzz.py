@@ -89,6 +89,10 @@ def bases(work: Path) -> dict[str, list[str]]:
         "hardware show": ["hardware", "show", "h100"],
         "roofline matmul": ["roofline", "matmul", "--hardware", "h100", "--b", "8", "--d", "64", "--f", "64"],
         "roofline op": ["roofline", "op", "--hardware", "h100", "--bytes", "1Mi"],
+        "roofline attention": [
+            *("roofline", "attention", "--hardware", "v5e", "--b", "2", "--t", "256", "--s", "256"),
+            *("--heads", "4", "--kv-heads", "2", "--head-dim", "64"),
+        ],
         "collective": ["collective", "all-gather", "--hardware", "v5e", "--bytes", "1Mi", "--axis-size", "4"],
         "sharded-matmul": [
             "sharded-matmul",

@@ -177,6 +177,37 @@ def cmd_roofline_op(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return r.to_dict(), text
 
 
+def cmd_roofline_attention(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from lab.predict.attention_blocks import search_blocks
+
+    chip = chip_of(args)
+    shape = {"b": args.b, "t": args.t, "s": args.s or args.t, "n": args.heads, "k": args.kv_heads, "h": args.head_dim}
+    r = search_blocks(shape, chip, args.dtype, causal=shape["t"] == shape["s"], backward=args.backward)
+    kernels = "forward, dq and dk/dv kernels" if r.backward else "forward kernel"
+    head = (
+        f"Pallas flash attention on {chip.name}, {r.dtype}, per chip: b={shape['b']} sequences, T={shape['t']}, "
+        f"S={shape['s']}, {shape['n']} query and {shape['k']} KV heads of {shape['h']}"
+        f"{', causal' if r.causal else ''}; the {kernels}\nVMEM {fmt_bytes(r.vmem_limit_bytes)} ({r.vmem_source})"
+    )
+    rows = [
+        [
+            f"{p.block_q} x {p.block_k}",
+            fmt_seconds(p.time_s),
+            fmt_seconds(p.compute_s),
+            fmt_seconds(p.memory_s),
+            fmt_seconds(p.overhead_s),
+            fmt_bytes(p.vmem_bytes),
+        ]
+        for p in r.fitting[:5]
+    ]
+    table = render(["blocks (q x k)", "time", "compute", "HBM", "grid steps", "VMEM"], rows)
+    tail = (
+        f"best: block_q={r.best.block_q} block_k={r.best.block_k} ({len(r.fitting)} pairs fit, "
+        f"{r.too_large} exceed VMEM)"
+    )
+    return r.to_dict(), f"{head}\n{table}\n{tail}"
+
+
 def _wraparound(args: argparse.Namespace, chip) -> bool:
     """``not --no-wraparound``, refused where it would change nothing: wraparound is a torus axis' (ICI) property."""
     if args.no_wraparound and (chip.topology != "torus" or args.scope != "node"):
@@ -274,6 +305,21 @@ def cmd_sharded_matmul(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return d, text
 
 
+def _add_roofline_attention(rsub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser) -> None:
+    ra = rsub.add_parser(
+        "attention", parents=[common, hw], help="the Pallas flash kernel's block sizes for one chip's attention"
+    )
+    ra.add_argument("--b", type=positive_int("--b"), required=True, help="sequences on the chip")
+    ra.add_argument("--t", type=positive_int("--t"), required=True, help="query length T")
+    ra.add_argument("--s", type=positive_int("--s"), help="key length S (default: T; causal when S == T)")
+    ra.add_argument("--heads", type=positive_int("--heads"), required=True, help="query heads on the chip")
+    ra.add_argument("--kv-heads", type=positive_int("--kv-heads"), required=True, help="KV heads on the chip")
+    ra.add_argument("--head-dim", type=positive_int("--head-dim"), required=True, help="head dimension H")
+    ra.add_argument("--dtype", type=dtype_arg, default="bf16", help="q, k, v dtype (default bf16)")
+    ra.add_argument("--backward", action="store_true", help="also the dq and dk/dv kernels (a train step)")
+    command(ra, cmd_roofline_attention)
+
+
 def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser) -> None:
     """Add ``hardware``, ``roofline``, ``collective`` and ``sharded-matmul`` to the ``shardlab`` parser."""
     h = sub.add_parser("hardware", help=help_of("hardware"))
@@ -285,7 +331,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser) 
     command(hs, cmd_hardware_show)
 
     r = sub.add_parser("roofline", help=help_of("roofline"))
-    rsub = r.add_subparsers(dest="rf_command", required=True, parser_class=Parser, metavar="matmul|op")
+    rsub = r.add_subparsers(dest="rf_command", required=True, parser_class=Parser, metavar="matmul|op|attention")
     rm = rsub.add_parser("matmul", parents=[common, hw], help="In[B, D] @ W[D, F] on one chip")
     rm.add_argument("--b", type=positive_int("--b"), required=True, help="token batch B")
     rm.add_argument("--d", type=positive_int("--d"), required=True, help="contracting dim D")
@@ -306,6 +352,7 @@ def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser) 
     ro.add_argument("--bytes", required=True, metavar="V", help="HBM bytes read plus written: 1048576, 1Mi, fp32[1024]")
     ro.add_argument("--dtype", type=dtype_arg, default="bf16", help="dtype whose peak applies (default bf16)")
     command(ro, cmd_roofline_op)
+    _add_roofline_attention(rsub, common, hw)
 
     c = sub.add_parser("collective", parents=[common, hw], help=help_of("collective"))
     c.add_argument("kind", metavar="KIND", help=f"one of {', '.join(COLLECTIVE_KINDS)}")

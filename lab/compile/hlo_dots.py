@@ -6,7 +6,9 @@ that land on input), multiplied by the trip counts of the loops around them. A k
 ``tpu_custom_call``, or any custom call whose backend config carries a ``cost_estimate``) counts the FLOPs of its
 cost estimate, which XLA cannot see inside it (the lab's kernels count them in :mod:`lab.core.pallas_cost`).
 Interpreted on the CPU a Pallas kernel is plain HLO: its dots are counted as any others, and a dot under a
-``pl.when`` (an HLO ``conditional``) as if every grid step took it.
+``pl.when`` (an HLO ``conditional`` in the grid's loop) on the grid steps that take it where the predicate is
+integer arithmetic on the grid indices (:mod:`lab.compile.hlo_branches` runs it: a skipped causal block is not
+counted), else on every grid step (the paged decode kernel's lengths are data: every page of the table).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import re
 from dataclasses import dataclass
 
 from lab.compile.hlo import Module, operand_shapes
+from lab.compile.hlo_branches import weighted_walk
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ def dots(module: Module) -> list[CompiledDot]:
     """Every matmul (``dot``, TPU ``convolution``, cuBLAS GEMM custom call) and every kernel custom call with a
     cost estimate, with its FLOPs."""
     out = []
-    for instr, times in module.walk():
+    for instr, times in weighted_walk(module):
         flops = kernel_flops(instr)
         if flops is not None:
             shape = str(instr.result[0].dims) if instr.result else ""

@@ -39,7 +39,23 @@ def flash_pairs(t: int, s: int, block_q: int, block_k: int, causal: bool) -> int
     nq, nk = t // block_q, s // block_k
     if not causal:
         return nq * nk
+    if t <= s:  # no query block reaches past the last key block: the sum in closed form (any length, at once)
+        return nq + floor_sum(nq, block_k, block_q, block_q - 1)
     return sum(min(last_key_block(i, block_q, block_k), nk - 1) + 1 for i in range(nq))
+
+
+def floor_sum(n: int, m: int, a: int, b: int) -> int:
+    """``sum((a*i + b) // m for i in range(n))`` for ``n, m >= 1`` and ``a, b >= 0``, in O(log) steps (the
+    Euclid-like reduction of floor sums)."""
+    total = 0
+    while n > 0:
+        total += (a // m) * n * (n - 1) // 2 + (b // m) * n
+        a, b = a % m, b % m
+        top = a * n + b
+        if top < m:
+            break
+        n, b, m, a = top // m, top % m, a, m
+    return total
 
 
 def flash_cost(

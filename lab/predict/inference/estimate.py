@@ -36,6 +36,7 @@ from lab.core.hardware import Chip
 from lab.core.models import ModelConfig
 from lab.core.units import canonical_dtype, dtype_bytes
 from lab.predict import efficiency as eff
+from lab.predict.inference.attention_kernels import decode_attention_flops, prefill_attention_flops
 from lab.predict.placement import placement
 
 TYPE_CHECKING = False  # typing is not imported at run time: annotations only
@@ -84,6 +85,9 @@ class InferConfig:
     # carries batch / generate of a request's prefill (``prefill_len`` tokens): the decodes stall while it runs, or
     # share a chunked step with it (S7, S8). Needs ``prefill_len`` and ``generate``.
     continuous: bool = False
+    # The lab's Pallas kernels (attention = "pallas"): (block_q, block_k) of the prefill's flash kernel, block_k also
+    # the decode kernel's page; their FLOPs as they compute them (lab.predict.inference.attention_kernels).
+    pallas_blocks: tuple[int, int] | None = None
 
     @property
     def chips(self) -> int:
@@ -344,6 +348,8 @@ def decode_step(cfg: InferConfig, context: int | None = None) -> dict[str, float
     # Matmul FLOPs per chip: 2 x active weights x tokens, attention scores 4 S N H per layer per token.
     mm = m.matmul_flops_per_token() * b / (cfg.tp * cfg.ep)
     att = m.attention_flops_per_token(ctx, causal=False) * b / (cfg.tp * cfg.ep)
+    if cfg.pallas_blocks is not None:
+        att = decode_attention_flops(cfg, ctx)
     compute_s = _flop_time(chip, mm + att, cfg.compute, cfg.achievable, rows=b, tile=eff.decode_row_tile(chip, cfg))
     # the weights stream through skinny GEMMs, which reach less of HBM than a copy (achievable)
     weights_s = (
@@ -381,6 +387,8 @@ def prefill_terms(cfg: InferConfig) -> dict[str, float]:
     logits = 2.0 * m.d_model * m.vocab * cfg.batch / cfg.chips if p else 0.0
     mm = m.matmul_flops_per_token(include_logits=False) * tokens / cfg.chips + logits
     att = m.attention_flops_per_token(p, causal=cfg.flash_attention) * tokens / cfg.chips
+    if cfg.pallas_blocks is not None:
+        att = prefill_attention_flops(cfg)
     wbytes = param_bytes_per_chip(m, cfg.tp, cfg.ep, cfg.weights)
     kv_write = (
         kv_bytes_per_sequence(m, p, cfg.kv)

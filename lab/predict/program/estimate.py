@@ -109,7 +109,7 @@ def train_config(plan: Plan, chip: Chip) -> TrainConfig:
 def infer_config(plan: Plan, chip: Chip) -> InferConfig:
     """The inference estimator's config of a decode Plan: the program reads the whole allocated cache each step."""
     _check_estimable(plan)
-    deg, m = plan.degrees(), plan.model
+    deg, m, att = plan.degrees(), plan.model, from_options(plan.options)
     assert m is not None and plan.rules is not None
     return InferConfig(
         model=m,
@@ -126,6 +126,7 @@ def infer_config(plan: Plan, chip: Chip) -> InferConfig:
         achievable=True,
         vocab_parallel=bool(plan.rules.live("vocab", plan.shape)),
         flash_attention=plan.options.flash_attention,
+        pallas_blocks=(att.block_q, att.block_k) if att.impl == "pallas" else None,
     )
 
 
