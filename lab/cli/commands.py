@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("plan", "search every layout, remat policy and microbatch; rank by predicted step time"),
     "study": ("study", "studies across hardware generations and technologies"),
     "validate": ("validate", "replay published measured runs: calibration, development set and test split"),
-    "infer": ("infer", "serving estimates: decode, prefill, KV cache, topology"),
+    "infer": ("infer", "serving estimates: decode, prefill, KV cache, topology, requests under load"),
     "audit": ("audit", "compile a kernel or experiment and check its collectives and FLOPs against the estimate"),
     "explain": ("explain", "the compiled program read back in the Plan's names: memory at its peak, by role"),
     "run": ("run", "estimate, compile+audit, profile, compare and report an experiment"),
