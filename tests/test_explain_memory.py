@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from pathlib import Path
 
 import pytest
+from cli_runner import run_cli
 
-from lab.cli.main import main
 from lab.core.errors import UserError
 from lab.core.hardware import get_chip
 from lab.run.experiment import load_experiment
@@ -18,14 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENTS = ROOT / "experiments"
 
 
-def _run(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as exc:
-            code = exc.code
-    return code, out.getvalue(), err.getvalue()
+_run = run_cli
 
 
 @pytest.fixture(scope="module")

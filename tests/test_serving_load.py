@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_runner import run_cli
 
 from lab.core.errors import UserError
 from lab.core.hardware import get_chip
@@ -262,18 +263,7 @@ def test_an_slo_in_unknown_units_is_refused(text):
 
 
 def _cli(*argv):
-    import contextlib
-    import io
-
-    from lab.cli.main import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(argv))
-        except SystemExit as exc:
-            code = exc.code
-    return code, out.getvalue(), err.getvalue()
+    return run_cli(list(argv))
 
 
 BASE = ("infer", "serve", "--model", "llama3-8b", "--hardware", "h100", "--requests", "300")

@@ -139,10 +139,6 @@ class Seq:
     finish_s: float | None = None
     preemptions: int = 0
 
-    @property
-    def done(self) -> bool:
-        return self.generated >= self.req.output_len
-
 
 class Work(NamedTuple):
     """A sequence's share of one step: ``count`` tokens from position ``start``; ``samples`` when the chunk ends at
