@@ -10,18 +10,12 @@ from lab.cli.args import (
     add_overwrite,
     add_step_overhead,
     chart_path,
-    check_model_path,
     chip_of,
     command,
     dtype_arg,
     fraction,
     hardware_parent,
     in_path,
-    model_of,
-    model_parent,
-    ops_table,
-    plan_of,
-    plan_options,
     positive_int,
     positive_ints,
     scale_arg,
@@ -29,6 +23,7 @@ from lab.cli.args import (
     write_chart,
 )
 from lab.cli.commands import help_of
+from lab.cli.model_args import check_model_path, model_of, model_parent, ops_table, plan_of, plan_options
 from lab.core.errors import UserError
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_count, fmt_seconds

@@ -7,12 +7,12 @@ import argparse
 
 from lab.cli.args import (
     check_checkpoints,
-    check_model_path,
     command,
     dtype_arg,
     positive_float,
     positive_int,
 )
+from lab.cli.model_args import check_model_path
 from lab.core.errors import UserError
 from lab.core.models import resolve_model
 from lab.core.table import render

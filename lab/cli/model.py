@@ -8,11 +8,10 @@ from lab.cli.args import (
     Parser,
     command,
     dtype_arg,
-    model_of,
-    model_parent,
     positive_int,
 )
 from lab.cli.commands import help_of
+from lab.cli.model_args import model_of, model_parent
 from lab.core.models import CATALOG
 from lab.core.table import render
 from lab.core.units import canonical_dtype, fmt_bytes, fmt_count

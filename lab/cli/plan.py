@@ -11,11 +11,10 @@ from lab.cli.args import (
     add_target,
     command,
     folder_path,
-    model_of,
-    model_parent,
     positive_int,
 )
 from lab.cli.commands import help_of
+from lab.cli.model_args import model_of, model_parent
 from lab.cli.train import BATCH_TOKENS_HELP
 from lab.core.errors import UserError
 from lab.core.units import NUMPY_NAME, numpy_name

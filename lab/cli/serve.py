@@ -13,14 +13,13 @@ from lab.cli.args import (
     dtype_arg,
     hardware_parent,
     in_path,
-    model_of,
-    model_parent,
     nonneg_int,
     positive_float,
     positive_int,
     text_arg,
     write_chart,
 )
+from lab.cli.model_args import model_of, model_parent
 from lab.core.errors import UserError
 from lab.core.limits import MAX_CHIPS_SEARCHED, MAX_REQUESTS
 

@@ -9,7 +9,6 @@ from lab.cli.args import (
     Parser,
     add_overwrite,
     chart_path,
-    check_model_path,
     command,
     positive_float,
     positive_int,
@@ -17,6 +16,7 @@ from lab.cli.args import (
     write_chart,
 )
 from lab.cli.commands import help_of
+from lab.cli.model_args import check_model_path
 from lab.core.errors import UserError
 
 TYPE_CHECKING = False  # typing is not imported at run time: annotations only

@@ -14,19 +14,15 @@ from lab.cli.args import (
     fraction,
     hardware_parent,
     in_path,
-    model_of,
-    model_parent,
     nonneg_int,
-    ops_table,
     out_path,
-    plan_of,
-    plan_options,
     positive_float,
     positive_int,
     positive_ints,
     warn,
 )
 from lab.cli.commands import help_of
+from lab.cli.model_args import model_of, model_parent, ops_table, plan_of, plan_options
 from lab.core.errors import UserError
 from lab.core.table import render
 from lab.core.units import fmt_count, fmt_seconds, fmt_share
