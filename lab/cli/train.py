@@ -1,4 +1,6 @@
 """Command line for the model catalog and the training estimator (registered by :mod:`lab.cli.main`)."""
+# Over 500 lines on purpose: the train command group: the estimate's forty flags, each beside the check that refuses its
+# bad combinations.
 
 from __future__ import annotations
 

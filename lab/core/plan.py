@@ -12,6 +12,8 @@ remat and optimizer, and the implementation choices that change its cost. From i
 Plans come from experiment files (``lab/run/experiment.py``), from estimator flags and from planner results
 (:func:`plan_from_degrees`); :meth:`Plan.to_toml` writes one back as an experiment file.
 """
+# Over 500 lines on purpose: the Plan and its checks: each check sits beside the fields it checks, so a new field and
+# its validation land together.
 
 from __future__ import annotations
 

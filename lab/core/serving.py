@@ -21,6 +21,8 @@ replica, stepping them together (one SPMD program), on whatever prices or execut
 Over 500 lines on purpose: the requests, the pool, the scheduler, its driver and the latency summary are one model
 of a serving loop that the engine and the simulator must share exactly; split, each piece would import the others.
 """
+# Over 500 lines on purpose: the requests, the page pool and the scheduler are one state machine that the engine and the
+# simulator share exactly; its invariants (a page freed once, who is preempted first) would span modules if split.
 
 from __future__ import annotations
 

@@ -13,6 +13,8 @@ a ``with`` block and the estimators, which read the module's tables at call time
 is a value a reader could defend as well (another measurement, the figure of the neighbouring family, the other end
 of a stated range), not a bound: the spread it makes in an answer says how much that answer leans on the constant.
 """
+# Over 500 lines on purpose: every efficiency constant with its grade, source and alternative is one table by design
+# (one table per fact).
 
 from __future__ import annotations
 

@@ -10,6 +10,8 @@ points and ``--resume`` continues it. ``--compile-only`` stops after the audit (
 that does not fit the chip's memory from an error into a warning. As one of several processes
 (:mod:`lab.run.distributed`) process 0 writes the run and the others ``<id>.rank<k>/`` beside it.
 """
+# Over 500 lines on purpose: a run's lifecycle (lock, resume, sweep, atomic writes): the promise that nothing is
+# half-written spans these functions.
 
 from __future__ import annotations
 

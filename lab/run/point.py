@@ -11,6 +11,8 @@ slowest process's; the other processes keep their trace and a small ``report.jso
 About 500 lines on purpose: the phases of one point hand their results down in order (estimate -> compiled ->
 measured -> the report's fields), and each helper here is used by that one path only.
 """
+# Over 500 lines on purpose: the one path from a Plan to its three truths; its helpers are run_point's steps and are
+# used nowhere else.
 
 from __future__ import annotations
 
@@ -297,6 +299,9 @@ def run_point(
     """Estimate, compile + audit, profile, parse and join one Plan; write its report into ``out_dir``.
 
     ``final_dir`` is where ``out_dir`` will be moved when it is complete (its paths are the ones the report names).
+
+    About 100 lines on purpose: the steps run top to bottom in the order of the run's progress lines, and the
+    report's fields are listed once, in the order ``report.json`` has them; each step's work lives in a helper.
     """
     from lab.report import ledger
     from lab.report import writer as report

@@ -16,6 +16,7 @@ roofline. ``speedup_vs_first`` and ``bandwidth_ratio`` are against the first row
 The findings are computed from the rows: where the gain stops tracking bandwidth, and what bounds the
 step then (compute, collectives, or capacity through the batch).
 """
+# Over 500 lines on purpose: one study with its cited memory-technology table and the report that reads it.
 
 from __future__ import annotations
 

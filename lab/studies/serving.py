@@ -14,6 +14,7 @@ Three questions the scaling book's applied-inference chapter works by hand for L
 
 Everything is analytic (no JAX); the numbers come from :func:`lab.predict.inference.estimate.estimate_inference`.
 """
+# Over 500 lines on purpose: the three serving studies of the book's inference chapter share one sweep and one table.
 
 from __future__ import annotations
 
