@@ -821,3 +821,39 @@ def test_mesh_replica_groups_with_device_ids():
     assert axes_of_groups(groups, {"data": 2, "model": 4}) == ("model",)
     over_data = parse_replica_groups("mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_2'}")
     assert axes_of_groups(over_data, {"data": 2, "model": 4}) == ("data",)
+
+
+# A splash attention call as libtpu prints it (trimmed): its kernel metadata on lines of its own, the op's metadata
+# after them; q [b=4, n=2, t=256, h=128], k and v [4, k=1, 256, 128]; its blocks 128 x 64.
+SPLASH_HLO = "\n".join(
+    [
+        "HloModule splash, is_scheduled=true",
+        "",
+        "ENTRY %main (q: bf16[4,2,256,128], k: bf16[4,1,256,128], v: bf16[4,1,256,128], m: s8[1,2,4]) -> "
+        "f32[4,2,256,128] {",
+        "  %q = bf16[4,2,256,128]{3,2,1,0} parameter(0)",
+        "  %k = bf16[4,1,256,128]{3,2,1,0} parameter(1)",
+        "  %v = bf16[4,1,256,128]{3,2,1,0} parameter(2)",
+        "  %m = s8[1,2,4]{2,1,0} parameter(3)",
+        "  %splash_mha_fwd_residuals.1 = (f32[4,2,256,128]{3,2,1,0}) custom-call(%m, %m, %q, %k, %v), "
+        'custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={',
+        '"xprof_metadata":"{\\"block_q\\": 128, \\"block_kv\\": 64, \\"use_fused_bwd_kernel\\": false}"',
+        '}}, metadata={op_name="jit(step)/splash_mha_fwd_residuals/pallas_call"}, '
+        'backend_config={"custom_call_config":{"body":"TUzv"}}',
+        "  ROOT %out = f32[4,2,256,128]{3,2,1,0} get-tuple-element(%splash_mha_fwd_residuals.1), index=0",
+        "}",
+    ]
+)
+
+
+def test_a_splash_call_on_several_lines_is_one_instruction_counted_from_its_blocks():
+    """Causal, 256 tokens in query blocks of 128 and key blocks of 64: query block 0 sees key blocks 0-1, block 1
+    sees 0-3, so 6 of the 8 pairs; each 2 matmuls of 128 x 64 x 128 (2 FLOPs a multiply-add), per head and
+    sequence: 4 x 2 x 6 x 4 x 128 x 64 x 128 = 201,326,592 FLOPs."""
+    module = parse_module(SPLASH_HLO)
+    names = [i.name for i in module.computations[module.entry]]
+    assert names == ["q", "k", "v", "m", "splash_mha_fwd_residuals.1", "out"]
+    call = module.computations[module.entry][4]
+    assert "splash_mha_fwd_residuals/pallas_call" in call.attr("metadata")
+    (dot,) = dots(module)
+    assert (dot.name, dot.flops) == ("splash_mha_fwd_residuals.1", 4 * 2 * 6 * 4 * 128 * 64 * 128)

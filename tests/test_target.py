@@ -288,6 +288,24 @@ def test_the_parallel_kernels_audit_all_match_on_tpu_too(capsys, name):
 
 
 @needs_libtpu
+@pytest.mark.slow  # 20 s of compiling; the splash FLOP count itself is tested on synthesized HLO (tests/test_hlo.py)
+def test_splash_attention_cross_compiles_and_its_kernels_flops_match_the_estimate(capsys, tmp_path):
+    """JAX's splash kernels declare no cost estimate: the audit counts them from their operands and block sizes.
+    By hand, per device and layer: 4 sequences x 2 heads x 3 computed 128 x 128 block pairs (causal, 256 tokens)
+    x 128 head dims, times 2 x (2 forward + 3 dq + 4 dk/dv matmuls) = 1.811939328e9 over the 2 layers."""
+    from lab.compile.hlo import parse_module
+    from lab.compile.hlo_dots import dots
+
+    exp, hlo = str(ROOT / "experiments" / "attention_splash.toml"), tmp_path / "splash.hlo"
+    assert main(["audit", exp, "--target", "v5e:2x4", "--dtype", "bf16", "--json", "--hlo", str(hlo)]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["all_match"] and not d["unexpected"] and d["flops_compiled"] == pytest.approx(d["flops_predicted"])
+    splash = [x for x in dots(parse_module(hlo.read_text())) if x.name.startswith("splash_mha_")]
+    assert len(splash) == 3  # forward, dq, dk/dv: one call each in the layers' loop
+    assert sum(x.flops * x.times for x in splash) == 2 * 4 * 2 * 3 * 128 * 128 * 128 * 2 * (2 + 3 + 4)
+
+
+@needs_libtpu
 def test_the_ledger_prices_the_collectives_inside_tpu_fusions(mid_v5e):
     # libtpu wraps all-gathers in async collective fusions and fuses some with their matmuls: the ledger must
     # still price every collective byte and every matmul FLOP the audit's parser finds in the HLO

@@ -34,13 +34,15 @@ def platform(mesh: Mesh | None) -> str:
     return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
 
-def _sharded(fn, rules: ShardingRules, mesh: Mesh | None, n_scalars: int = 0):
-    """``fn(q, k, v, *scalars)`` on each device's own batch and heads (the rules' specs); as is without a mesh."""
+def _sharded(fn, rules: ShardingRules, mesh: Mesh | None, n_scalars: int = 0, *, check_vma: bool = True):
+    """``fn(q, k, v, *scalars)`` on each device's own batch and heads (the rules' specs); as is without a mesh.
+    ``check_vma=False`` for a kernel whose internal outputs do not say which mesh axes they vary over (JAX's
+    splash kernel builds its ``ShapeDtypeStruct`` s without one); the specs still place every operand."""
     if mesh is None:
         return fn
     q_spec, kv_spec = P(*rules.spec(HEADS, "q")), P(*rules.spec(KV_HEADS, "k"))
     specs = (q_spec, kv_spec, kv_spec, *(P(),) * n_scalars)
-    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=q_spec)
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=check_vma)
 
 
 def _splash(q, k, v, block_q: int, block_k: int):
@@ -81,7 +83,7 @@ def attend(q, k, v, att: Attention, rules: ShardingRules, mesh: Mesh | None) -> 
         fn = functools.partial(_splash, block_q=block_q, block_k=block_k)
     else:  # cudnn
         fn = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
-    return _sharded(fn, rules, mesh)(q, k, v)
+    return _sharded(fn, rules, mesh, check_vma=att.impl != "splash")(q, k, v)
 
 
 def attend_cache(q, ck, cv, pos, att: Attention, rules: ShardingRules, mesh: Mesh | None) -> jax.Array:

@@ -275,12 +275,34 @@ def module_name(text: str) -> str | None:
     return first[len("HloModule ") :].split(",", 1)[0].strip() or None
 
 
+def _joined(lines: list[str]):
+    """The lines with an instruction that spans several joined into one: libtpu writes a kernel's
+    ``frontend_attributes={kernel_metadata={`` JSON (a Pallas kernel's block sizes) on lines of its own, and the
+    instruction's metadata and backend config after it; an instruction's braces balance once it is whole."""
+    pending: list[str] = []
+    depth = 0
+    for line in lines:
+        if pending:
+            pending.append(line.strip())
+            depth += line.count("{") - line.count("}")
+            if depth <= 0:
+                yield " ".join(pending)
+                pending = []
+            continue
+        if _INSTR.match(line) and (opened := line.count("{") - line.count("}")) > 0:
+            pending, depth = [line], opened
+            continue
+        yield line
+    if pending:
+        yield " ".join(pending)
+
+
 def parse_module(text: str) -> Module:
     """Split HLO text into computations of instructions."""
     comps: dict[str, list[Instruction]] = {}
     entry = ""
     current: str | None = None
-    for line in text.splitlines():
+    for line in _joined(text.splitlines()):
         if current is None:
             m = _COMP.match(line)
             if m and "=" not in line.split("(")[0]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from lab.compile.hlo import Module, operand_shapes
 from lab.compile.hlo_branches import weighted_walk
+from lab.core import pallas_cost
 
 
 @dataclass(frozen=True)
@@ -100,12 +101,45 @@ def kernel_flops(instr) -> float | None:
     return float(m.group(1)) if m else None
 
 
+# JAX's splash attention (jax.experimental.pallas.ops.tpu.splash_attention) declares no cost estimate; its three
+# kernels are named after it and carry their block sizes in the kernel metadata (``xprof_metadata``). They compute
+# what the lab's flash kernels do per block pair (lab.core.pallas_cost: the forward's two matmuls, the dq kernel's
+# three, the dk/dv kernel's four, use_fused_bwd_kernel false), so they are counted by the same functions.
+_SPLASH = {
+    "fwd": (pallas_cost.flash_cost, "block_q", "block_kv"),
+    "dq": (pallas_cost.flash_dq_cost, "block_q_dq", "block_kv_dq"),
+    "dkv": (pallas_cost.flash_dkv_cost, "block_q_dkv", "block_kv_dkv"),
+}
+_SPLASH_NAME = re.compile(r"splash_m[hq]a_(fwd|dq|dkv)")
+
+
+def splash_flops(module: Module, instr) -> float | None:
+    """The FLOPs of a splash attention kernel call, counted from its q and k operands ``[b, heads, len, h]`` (``b``
+    the batch its ``vmap`` adds, absent for one sequence) and its block sizes, under a causal mask: the only mask
+    the lab's Transformer gives it (``kernels.transformer.attention``), which the HLO holds only as data."""
+    kind = _SPLASH_NAME.match(instr.name)
+    if instr.opcode != "custom-call" or kind is None:
+        return None
+    cost, bq_key, bk_key = _SPLASH[kind.group(1)]
+    blocks = dict(re.findall(r'\\?"(block_\w+)\\?": (\d+)', instr.attrs))
+    ops = operand_shapes(module, instr)
+    if bq_key not in blocks or bk_key not in blocks or len(ops) < 4:
+        return None
+    q, k = ((1, *o.dims) if len(o.dims) == 3 else tuple(o.dims) for o in ops[2:4])
+    b, n, t, h = q
+    kv, s = k[1], k[2]
+    count = cost(b, t, s, n, kv, h, int(blocks[bq_key]), int(blocks[bk_key]), True, 2)
+    return float(count["flops"])
+
+
 def dots(module: Module) -> list[CompiledDot]:
     """Every matmul (``dot``, TPU ``convolution``, cuBLAS GEMM custom call) and every kernel custom call with a
     cost estimate, with its FLOPs."""
     out = []
     for instr, times in weighted_walk(module):
         flops = kernel_flops(instr)
+        if flops is None:
+            flops = splash_flops(module, instr)
         if flops is not None:
             shape = str(instr.result[0].dims) if instr.result else ""
             out.append(CompiledDot(instr.name, flops, shape, times))

@@ -21,6 +21,10 @@ from typing import Any
 from lab.core.errors import UserError
 
 IMPLEMENTATIONS = ("xla", "pallas", "splash", "cudnn")
+# The kernels whose work is counted block pair by block pair (lab.core.pallas_cost): the lab's flash and paged
+# decode kernels, and splash, whose forward, dq and dk/dv kernels compute the same matmuls per pair (its decode
+# steps are the lab's paged kernel). cudnn's blocks are its own: priced as dense flash attention.
+BLOCK_KERNELS = ("pallas", "splash")
 DEFAULT_BLOCK = 128
 SUBLANE = 8  # a Pallas TPU block's rows: a multiple of this or the whole sequence (kernels/pallas/flash_attention.py)
 
@@ -122,4 +126,12 @@ def check_backend(impl: str, platform: str) -> None:
         )
 
 
-__all__ = ["DEFAULT_BLOCK", "IMPLEMENTATIONS", "Attention", "check_backend", "check_plan", "from_options"]
+__all__ = [
+    "BLOCK_KERNELS",
+    "DEFAULT_BLOCK",
+    "IMPLEMENTATIONS",
+    "Attention",
+    "check_backend",
+    "check_plan",
+    "from_options",
+]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from lab.core.attention import from_options
+from lab.core.attention import BLOCK_KERNELS, from_options
 from lab.core.collective_kinds import from_hlo
 from lab.core.errors import UserError
 from lab.core.hardware import Chip
@@ -93,7 +93,7 @@ def train_config(plan: Plan, chip: Chip) -> TrainConfig:
         dtype=plan.dtype,
         optimizer=plan.optimizer,
         flash_attention=opts.flash_attention or att.fused,  # a kernel keeps no score matrix
-        pallas_blocks=(att.block_q, att.block_k) if att.impl == "pallas" else None,
+        pallas_blocks=(att.block_q, att.block_k) if att.impl in BLOCK_KERNELS else None,
         causal=opts.causal,
         param_dtype=plan.param_dtype,
         fused_projections=opts.fused_projections,
@@ -126,7 +126,7 @@ def infer_config(plan: Plan, chip: Chip) -> InferConfig:
         achievable=True,
         vocab_parallel=bool(plan.rules.live("vocab", plan.shape)),
         flash_attention=plan.options.flash_attention,
-        pallas_blocks=(att.block_q, att.block_k) if att.impl == "pallas" else None,
+        pallas_blocks=(att.block_q, att.block_k) if att.impl in BLOCK_KERNELS else None,
     )
 
 

@@ -125,9 +125,9 @@ class TrainConfig:
     # The fused attention kernel on GPUs (lab.predict.efficiency): fa2, what PyTorch SDPA and most stacks run;
     # fa3, FlashAttention-3 / cuDNN (Megatron and NeMo with Transformer Engine).
     attention_kernel: str = "fa2"
-    # The lab's Pallas flash attention (lab.core.pallas_cost) with these (block_q, block_k), clipped to the
-    # sequence: its forward, dq and dk/dv kernels priced block pair by block pair (causal pairs above the diagonal
-    # skipped). None: the attention ``flash_attention`` says.
+    # The lab's Pallas flash attention (lab.core.pallas_cost), or splash, with these (block_q, block_k), clipped to
+    # the sequence: its forward, dq and dk/dv kernels priced block pair by block pair (causal pairs above the
+    # diagonal skipped). None: the attention ``flash_attention`` says.
     pallas_blocks: tuple[int, int] | None = None
     # The layer's small ops: "fused" kernels (Megatron/Transformer Engine, XLA, torch.compile), or PyTorch "eager"
     # ops as the reference LLaMA code writes them (ELEMENTWISE; bytes per element in lab.predict.training.estimate).
