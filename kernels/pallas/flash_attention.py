@@ -43,7 +43,7 @@ class _Config:
     causal: bool
     block_q: int
     block_k: int
-    interpret: bool
+    interpret: bool | pltpu.InterpretParams
 
 
 def flash_attention(
@@ -54,14 +54,17 @@ def flash_attention(
     causal: bool = True,
     block_q: int = 128,
     block_k: int = 128,
-    interpret: bool = False,
+    interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:
     """Softmax attention of q ``[B, T, N, H]`` over k, v ``[B, S, K, H]`` -> o ``[B, T, N, H]`` in q's dtype.
 
     ``block_q`` and ``block_k`` must divide T and S; ``interpret`` runs the kernels in Pallas' interpreter (any
-    backend). Differentiable in q, k and v (the backward is Pallas too). Bad shapes are a :class:`UserError`.
+    backend): ``True`` the generic one, a ``pltpu.InterpretParams`` the one that simulates a TPU's memories and
+    DMAs (``detect_races=True`` checks the kernels' reads and writes for races). Differentiable in q, k and v (the
+    backward is Pallas too). Bad shapes are a :class:`UserError`.
     """
-    cfg = _Config(bool(causal), int(block_q), int(block_k), bool(interpret))
+    mode = interpret if isinstance(interpret, pltpu.InterpretParams) else bool(interpret)
+    cfg = _Config(bool(causal), int(block_q), int(block_k), mode)
     check_shapes(q.shape, k.shape, v.shape, cfg.causal, cfg.block_q, cfg.block_k)
     heads_major = (0, 2, 1, 3)
     o = _flash(q.transpose(heads_major), k.transpose(heads_major), v.transpose(heads_major), cfg)

@@ -33,11 +33,11 @@ def paged_decode(
     lengths: jax.Array,
     *,
     pages_per_block: int = 1,
-    interpret: bool = False,
+    interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:
     """One decode step's attention: o ``[B, N, H]`` in q's dtype (scores and softmax in float32, scaled by
     ``H**-0.5``). ``pages_per_block`` pages are processed per grid step and must divide M; bad shapes are a
-    :class:`UserError`."""
+    :class:`UserError`. ``interpret``: as :func:`kernels.pallas.flash_attention.flash_attention`'s."""
     check_shapes(q.shape, k_pages.shape, v_pages.shape, page_table.shape, lengths.shape, pages_per_block)
     b, n, h = q.shape
     page_size, kv = k_pages.shape[1], k_pages.shape[2]
