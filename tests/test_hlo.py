@@ -857,3 +857,15 @@ def test_a_splash_call_on_several_lines_is_one_instruction_counted_from_its_bloc
     assert "splash_mha_fwd_residuals/pallas_call" in call.attr("metadata")
     (dot,) = dots(module)
     assert (dot.name, dot.flops) == ("splash_mha_fwd_residuals.1", 4 * 2 * 6 * 4 * 128 * 64 * 128)
+
+
+def test_the_ledger_prices_a_kernel_call_by_the_flops_the_audit_counts():
+    """The ledger's op for the splash call carries its 201,326,592 FLOPs (not a memory-bound copy's 0), in bf16:
+    at a v5e's roofline in bf16 (197 TFLOP/s, 820 GB/s), the slower of its compute and its bytes."""
+    from lab.core.hardware import get_chip
+    from lab.report.ledger import predict_ops
+
+    chip = get_chip("tpu-v5e")
+    (op,) = [o for o in predict_ops(SPLASH_HLO, chip, {}) if o.name.startswith("splash")]
+    assert op.flops == 4 * 2 * 6 * 4 * 128 * 64 * 128
+    assert op.predicted_s == pytest.approx(max(op.flops / chip.peak_flops["bf16"], op.bytes / chip.hbm_bandwidth))

@@ -132,14 +132,19 @@ def splash_flops(module: Module, instr) -> float | None:
     return float(count["flops"])
 
 
+def custom_call_flops(module: Module, instr) -> float | None:
+    """A kernel custom call's FLOPs: its cost estimate's, else splash's counted from its blocks; None for any other
+    instruction."""
+    flops = kernel_flops(instr)
+    return flops if flops is not None else splash_flops(module, instr)
+
+
 def dots(module: Module) -> list[CompiledDot]:
     """Every matmul (``dot``, TPU ``convolution``, cuBLAS GEMM custom call) and every kernel custom call with a
     cost estimate, with its FLOPs."""
     out = []
     for instr, times in weighted_walk(module):
-        flops = kernel_flops(instr)
-        if flops is None:
-            flops = splash_flops(module, instr)
+        flops = custom_call_flops(module, instr)
         if flops is not None:
             shape = str(instr.result[0].dims) if instr.result else ""
             out.append(CompiledDot(instr.name, flops, shape, times))

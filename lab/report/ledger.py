@@ -30,7 +30,7 @@ from lab.compile.hlo import (
     operand_shapes,
     parse_module,
 )
-from lab.compile.hlo_dots import convolution_flops
+from lab.compile.hlo_dots import convolution_flops, custom_call_flops
 from lab.core.collective_kinds import HLO_NAME, HLO_NAMES
 from lab.core.hardware import Chip
 from lab.predict.collectives import collective_time
@@ -171,6 +171,14 @@ def predict_ops(hlo_text: str, chip: Chip, mesh: dict[str, int], slow: tuple[str
             batched = any(d.attr("lhs_batch_dims") for d in dots)
             kind = "attention" if ("attention" in scope and "scores" in scope) or (not scope and batched) else "matmul"
             out.append(PredictedOp(instr.name, kind, max(r.time_s, coll_t), flops, nbytes, v, times, axes, scope))
+            continue
+        kernel = custom_call_flops(module, instr) if instr.opcode == "custom-call" else None
+        if kernel:  # a Pallas kernel's call: the FLOPs the audit counts for it, at the roofline of its inputs' dtype
+            floats = (s.dtype for s in operand_shapes(module, instr) if s.dtype in _LAB_DTYPE and s.dtype != "s8")
+            dtype = next(floats, "f32")  # the first float operand (splash's first are its int8 block masks)
+            r = roofline(chip, kernel, nbytes, _peak_dtype(chip, dtype), op=instr.name)
+            kind = "attention" if "attention" in scope else "matmul"
+            out.append(PredictedOp(instr.name, kind, r.time_s, kernel, nbytes, 0.0, times, (), scope))
             continue
         kind = _kind(instr.opcode, scope)
         out.append(PredictedOp(instr.name, kind, nbytes / chip.hbm_bandwidth, 0.0, nbytes, 0.0, times, (), scope))
