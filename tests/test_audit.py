@@ -138,7 +138,6 @@ def test_shipped_experiments_load_and_match(jax_devices, path):
     assert r.all_match and not r.unexpected and r.flops_match, r.table()
 
 
-
 @pytest.mark.parametrize(
     ("text", "match"),
     [
@@ -263,4 +262,51 @@ def test_small_gathers_lowered_as_all_reduces_match_only_when_the_kinds_add_up()
     )
     # the same collectives with 8 B more of AllReduce: the kinds do not add up, the gathers are a mismatch
     entries, unexpected = compare(want, [*got[:2], _got("ar.1", "all-reduce", 308.0)], DATA)
+    assert not all(e.match for e in entries)
+
+
+CTX_DATA = {"ctx": 2, "data": 2, "model": 2}  # devices c*4 + d*2 + m
+
+
+def _over(name: str, kind: str, groups, nbytes: float, dtype: str = "bf16", times: float = 1.0):
+    from lab.compile.hlo import CompiledCollective
+
+    size = 4 if dtype == "f32" else 2
+    return CompiledCollective(name, kind, dtype, nbytes, int(nbytes // size), len(groups[0]), groups, times=times)
+
+
+CTX = ((0, 4), (1, 5), (2, 6), (3, 7))
+DATA_ONLY = ((0, 2), (1, 3), (4, 6), (5, 7))
+CTX_AND_DATA = ((0, 2, 4, 6), (1, 3, 5, 7))
+
+
+def test_a_value_summed_over_two_axis_groups_may_be_reduced_once_over_both():
+    """Weight gradients of 1,000 fp32 elements summed over ctx and then over data, K/V gradients of 300 bf16
+    elements over ctx and a 1-element loss over each: the TPU compiler reduces the weights once over ctx x data
+    (here 600 elements in bf16 and 400 in fp32), K/V half as an AllReduce and half as a gather's transpose (a
+    ReduceScatter nobody expected). By hand: 1,000 + 300 + 1 + 1,000 + 1 = 2 x 1,000 + 150 + 150 + 1 + 1."""
+    from lab.compile.audit import compare
+    from lab.predict.program.ops import ExpectedCollective
+
+    want = [
+        ExpectedCollective("all-reduce", ("ctx",), 4000.0 + 4.0, "fp32", "weights and loss over ctx"),
+        ExpectedCollective("all-reduce", ("ctx",), 600.0, "bf16", "K, V gradients"),
+        ExpectedCollective("all-reduce", ("data",), 4000.0 + 4.0, "fp32", "weights and loss over data"),
+    ]
+    got = [
+        _over("ar.both.1", "all-reduce", CTX_AND_DATA, 1200.0),
+        _over("ar.both.2", "all-reduce", CTX_AND_DATA, 1600.0, "f32"),
+        _over("ar.kv", "all-reduce", CTX, 300.0),
+        _over("rs.kv", "reduce-scatter", CTX, 600.0, "f32"),
+        _over("ar.loss.ctx", "all-reduce", CTX, 4.0, "f32"),
+        _over("ar.loss.data", "all-reduce", DATA_ONLY, 4.0, "f32"),
+    ]
+    entries, unexpected = compare(want, got, CTX_DATA)
+    assert not unexpected and all(e.match for e in entries), [(e.op, e.note) for e in entries]
+    by_axes = {e.axes: e for e in entries}
+    assert set(by_axes) == {("ctx",), ("data",), ("ctx", "data")}
+    assert by_axes[("ctx", "data")].compiled_bytes == 2800.0 and "combined" in by_axes[("ctx", "data")].note
+    assert set(by_axes[("ctx",)].instructions) == {"ar.kv", "rs.kv", "ar.loss.ctx"}
+    # one element more over both is no longer the same values
+    entries, _ = compare(want, [_over("ar.both.1", "all-reduce", CTX_AND_DATA, 1202.0), *got[1:]], CTX_DATA)
     assert not all(e.match for e in entries)

@@ -287,6 +287,22 @@ def test_the_parallel_kernels_audit_all_match_on_tpu_too(capsys, name):
     assert d["entries"] and not d["unexpected"] and d["flops_compiled"] == pytest.approx(d["flops_predicted"])
 
 
+TRAIN_STEPS = sorted(p.stem for p in (ROOT / "experiments").glob("train_*.toml"))
+
+
+@needs_libtpu
+@pytest.mark.slow  # 5-20 s of compiling each
+@pytest.mark.parametrize("name", TRAIN_STEPS)
+def test_every_train_step_audits_whole_for_a_v5e(capsys, name):
+    """Issue 37's bar: every train_* experiment, cross-compiled for v5e:2x4 in bf16, compiles to what its estimate
+    expects (train_cp_dp_tp through the reductions the TPU compiler combines over ctx x data, train_ep_dp_tp with
+    the router's gradient the lab's expert layers reduce over model)."""
+    exp = str(ROOT / "experiments" / f"{name}.toml")
+    assert main(["audit", exp, "--target", "v5e:2x4", "--dtype", "bf16", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["all_match"] and not d["unexpected"], (d["entries"], d["unexpected"])
+
+
 @needs_libtpu
 @pytest.mark.slow  # 20 s of compiling; the splash FLOP count itself is tested on synthesized HLO (tests/test_hlo.py)
 def test_splash_attention_cross_compiles_and_its_kernels_flops_match_the_estimate(capsys, tmp_path):

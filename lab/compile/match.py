@@ -172,6 +172,51 @@ def _across_kinds(axes, entries: list[AuditEntry], expected, groups, used: set) 
     return rest
 
 
+def _elements(cs: list[CompiledCollective]) -> float:
+    return sum(c.elements * c.times for c in cs)
+
+
+def _expected_elements(ps: list[ExpectedCollective]) -> float:
+    return sum(p.bytes / dtype_bytes(p.dtype) for p in ps)
+
+
+def _combined_axes(entries: list[AuditEntry], expected, groups, used: set, mesh) -> list[AuditEntry]:
+    """The TPU compiler reduces a value that the program sums over axes A and then over axes B (a weight gradient
+    over the context shards, then over the data replicas) in one AllReduce over A and B together. Where the
+    unmatched AllReduces expected over A and over B hold, element for element, what was compiled over A and over B
+    (AllReduces, and ReduceScatters nobody expected there: a gather's transpose) plus twice what was compiled over
+    both (each such value is in both expectations, and reduced once), the three match: the same values, summed."""
+    unmatched = {e.axes for e in entries if not e.match and e.kind == "all-reduce"}
+    order = {a: i for i, a in enumerate(mesh)}
+    for kind, both in [k for k in groups if k[0] == "all-reduce" and len(k[1]) > 1 and k not in used]:
+        for n in range(1, len(both)):
+            a = both[:n]
+            b = tuple(sorted(set(both) - set(a), key=order.get))
+            if a not in unmatched or b not in unmatched:
+                continue
+            apart = [k for axes in (a, b) for k in (("all-reduce", axes), ("reduce-scatter", axes))]
+            apart = [k for k in apart if k[0] == "all-reduce" or (k not in expected and k not in used)]
+            want = _expected_elements(expected[("all-reduce", a)] + expected[("all-reduce", b)])
+            got = sum(_elements(groups.get(k, [])) for k in apart) + 2 * _elements(groups[(kind, both)])
+            if not _same(want, got):
+                continue
+            used |= {(kind, both), *[k for k in apart if groups.get(k)]}
+            note = f"combined with the AllReduce over {','.join(both)}: values both sum, reduced once; elements agree"
+            rest = [e for e in entries if not (e.kind == "all-reduce" and e.axes in (a, b))]
+            for axes in (a, b):
+                got_here = [c for k in apart if k[1] == axes for c in groups.get(k, [])]
+                ps = expected[("all-reduce", axes)]
+                label = " + ".join(p.op for p in ps)
+                names = tuple(c.name for c in got_here)
+                nbytes = sum(p.bytes for p in ps)
+                rest.append(AuditEntry(label, "all-reduce", axes, nbytes, total_bytes(got_here), True, names, note))
+            combined = groups[(kind, both)]
+            how = f"XLA combined the reductions over {','.join(a)} and over {','.join(b)} into one"
+            rest.append(_lowered("the values summed over both", (kind, both), total_bytes(combined), combined, how))
+            return rest
+    return entries
+
+
 def compare(
     predicted: list[ExpectedCollective], compiled: list[CompiledCollective], mesh: dict[str, int]
 ) -> tuple[list[AuditEntry], list[dict[str, Any]]]:
@@ -199,6 +244,7 @@ def compare(
         if groups.get(key):
             used.add(key)
         entries.append(_direct(key, preds, groups.get(key, [])))
+    entries = _combined_axes(entries, expected, groups, used, mesh)
     for axes in {e.axes for e in entries if not e.match}:
         entries = _across_kinds(axes, entries, expected, groups, used)
     unexpected = [listed(c, mesh) for key, cs in groups.items() if key not in used for c in cs]

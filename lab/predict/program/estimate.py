@@ -103,6 +103,7 @@ def train_config(plan: Plan, chip: Chip) -> TrainConfig:
         spmd_pipeline=opts.spmd_pipeline and opts.pp_schedule in ("gpipe", "interleaved"),  # what the lab runs
         spmd_context=opts.spmd_context,
         capacity_factor=MOE_CAPACITY_FACTOR if plan.model.is_moe else 1.0,  # the lab's routing (kernels.moe)
+        moe_partial_router=plan.model.is_moe,
     )
 
 

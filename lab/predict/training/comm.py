@@ -197,7 +197,7 @@ def _tp_layer(cfg: TrainConfig) -> list[Comm]:
         return Comm("tp", kind, act, calls, "layer", what, hidden, dt)
 
     router = []
-    if share and not cfg.fused_projections:  # the lab's combine weighs partial sums: the router's gradient is too
+    if share and cfg.moe_partial_router:  # the lab's combine weighs partial sums: the router's gradient is too
         what = "MoE: the router's gradient, partial on each TP rank"
         router = [Comm("tp", "all-reduce", m.d_model * m.experts * cfg.act_bytes, share, "layer", what, "", dt)]
     if not lay.sequence_parallel:

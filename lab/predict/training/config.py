@@ -154,6 +154,10 @@ class TrainConfig:
     # the capacity, as GShard-style dispatch does), and the dispatch and combine move as much; 1.0: dropless and
     # balanced.
     capacity_factor: float = 1.0
+    # The lab's expert layers weigh the TP ranks' partial sums in their combine (kernels/transformer/moe_layer.py), so
+    # the router's gradient is partial on each TP rank and all-reduced, fused projections or not; Megatron's router
+    # reads the whole input and needs no reduction.
+    moe_partial_router: bool = False
     # Recomputation as JAX runs it (jax.checkpoint on a layer): under full recomputation XLA drops the layer's last
     # projection from the recomputed forward (nothing in the backward reads its output, the next layer's saved
     # input), so its matmul and its row-parallel collective are not run again. Megatron's recomputation repeats
