@@ -1,13 +1,16 @@
 """``shardlab explain``: the compiled program read back in the Plan's names (``explain memory``: what fills memory at
-its peak, role by role, beside the estimator's memory model)."""
+its peak, role by role, beside the estimator's memory model; ``explain overlap``: what the schedule, and a run's
+trace, put beside each collective, against what the estimator assumed hidden)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
-from lab.cli.args import add_overwrite, add_target, chart_path, command, in_path, write_chart
+from lab.cli.args import add_overwrite, add_target, chart_path, command, in_path, text_arg, write_chart
 from lab.cli.commands import help_of
 from lab.core.errors import UserError
 from lab.core.units import RUN_DTYPES
@@ -41,10 +44,8 @@ def _plan_and_chip(args: argparse.Namespace):
     return plan, target, chip
 
 
-def cmd_memory(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    plan, target, chip = _plan_and_chip(args)
-    if plan.spec.family == "user":
-        raise UserError(f"{args.experiment}: explain memory reads Plans the lab builds; a user model has no roles")
+def _devices(plan, target) -> None:
+    """The host's emulated devices for a program compiled here; for a TPU target, libtpu told there are none."""
     if target is None:
         from lab.run.environment import ensure_devices, require_devices
 
@@ -54,6 +55,13 @@ def cmd_memory(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         from lab.compile.target import quiet_absent_tpu
 
         quiet_absent_tpu()
+
+
+def cmd_memory(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    plan, target, chip = _plan_and_chip(args)
+    if plan.spec.family == "user":
+        raise UserError(f"{args.experiment}: explain memory reads Plans the lab builds; a user model has no roles")
+    _devices(plan, target)
     from lab.compile.memory import explain_memory  # imports JAX
     from lab.core.heartbeat import still, to_terminal
 
@@ -68,6 +76,72 @@ def cmd_memory(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return data, text
 
 
+def _run_files(folder: str, plan) -> tuple[dict[str, Any], str]:
+    """A finished run's report and the HLO it ran, checked to be a run of the Plan's program on its mesh (before JAX
+    starts)."""
+    where = Path(folder)
+    if not where.is_dir():
+        raise UserError(f"--run {folder!r} is not a folder; give a finished run's folder such as runs/train_dp")
+    try:
+        report = json.loads((where / "report.json").read_text(encoding="utf-8"))
+        hlo = (where / "hlo.txt").read_text(encoding="utf-8")
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--run {folder!r} is not a finished run (its report.json and hlo.txt): {exc}") from None
+    if not isinstance(report, dict) or report.get("compile_only") or not (where / "tensorboard").is_dir():
+        raise UserError(f"--run {folder!r} has no profiler trace (a --compile-only run?); give a run that ran")
+    mesh, ran = report.get("mesh"), report.get("kernel")
+    if ran != plan.program or mesh != dict(plan.shape) or report.get("experiment") not in (None, plan.name):
+        raise UserError(
+            f"--run {folder!r} ran {report.get('experiment') or ran} ({ran} on mesh {mesh}), not {plan.name} "
+            f"({plan.program} on {dict(plan.shape)}); give a run of the same experiment"
+        )
+    return report, hlo
+
+
+def _run(folder: str, report: dict[str, Any], hlo: str):
+    """The run as :func:`lab.compile.overlap.explain_overlap` reads it: its trace's op events, and the estimator's
+    view of its program from its own audit and estimate (the join the run made)."""
+    from lab.compile.hlo import module_name, parse_module
+    from lab.compile.overlap import Run, estimator_view
+    from lab.core.collective_kinds import KINDS
+    from lab.measure import trace
+
+    names = {i.name for instrs in parse_module(hlo).computations.values() for i in instrs}
+    got = trace.parse(Path(folder) / "tensorboard", hlo_names=names, module=module_name(hlo))
+    audit, estimate = report.get("audit") or {}, report.get("estimate") or {}
+    ops = {
+        o["name"]: (o["time_s"], o.get("hidden"), o["bytes"]) for o in estimate.get("ops", []) if o.get("kind") in KINDS
+    }
+    assumed = estimator_view(audit.get("entries", []), ops, hlo)
+    return Run(hlo, dict(report["mesh"]), assumed, got.events, got.backend, report.get("pipeline_bubble"))
+
+
+def cmd_overlap(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    plan, target, chip = _plan_and_chip(args)
+    files = _run_files(args.run, plan) if args.run is not None else None
+    _devices(plan, target)
+    from lab.compile.overlap import explain_overlap  # imports JAX
+    from lab.core.collective_kinds import HLO_NAMES
+    from lab.core.heartbeat import still, to_terminal
+    from lab.report.ledger import predict_ops
+
+    def price(text: str) -> dict[str, float]:  # the ledger's roofline of each compute op, one execution
+        ops = predict_ops(text, chip, plan.shape, plan.slow_axes)
+        return {p.name: p.predicted_s for p in ops if p.kind not in HLO_NAMES}
+
+    with still(to_terminal(), f"compiling {plan.name or plan.program} and reading its schedule"):
+        run = _run(args.run, *files) if files is not None else None
+        result = explain_overlap(plan, chip, target, price, run)
+    return result.to_dict(), result.table()
+
+
+def _program_args(p: argparse.ArgumentParser) -> None:
+    """What every explain subcommand compiles: an experiment file, its dtype, a TPU target."""
+    p.add_argument("experiment", metavar="EXPERIMENT", type=in_path("EXPERIMENT"), help="an experiments/*.toml file")
+    p.add_argument("--dtype", choices=RUN_DTYPES, help="compute dtype (default: the experiment's)")
+    add_target(p)
+
+
 def register(sub, common: argparse.ArgumentParser) -> None:
     e = sub.add_parser("explain", help=help_of("explain"))
     what = e.add_subparsers(dest="what", required=True, parser_class=type(e), metavar="WHAT")
@@ -76,14 +150,26 @@ def register(sub, common: argparse.ArgumentParser) -> None:
         parents=[common],
         help="the buffers live at the compiled program's peak, by role, beside the estimator's memory model",
     )
-    m.add_argument("experiment", metavar="EXPERIMENT", type=in_path("EXPERIMENT"), help="an experiments/*.toml file")
-    m.add_argument("--dtype", choices=RUN_DTYPES, help="compute dtype (default: the experiment's)")
-    add_target(m)
+    _program_args(m)
     m.add_argument(
         "--png", type=chart_path("--png"), metavar="PATH", help="also draw the memory timeline (stacked by role)"
     )
     add_overwrite(m)
     command(m, cmd_memory)
+    o = what.add_parser(
+        "overlap",
+        parents=[common],
+        help="what the compiled schedule (and a run's trace) puts beside each collective, against what the estimator "
+        "assumed hidden",
+    )
+    _program_args(o)
+    o.add_argument(
+        "--run",
+        metavar="RUN_DIR",
+        type=text_arg("--run", "a run folder such as runs/train_dp", kind="folder"),
+        help="a finished run of the experiment (shardlab run): also what its trace measured",
+    )
+    command(o, cmd_overlap)
 
 
-__all__ = ["cmd_memory", "register"]
+__all__ = ["cmd_memory", "cmd_overlap", "register"]
