@@ -45,7 +45,7 @@ from lab.run.experiment import EXPERIMENT, MODEL, OPTIONS, RULES, RUN, load_expe
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENTS = ROOT / "experiments"
 # They start JAX (launch: processes that do); their argument checks are tested on their own below.
-SKIPPED = {"run", "calibrate", "demo", "launch", "explain memory"}
+SKIPPED = {"run", "calibrate", "demo", "launch", "explain memory", "explain overlap"}
 FUZZ = settings(max_examples=10, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
 LOADER = settings(max_examples=60, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -410,18 +410,23 @@ def test_audit_refuses_bad_flags_before_compiling(work, flag, data):
     assert_user_error(with_value(["audit", "sharded_matmul_case1"], flag, value))
 
 
-EXPLAIN_PURE = {"EXPERIMENT": "path", "--target": "target", "--png": "chart", "--dtype": "dtype"}
+EXPLAIN_PURE = {
+    "memory": {"EXPERIMENT": "path", "--target": "target", "--png": "chart", "--dtype": "dtype"},
+    "overlap": {"EXPERIMENT": "path", "--target": "target", "--run": "run", "--dtype": "dtype"},
+}
 
 
-@pytest.mark.parametrize("flag", sorted(EXPLAIN_PURE))
+@pytest.mark.parametrize(("what", "flag"), [(w, f) for w, flags in EXPLAIN_PURE.items() for f in sorted(flags)])
 @FUZZ
 @given(data=st.data())
-def test_explain_memory_refuses_bad_values_before_compiling(work, flag, data):
-    """Every flag of ``explain memory`` is read (and refused) before JAX starts; a valid value would compile."""
+def test_explain_refuses_bad_values_before_compiling(work, what, flag, data):
+    """Every flag of ``explain memory`` and ``explain overlap`` is read (and refused) before JAX starts; a valid
+    value would compile."""
     kinds = {"path": st.one_of(bad_paths(work, "in"), BAD_TARGET), "target": TEXT, "chart": bad_paths(work, "chart")}
     kinds["dtype"] = TEXT.filter(lambda s: s not in ("float32", "bfloat16", "fp32", "bf16"))
-    value = data.draw(kinds[EXPLAIN_PURE[flag]], label=flag)
-    base = ["explain", "memory", str(EXPERIMENTS / "train_fsdp_tp.toml")]
+    kinds["run"] = st.one_of(bad_paths(work, "in"), st.just(str(work)))  # a folder that is no finished run
+    value = data.draw(kinds[EXPLAIN_PURE[what][flag]], label=flag)
+    base = ["explain", what, str(EXPERIMENTS / "train_fsdp_tp.toml")]
     assert_user_error(with_value(base, flag, value, 2 if flag == "EXPERIMENT" else None))
 
 

@@ -19,7 +19,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("validate", "replay published measured runs: calibration, development set and test split"),
     "infer": ("infer", "serving estimates: decode, prefill, KV cache, topology, requests under load"),
     "audit": ("audit", "compile a kernel or experiment and check its collectives and FLOPs against the estimate"),
-    "explain": ("explain", "the compiled program read back in the Plan's names: memory at its peak, by role"),
+    "explain": (
+        "explain",
+        "the compiled program read back in the Plan's names: memory at its peak by role, collectives' overlap",
+    ),
     "run": ("run", "estimate, compile+audit, profile, compare and report an experiment"),
     "launch": ("run", "run an experiment as N local processes over loopback (JAX's distributed runtime, CPU devices)"),
     "calibrate": ("run", "fit this backend's spec from microbenchmarks"),
