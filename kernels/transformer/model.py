@@ -373,13 +373,19 @@ def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 def _qkv(h: jax.Array, p: Params, positions: jax.Array, cfg: ModelConfig, lay: _Layout):
+    """q, k, v of ``h`` ``[B, T, D]``, q and k rotated at ``positions``: ``[T]`` for every row, or ``[B, T]`` one
+    per row and token (the serving engine's rows hold slots of different sequences)."""
     cd = lay.dtype
     with jax.named_scope("qkv"):
         q = lay.constrain(jnp.einsum("btd,dnh->btnh", h, p["wq"].astype(cd)), HEADS)  # [B, T, N, H]
         k = lay.constrain(jnp.einsum("btd,dkh->btkh", h, p["wk"].astype(cd)), KV_HEADS)  # [B, T, K, H]
         v = lay.constrain(jnp.einsum("btd,dkh->btkh", h, p["wv"].astype(cd)), KV_HEADS)  # [B, T, K, H]
     with jax.named_scope("rope"):
-        q, k = _rope(q, positions, cfg.rope_theta), _rope(k, positions, cfg.rope_theta)
+        if positions.ndim == 2:  # _rope takes one [T] for the whole batch: mapped over the rows
+            rope = jax.vmap(lambda x, pos: _rope(x[None], pos, cfg.rope_theta)[0])
+            q, k = rope(q, positions), rope(k, positions)
+        else:
+            q, k = _rope(q, positions, cfg.rope_theta), _rope(k, positions, cfg.rope_theta)
     return q, k, v
 
 

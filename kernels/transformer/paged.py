@@ -44,7 +44,6 @@ from kernels.mesh import make_mesh
 from kernels.program import Built
 from kernels.transformer.model import (
     HEADS,
-    KV_HEADS,
     RESIDUAL,
     ArrayInfo,
     Cache,
@@ -54,8 +53,8 @@ from kernels.transformer.model import (
     _Layout,
     _logits,
     _mlp,
+    _qkv,
     _rms_norm,
-    _rope,
     abstract,
     check_layout,
     compute_dtype,
@@ -128,20 +127,6 @@ def init_pool(cfg: ModelConfig, pool: PoolConfig, rules: ShardingRules, mesh: Me
 # ----- the step -------------------------------------------------------------------------------------------------
 
 
-def _qkv_at(h: jax.Array, p: Params, positions: jax.Array, cfg: ModelConfig, lay: _Layout):
-    """``model._qkv`` with a position per slot: its RoPE takes one ``[T]`` for the whole batch, and here each
-    replica's row holds other sequences' positions, so ``_rope`` is mapped over the replicas."""
-    cd = lay.dtype
-    with jax.named_scope("qkv"):
-        q = lay.constrain(jnp.einsum("btd,dnh->btnh", h, p["wq"].astype(cd)), HEADS)  # [R, T, N, H]
-        k = lay.constrain(jnp.einsum("btd,dkh->btkh", h, p["wk"].astype(cd)), KV_HEADS)  # [R, T, K, H]
-        v = lay.constrain(jnp.einsum("btd,dkh->btkh", h, p["wv"].astype(cd)), KV_HEADS)  # [R, T, K, H]
-    with jax.named_scope("rope"):
-        rope = jax.vmap(lambda x, pos: _rope(x[None], pos, cfg.rope_theta)[0])  # x [T, n, H], pos [T]
-        q, k = rope(q, positions), rope(k, positions)
-    return q, k, v
-
-
 def _write(pool_l: jax.Array, page: jax.Array, off: jax.Array, new: jax.Array) -> jax.Array:
     """``pool_l[r, page[r, t], off[r, t]] = new[r, t]``: pool_l ``[R, P, Z, K, H]``, new ``[R, T, K, H]``; a page
     index out of range (padding) is dropped."""
@@ -183,7 +168,7 @@ def paged_step(params: Params, kv: Cache, batch: dict[str, jax.Array], cfg: Mode
         x = lay.constrain(x, RESIDUAL)
         with jax.named_scope("attention"):
             h = _rms_norm(x, p["attn_norm"], cfg.norm_eps)
-            q, k, v = _qkv_at(h, p, positions, cfg, lay)
+            q, k, v = _qkv(h, p, positions, cfg, lay)
             with jax.named_scope("cache"):
                 pk, pv = _write(pk, page, off, k), _write(pv, page, off, v)
                 ks, vs = _gather(pk, seq_pages), _gather(pv, seq_pages)
