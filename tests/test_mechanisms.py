@@ -11,7 +11,7 @@ from lab.core.errors import UserError
 from lab.core.hardware import get_chip
 from lab.core.models import get_model
 from lab.predict import efficiency as eff
-from lab.predict.inference.estimate import InferConfig, decode_step, estimate_inference, prefill_time
+from lab.predict.inference.estimate import InferConfig, decode_step, estimate_inference
 from lab.predict.placement import placement
 
 # ----- attention by the sequence it sees (A4) ---------------------------------------------------------------------
@@ -114,21 +114,22 @@ def test_a_tpu_decode_streams_weights_at_the_measured_tpu_copy_rate():
 # ----- serving under load (S1-S8) ---------------------------------------------------------------------------------
 
 
-def test_continuous_batching_carries_the_joining_requests_prefills_and_a_stated_overhead():
-    """32 sequences each replaced after 256 tokens: every step carries 32 / 256 of one 512-token prefill."""
+def test_a_stated_step_overhead_adds_to_every_decode_step():
+    """A serving stack's host work per step (S1-S5), stated: 2 ms on every decode step, nothing else moves.
+    Continuous batching itself is priced by the scheduler (tests/test_serving_load.py), not here."""
     cfg = InferConfig(get_model("llama3-8b"), get_chip("h100"), batch=32, context=768, achievable=True)
-    cont = dataclasses.replace(cfg, prefill_len=512, generate=256, continuous=True)
-    one = prefill_time(dataclasses.replace(cfg, batch=1, prefill_len=512))
     plain = estimate_inference(cfg).decode_step_s
-    got = estimate_inference(cont)
-    assert got.prefill_stall_s == pytest.approx(32 / 256 * one, rel=1e-12)
-    assert got.decode_step_s == pytest.approx(plain + 32 / 256 * one, rel=1e-12)
     over = estimate_inference(dataclasses.replace(cfg, step_overhead_s=0.002)).decode_step_s
     assert over == pytest.approx(plain + 0.002, rel=1e-12)
-    with pytest.raises(UserError, match=r"--continuous .* give --prefill-len and --generate"):
-        estimate_inference(dataclasses.replace(cfg, continuous=True))
     with pytest.raises(UserError, match=r"--step-overhead must be seconds in \[0, 10\)"):
         estimate_inference(dataclasses.replace(cfg, step_overhead_s=-1.0))
+
+
+def test_infer_estimate_continuous_names_infer_serve_in_one_line():
+    from cli_runner import run_cli
+
+    code, out, err = run_cli(["infer", "estimate", "--model", "llama3-8b", "--hardware", "h100", "--continuous"])
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "infer serve --concurrency" in err
 
 
 # ----- the scale-out network a cluster states (N1-N13) --------------------------------------------------------------

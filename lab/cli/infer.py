@@ -119,7 +119,6 @@ def infer_config(args: argparse.Namespace, chip) -> InferConfig:
         fp8_scaling=scaling or "dynamic",
         moe_weights=getattr(args, "moe_weights", "all"),  # infer estimate's flags; the other commands price the default
         step_overhead_s=getattr(args, "step_overhead", 0.0),
-        continuous=getattr(args, "continuous", False),
     )
 
 
@@ -132,6 +131,11 @@ def _likely(iv, cfg) -> str:
 
 
 def cmd_infer_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    if args.continuous:
+        raise UserError(
+            "--continuous is gone: continuous batching is priced by its scheduler, request by request; try "
+            "`shardlab infer serve --concurrency N --prompt-len P --output-len G` (the TPOT under that load)"
+        )
     plan = program = None
     if args.plan:
         from lab.predict.program.estimate import estimate_program
@@ -395,16 +399,9 @@ def _register_estimate(isub, common):
         "vLLM's and SGLang's fused MoE kernels, JAX's megablox)",
     )
     add_step_overhead(ie)
-    ie.add_argument(
-        "--continuous",
-        action="store_true",
-        help="continuous batching: each decode step also carries batch / --generate of a request's --prefill-len "
-        "prefill (decodes stall while a joining request prefills, or share a chunked step with it)",
-    )
+    ie.add_argument("--continuous", action="store_true", help=argparse.SUPPRESS)  # gone: refused, naming infer serve
     # the Plan's dtypes and pricing mode: priced as it is built
-    plan_options(
-        ie, "weights", "kv", "compute", "mfu", "achievable", "fp8_scaling", "moe_weights", "step_overhead", "continuous"
-    )
+    plan_options(ie, "weights", "kv", "compute", "mfu", "achievable", "fp8_scaling", "moe_weights", "step_overhead")
     command(ie, cmd_infer_estimate)
     return ie
 

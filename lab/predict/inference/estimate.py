@@ -27,7 +27,6 @@ Serving after the scaling book's inference chapters (inference.md, applied-infer
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -81,10 +80,6 @@ class InferConfig:
     # The serving stack's host work per decode step that the device does not overlap (scheduling, input preparation,
     # detokenising: microbenchmarks-added.md S1-S5), seconds; 0 prices the device alone.
     step_overhead_s: float = 0.0
-    # Continuous batching: every sequence of the batch is replaced after ``generate`` tokens, so each decode step also
-    # carries batch / generate of a request's prefill (``prefill_len`` tokens): the decodes stall while it runs, or
-    # share a chunked step with it (S7, S8). Needs ``prefill_len`` and ``generate``.
-    continuous: bool = False
     # The lab's Pallas kernels (attention = "pallas"): (block_q, block_k) of the prefill's flash kernel, block_k also
     # the decode kernel's page; their FLOPs as they compute them (lab.predict.inference.attention_kernels).
     pallas_blocks: tuple[int, int] | None = None
@@ -118,11 +113,6 @@ def check_infer(cfg: InferConfig) -> None:
     overhead = cfg.step_overhead_s
     if isinstance(overhead, bool) or not isinstance(overhead, int | float) or not 0 <= overhead < 10:
         raise UserError(f"--step-overhead must be seconds in [0, 10), e.g. 0.002, got {overhead!r}")
-    if cfg.continuous and (cfg.prefill_len is None or cfg.generate is None):
-        raise UserError(
-            "--continuous prices each request's prefill into the decode steps: give --prefill-len and "
-            "--generate (the mean prompt and output lengths)"
-        )
     if cfg.fp8_scaling not in eff.FP8_SCALINGS:
         raise UserError(f"--fp8-scaling {cfg.fp8_scaling!r} is not one of {', '.join(eff.FP8_SCALINGS)}")
     if cfg.mfu is not None and not 0 < cfg.mfu <= 1:
@@ -165,7 +155,6 @@ class InferEstimate:
     max_batch: int
     min_chips: int
     tp_max_degree: float | None
-    prefill_stall_s: float = 0.0  # of decode_step_s: continuous batching's share of the joining requests' prefills
 
     @property
     def total_bytes(self) -> float:
@@ -247,10 +236,8 @@ class InferEstimate:
             "tokens_per_s_per_chip": self.tokens_per_s_per_chip,
             "prefill_len": c.prefill_len,
             "prefill_s": self.prefill_s,
-            "prefill_stall_s": self.prefill_stall_s,
             "moe_weights": c.moe_weights if c.model.is_moe else None,
             "step_overhead_s": c.step_overhead_s,
-            "continuous": c.continuous,
             "time_to_first_token_s": self.prefill_s,
             "generate": c.generate,
             "generate_s": self.generate_s,
@@ -423,23 +410,11 @@ def prefill_time(cfg: InferConfig) -> float | None:
     return prefill_terms(cfg)["step_s"]
 
 
-def prefill_interference(cfg: InferConfig) -> float:
-    """Under continuous batching (``continuous``), what one decode step carries of the requests that join the batch:
-    ``batch / generate`` prefills of ``prefill_len`` tokens a step, each priced as one replica's prefill of one
-    sequence; 0 otherwise."""
-    if not cfg.continuous or not cfg.prefill_len or not cfg.generate:
-        return 0.0
-    one = dataclasses.replace(cfg, batch=cfg.dp, continuous=False)
-    t = prefill_time(one) or 0.0
-    return cfg.replica_batch / cfg.generate * t
-
-
 def estimate_inference(cfg: InferConfig) -> InferEstimate:
     """Predict memory, decode step, prefill and generation for one serving configuration."""
     check_infer(cfg)
     m, chip = cfg.model, cfg.chip
     d = decode_step(cfg)
-    stall = prefill_interference(cfg)
     gen = None
     if cfg.generate is not None:  # the cache grows by one token a step: price the mean context
         gen = cfg.generate * float(decode_step(cfg, cfg.context + cfg.generate // 2)["step_s"])
@@ -459,7 +434,7 @@ def estimate_inference(cfg: InferConfig) -> InferEstimate:
         kv_bytes=total_kv,
         param_bytes_per_chip=p_chip,
         kv_bytes_per_chip=kv_chip,
-        decode_step_s=float(d["step_s"]) + stall,
+        decode_step_s=float(d["step_s"]),
         compute_s=float(d["compute_s"]),
         memory_s=float(d["kv_s"]) + float(d["weights_s"]),
         kv_s=float(d["kv_s"]),
@@ -471,7 +446,6 @@ def estimate_inference(cfg: InferConfig) -> InferEstimate:
         max_batch=int(per_replica * cfg.dp),
         min_chips=min_chips,
         tp_max_degree=tp_max,
-        prefill_stall_s=stall,
     )
 
 

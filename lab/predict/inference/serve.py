@@ -54,7 +54,7 @@ class StepPricer:
 
     def __init__(self, cfg: InferConfig):
         check_infer(cfg)
-        self.cfg = cfg = dataclasses.replace(cfg, dp=1, batch=1, achievable=True, continuous=False)
+        self.cfg = cfg = dataclasses.replace(cfg, dp=1, batch=1, achievable=True)
         m, chip = cfg.model, cfg.chip
         par = cfg.tp * cfg.ep
         self.mm_per_token = m.matmul_flops_per_token(include_logits=False) / par
