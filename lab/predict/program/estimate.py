@@ -107,18 +107,26 @@ def train_config(plan: Plan, chip: Chip) -> TrainConfig:
     )
 
 
+def serving_degrees(plan: Plan) -> tuple[int, int]:
+    """``(tp, dp)`` of a decode or serve Plan as the inference estimator counts them: the heads' axes, and the
+    batch's axes (data and fsdp alike) as replicas. The one place a serving Plan becomes the estimator's degrees."""
+    deg = plan.degrees()
+    return deg["tp"], deg["dp"] * deg["fsdp"]
+
+
 def infer_config(plan: Plan, chip: Chip) -> InferConfig:
     """The inference estimator's config of a decode Plan: the program reads the whole allocated cache each step."""
     _check_estimable(plan)
-    deg, m, att = plan.degrees(), plan.model, from_options(plan.options)
+    m, att = plan.model, from_options(plan.options)
     assert m is not None and plan.rules is not None
+    tp, dp = serving_degrees(plan)
     return InferConfig(
         model=m,
         chip=chip,
         batch=plan.sizes["batch"],
         context=m.max_seq_len,
-        tp=deg["tp"],
-        dp=deg["dp"] * deg["fsdp"],
+        tp=tp,
+        dp=dp,
         weights=plan.param_dtype,
         kv=plan.dtype,
         compute=plan.dtype,
@@ -137,16 +145,16 @@ def serve_config(plan: Plan, chip: Chip) -> InferConfig:
     whole page-table row, ``ceil(max_seq_len / page_size)`` pages (kernels.transformer.paged). That is a decode
     step of ``token_budget`` sequences per replica at a context of that row's positions."""
     _check_estimable(plan)
-    deg, m, z = plan.degrees(), plan.model, plan.sizes
+    m, z = plan.model, plan.sizes
     assert m is not None and plan.rules is not None
-    replicas = deg["dp"] * deg["fsdp"]
+    tp, replicas = serving_degrees(plan)
     row = min(z["pages"], -(-m.max_seq_len // z["page_size"])) * z["page_size"]
     return InferConfig(
         model=m,
         chip=chip,
         batch=z["token_budget"] * replicas,
         context=row,
-        tp=deg["tp"],
+        tp=tp,
         dp=replicas,
         weights=plan.param_dtype,
         kv=plan.dtype,
