@@ -130,12 +130,16 @@ def _likely(iv, cfg) -> str:
     return f"; {interval_text(iv, fmt_seconds)} (80%{basis})"
 
 
-def cmd_infer_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+def _no_continuous(args: argparse.Namespace) -> None:
     if args.continuous:
         raise UserError(
             "--continuous is gone: continuous batching is priced by its scheduler, request by request; try "
             "`shardlab infer serve --concurrency N --prompt-len P --output-len G` (the TPOT under that load)"
         )
+
+
+def cmd_infer_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    _no_continuous(args)
     plan = program = None
     if args.plan:
         from lab.predict.program.estimate import estimate_program
