@@ -1,6 +1,7 @@
 """``shardlab explain``: the compiled program read back in the Plan's names (``explain memory``: what fills memory at
 its peak, role by role, beside the estimator's memory model; ``explain overlap``: what the schedule, and a run's
-trace, put beside each collective, against what the estimator assumed hidden)."""
+trace, put beside each collective, against what the estimator assumed hidden; ``explain sharding``: where the rules
+put each array and which rule and source line each compiled collective comes from)."""
 
 from __future__ import annotations
 
@@ -135,6 +136,22 @@ def cmd_overlap(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return result.to_dict(), result.table()
 
 
+def cmd_sharding(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    plan, target, _ = _plan_and_chip(args)
+    if plan.program not in ("train_step", "decode"):
+        raise UserError(
+            f"{args.experiment}: explain sharding reads the Transformer's train_step and decode, which sharding rules "
+            f"place; this experiment runs {plan.program}"
+        )
+    _devices(plan, target)
+    from lab.compile.sharding import explain_sharding  # imports JAX
+    from lab.core.heartbeat import still, to_terminal
+
+    with still(to_terminal(), f"compiling {plan.name or plan.program} and tracing its collectives to the rules"):
+        result = explain_sharding(plan, target)
+    return result.to_dict(), result.table()
+
+
 def _program_args(p: argparse.ArgumentParser) -> None:
     """What every explain subcommand compiles: an experiment file, its dtype, a TPU target."""
     p.add_argument("experiment", metavar="EXPERIMENT", type=in_path("EXPERIMENT"), help="an experiments/*.toml file")
@@ -170,6 +187,14 @@ def register(sub, common: argparse.ArgumentParser) -> None:
         help="a finished run of the experiment (shardlab run): also what its trace measured",
     )
     command(o, cmd_overlap)
+    sh = what.add_parser(
+        "sharding",
+        parents=[common],
+        help="per array its logical dims, mesh axes, bytes per device and what replicates it; every compiled "
+        "collective traced to the rule and the source line that cause it",
+    )
+    _program_args(sh)
+    command(sh, cmd_sharding)
 
 
-__all__ = ["cmd_memory", "cmd_overlap", "register"]
+__all__ = ["cmd_memory", "cmd_overlap", "cmd_sharding", "register"]
