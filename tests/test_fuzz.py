@@ -45,7 +45,7 @@ from lab.run.experiment import EXPERIMENT, MODEL, OPTIONS, RULES, RUN, load_expe
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENTS = ROOT / "experiments"
 # They start JAX (launch: processes that do); their argument checks are tested on their own below.
-SKIPPED = {"run", "calibrate", "demo", "launch", "explain memory", "explain overlap"}
+SKIPPED = {"run", "calibrate", "demo", "launch", "explain memory", "explain overlap", "explain sharding"}
 FUZZ = settings(max_examples=10, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
 LOADER = settings(max_examples=60, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -413,6 +413,7 @@ def test_audit_refuses_bad_flags_before_compiling(work, flag, data):
 EXPLAIN_PURE = {
     "memory": {"EXPERIMENT": "path", "--target": "target", "--png": "chart", "--dtype": "dtype"},
     "overlap": {"EXPERIMENT": "path", "--target": "target", "--run": "run", "--dtype": "dtype"},
+    "sharding": {"EXPERIMENT": "path", "--target": "target", "--dtype": "dtype"},
 }
 
 
@@ -420,8 +421,8 @@ EXPLAIN_PURE = {
 @FUZZ
 @given(data=st.data())
 def test_explain_refuses_bad_values_before_compiling(work, what, flag, data):
-    """Every flag of ``explain memory`` and ``explain overlap`` is read (and refused) before JAX starts; a valid
-    value would compile."""
+    """Every flag of ``explain memory``, ``overlap`` and ``sharding`` is read (and refused) before JAX starts; a
+    valid value would compile."""
     kinds = {"path": st.one_of(bad_paths(work, "in"), BAD_TARGET), "target": TEXT, "chart": bad_paths(work, "chart")}
     kinds["dtype"] = TEXT.filter(lambda s: s not in ("float32", "bfloat16", "fp32", "bf16"))
     kinds["run"] = st.one_of(bad_paths(work, "in"), st.just(str(work)))  # a folder that is no finished run

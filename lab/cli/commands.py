@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "audit": ("audit", "compile a kernel or experiment and check its collectives and FLOPs against the estimate"),
     "explain": (
         "explain",
-        "the compiled program read back in the Plan's names: memory at its peak by role, collectives' overlap",
+        "the compiled program read back in the Plan's names: memory at its peak, overlap, sharding",
     ),
     "run": ("run", "estimate, compile+audit, profile, compare and report an experiment"),
     "launch": ("run", "run an experiment as N local processes over loopback (JAX's distributed runtime, CPU devices)"),
