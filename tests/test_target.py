@@ -322,6 +322,30 @@ def test_splash_attention_cross_compiles_and_its_kernels_flops_match_the_estimat
 
 
 @needs_libtpu
+@pytest.mark.slow  # 15 s of compiling
+def test_decode_with_splash_cross_compiles_and_audits(capsys, tmp_path):
+    """decode_paged with attention = "splash": splash's forward kernel for a 128-token prompt (head_dim 128, 128 x 128
+    blocks), the lab's paged kernel for each step; the audit holds both kernels' FLOPs to the inference estimate."""
+    text = (ROOT / "experiments" / "decode_paged.toml").read_text()
+    for old, new in (
+        ('attention = "pallas"', 'attention = "splash"'),
+        ("prompt_len = 16", "prompt_len = 128"),
+        ("head_dim = 12", "head_dim = 128"),
+        ("d_model = 56", "d_model = 512"),
+        ("max_seq_len = 64", "max_seq_len = 256"),
+        ("attention_block_q = 16", "attention_block_q = 128"),
+        ("attention_block_k = 16", "attention_block_k = 128"),
+    ):
+        assert old in text, old
+        text = text.replace(old, new)
+    exp = tmp_path / "decode_splash.toml"
+    exp.write_text(text)
+    assert main(["audit", str(exp), "--target", "v5e:2x4", "--dtype", "bf16", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["all_match"] and not d["unexpected"] and d["flops_compiled"] == pytest.approx(d["flops_predicted"])
+
+
+@needs_libtpu
 def test_the_ledger_prices_the_collectives_inside_tpu_fusions(mid_v5e):
     # libtpu wraps all-gathers in async collective fusions and fuses some with their matmuls: the ledger must
     # still price every collective byte and every matmul FLOP the audit's parser finds in the HLO
