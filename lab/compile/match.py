@@ -9,6 +9,7 @@ moved. Whatever is left over is unexpected (:mod:`lab.compile.audit` reports it)
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -188,33 +189,39 @@ def _combined_axes(entries: list[AuditEntry], expected, groups, used: set, mesh)
     both (each such value is in both expectations, and reduced once), the three match: the same values, summed."""
     unmatched = {e.axes for e in entries if not e.match and e.kind == "all-reduce"}
     order = {a: i for i, a in enumerate(mesh)}
-    for kind, both in [k for k in groups if k[0] == "all-reduce" and len(k[1]) > 1 and k not in used]:
-        for n in range(1, len(both)):
-            a = both[:n]
-            b = tuple(sorted(set(both) - set(a), key=order.get))
-            if a not in unmatched or b not in unmatched:
-                continue
-            apart = [k for axes in (a, b) for k in (("all-reduce", axes), ("reduce-scatter", axes))]
-            apart = [k for k in apart if k[0] == "all-reduce" or (k not in expected and k not in used)]
-            want = _expected_elements(expected[("all-reduce", a)] + expected[("all-reduce", b)])
-            got = sum(_elements(groups.get(k, [])) for k in apart) + 2 * _elements(groups[(kind, both)])
-            if not _same(want, got):
-                continue
-            used |= {(kind, both), *[k for k in apart if groups.get(k)]}
-            note = f"combined with the AllReduce over {','.join(both)}: values both sum, reduced once; elements agree"
-            rest = [e for e in entries if not (e.kind == "all-reduce" and e.axes in (a, b))]
-            for axes in (a, b):
-                got_here = [c for k in apart if k[1] == axes for c in groups.get(k, [])]
-                ps = expected[("all-reduce", axes)]
-                label = " + ".join(p.op for p in ps)
-                names = tuple(c.name for c in got_here)
-                nbytes = sum(p.bytes for p in ps)
-                rest.append(AuditEntry(label, "all-reduce", axes, nbytes, total_bytes(got_here), True, names, note))
-            combined = groups[(kind, both)]
-            how = f"XLA combined the reductions over {','.join(a)} and over {','.join(b)} into one"
-            rest.append(_lowered("the values summed over both", (kind, both), total_bytes(combined), combined, how))
-            return rest
+    for key in [k for k in groups if k[0] == "all-reduce" and len(k[1]) > 1 and k not in used]:
+        for n in range(1, len(key[1])):
+            for a in itertools.combinations(key[1], n):
+                b = tuple(sorted(set(key[1]) - set(a), key=order.get))
+                if a in unmatched and b in unmatched:
+                    combined = _combine(entries, (a, b), key, expected, groups, used)
+                    if combined is not None:  # matched: look for another such reduction among what is left
+                        return _combined_axes(combined, expected, groups, used, mesh)
     return entries
+
+
+def _combine(entries: list[AuditEntry], parts, key: Key, expected, groups, used: set) -> list[AuditEntry] | None:
+    """The entries with the AllReduces expected over ``parts = (a, b)`` matched to what was compiled over each and
+    over both (``key``), if the elements agree; None if they do not."""
+    a, b = parts
+    apart = [k for axes in (a, b) for k in (("all-reduce", axes), ("reduce-scatter", axes))]
+    apart = [k for k in apart if k[0] == "all-reduce" or (k not in expected and k not in used)]
+    want = _expected_elements(expected[("all-reduce", a)] + expected[("all-reduce", b)])
+    got = sum(_elements(groups.get(k, [])) for k in apart) + 2 * _elements(groups[key])
+    if not _same(want, got):
+        return None
+    used |= {key, *[k for k in apart if groups.get(k)]}
+    note = f"combined with the AllReduce over {','.join(key[1])}: values both sum, reduced once; elements agree"
+    rest = [e for e in entries if not (e.kind == "all-reduce" and e.axes in parts)]
+    for axes in parts:
+        got_here = [c for k in apart if k[1] == axes for c in groups.get(k, [])]
+        ps = expected[("all-reduce", axes)]
+        label, nbytes = " + ".join(p.op for p in ps), sum(p.bytes for p in ps)
+        names = tuple(c.name for c in got_here)
+        rest.append(AuditEntry(label, "all-reduce", axes, nbytes, total_bytes(got_here), True, names, note))
+    how = f"XLA combined the reductions over {','.join(a)} and over {','.join(b)} into one"
+    rest.append(_lowered("the values summed over both", key, total_bytes(groups[key]), groups[key], how))
+    return rest
 
 
 def compare(
