@@ -411,7 +411,7 @@ def test_audit_refuses_bad_flags_before_compiling(work, flag, data):
 
 
 EXPLAIN_PURE = {
-    "memory": {"EXPERIMENT": "path", "--target": "target", "--png": "chart", "--dtype": "dtype"},
+    "memory": {"EXPERIMENT": "path", "--target": "target", "--png": "chart", "--dtype": "dtype", "--hbm": "bytes"},
     "overlap": {"EXPERIMENT": "path", "--target": "target", "--run": "run", "--dtype": "dtype"},
     "sharding": {"EXPERIMENT": "path", "--target": "target", "--dtype": "dtype"},
 }
@@ -426,8 +426,9 @@ def test_explain_refuses_bad_values_before_compiling(work, what, flag, data):
     kinds = {"path": st.one_of(bad_paths(work, "in"), BAD_TARGET), "target": TEXT, "chart": bad_paths(work, "chart")}
     kinds["dtype"] = TEXT.filter(lambda s: s not in ("float32", "bfloat16", "fp32", "bf16"))
     kinds["run"] = st.one_of(bad_paths(work, "in"), st.just(str(work)))  # a folder that is no finished run
+    kinds["bytes"] = st.one_of(st.sampled_from(["0", "-5", "nan", "inf", "1e400", "0.5"]), TEXT)
     value = data.draw(kinds[EXPLAIN_PURE[what][flag]], label=flag)
-    base = ["explain", what, str(EXPERIMENTS / "train_fsdp_tp.toml")]
+    base = ["explain", what, str(EXPERIMENTS / "train_fsdp_tp.toml"), *(["--fit"] if flag == "--hbm" else [])]
     assert_user_error(with_value(base, flag, value, 2 if flag == "EXPERIMENT" else None))
 
 

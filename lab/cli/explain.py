@@ -11,7 +11,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lab.cli.args import add_overwrite, add_target, chart_path, command, in_path, text_arg, write_chart
+from lab.cli.args import (
+    add_overwrite,
+    add_target,
+    chart_path,
+    command,
+    in_path,
+    positive_int,
+    text_arg,
+    write_chart,
+)
 from lab.cli.commands import help_of
 from lab.core.errors import UserError
 from lab.core.units import RUN_DTYPES
@@ -59,10 +68,16 @@ def _devices(plan, target) -> None:
 
 
 def cmd_memory(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    if args.hbm is not None and not args.fit:
+        raise UserError("--hbm is the memory --fit fits into; give --fit with it, or leave --hbm out")
+    if args.fit and args.png is not None:
+        raise UserError("--png draws the peak of the Plan as written; leave it out with --fit (or run without --fit)")
     plan, target, chip = _plan_and_chip(args)
     if plan.spec.family == "user":
         raise UserError(f"{args.experiment}: explain memory reads Plans the lab builds; a user model has no roles")
     _devices(plan, target)
+    if args.fit:
+        return _fit(plan, target, chip, args.hbm)
     from lab.compile.memory import explain_memory  # imports JAX
     from lab.core.heartbeat import still, to_terminal
 
@@ -75,6 +90,17 @@ def cmd_memory(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         data["png"] = write_chart(args.png, args.png, lambda p: plot_timeline(result, p))
         text += f"\nmemory timeline: {data['png']}"
     return data, text
+
+
+def _fit(plan, target, chip, hbm: float | None) -> tuple[dict[str, Any], str]:
+    """``explain memory --fit``: the ladder of fixes compiled until one fits, and the largest batch per remat
+    policy (:func:`lab.compile.fit.fit_ladder`), instead of the peak of the Plan as written."""
+    from lab.compile.fit import fit_ladder  # imports JAX
+    from lab.core.heartbeat import still, to_terminal
+
+    with still(to_terminal(), f"compiling the ladder of fixes of {plan.name or plan.program} until one fits"):
+        result = fit_ladder(plan, chip, target, hbm)
+    return result.to_dict(), result.table()
 
 
 def _run_files(folder: str, plan) -> tuple[dict[str, Any], str]:
@@ -170,6 +196,18 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     _program_args(m)
     m.add_argument(
         "--png", type=chart_path("--png"), metavar="PATH", help="also draw the memory timeline (stacked by role)"
+    )
+    m.add_argument(
+        "--fit",
+        action="store_true",
+        help="instead: compile the ladder of fixes (remat selective, full, a smaller microbatch, more FSDP, the next "
+        "topology) until one fits the chip's memory, and the largest batch per remat policy, beside the estimator's",
+    )
+    m.add_argument(
+        "--hbm",
+        type=positive_int("--hbm"),
+        metavar="BYTES",
+        help="with --fit: the memory per device to fit (e.g. 16e9, 512Mi; default: the chip's HBM)",
     )
     add_overwrite(m)
     command(m, cmd_memory)
