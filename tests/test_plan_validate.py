@@ -84,6 +84,7 @@ def test_the_best_layouts_cross_compiled_for_a_tpu(capsys):
 LONG = [*SMALL[:-2], "--seq-len", "1024"]
 
 
+@pytest.mark.slow  # 17 s of v5e compiles; the default suite keeps test_the_best_layouts_compile_and_run_on_this_host
 def test_context_parallel_layouts_are_validated_not_skipped(capsys):
     """The planner's best layout here splits the sequence (cp=2); it used to be passed over for a worse one."""
     assert main([*LONG, "--hardware", "tpu-v5e", "--validate", "1", "--target", "v5e:2x4", "--json"]) == 0
