@@ -1,10 +1,10 @@
 """What fills memory at the compiled program's peak, in the Plan's names, beside the estimator's memory model.
 
 The Plan's program is compiled as the audit compiles it (on the host, or for a TPU topology that is not here) with
-XLA's dump on, so its buffer assignment and live ranges can be read back (:mod:`lab.compile.memory_dump`).
-Memory over the schedule is the entry parameters and outputs (held for the whole program, each its own allocation)
-plus the values of the temporary heap live at each position; the peak is where that heap is fullest. Each buffer
-live there gets a role:
+XLA's dump on, so its buffer assignment, live ranges and heap simulator trace can be read back
+(:mod:`lab.compile.memory_dump`). Memory over the schedule is the entry parameters and outputs (held for the whole
+program, each its own allocation) plus the values of the temporary heap live at each position; the peak is where
+the most bytes are live. Each buffer live there gets a role (:mod:`lab.compile.memory_roles`):
 
 * **parameter**, **optimizer state**, **input**, **kv cache**: an entry parameter, named by its argument path
   (``params['layers']['wq']``, ``opt_state[0].mu[...]``, ``tokens``), which XLA keeps as the op name;
@@ -15,21 +15,30 @@ live there gets a role:
 * **temporary**: anything else, named by the op scope that made it (``jit(step)/.../attention/qkv``);
 * **output**: a result not written over a donated argument.
 
+Two rows hold no buffer but complete what ``memory_analysis()`` counts (:mod:`lab.compile.memory_heap`):
+
+* **heap free**: the bytes of the temporary heap (its size, on a TPU rounded up to the program's HBM alignment)
+  that no buffer live at the peak holds: space between buffers and, on a TPU, the 16 KiB slots small values sit in;
+* **fragmentation stat** (TPU only): the heap's size less XLA's no-fragmentation peak, which libtpu adds to
+  ``temp_size_in_bytes`` on top of the heap.
+
 The roles are read from names and shapes, so they are heuristics; the bytes are XLA's. Only the default memory
 space is counted (a TPU's VMEM and SMEM scratch sit beside HBM, not in it).
 """
 
 from __future__ import annotations
 
-import re
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from lab.compile.hlo import Module, parse_module, parse_shapes
-from lab.compile.memory_dump import Allocation, LiveRanges, Value, read_dump
+from lab.compile.hlo import Module, parse_module
+from lab.compile.memory_dump import Allocation, LiveRanges, read_dump, read_flag, read_heap_traces
+from lab.compile.memory_heap import Heap, read_heap
+from lab.compile.memory_roles import Buffer, Program, Slot, heap_slots, held, param_dims, role_at
+from lab.compile.memory_roles import relative as _relative  # noqa: F401 (lab.compile.sharding reads it here)
 from lab.compile.target import Target, for_target, target_mesh, uncached
 from lab.core.errors import UserError
 from lab.core.hardware import Chip
@@ -48,15 +57,11 @@ ROLES = (
     "temporary",
     "input",
     "output",
+    "heap free",
+    "fragmentation stat",
 )
-COLLECTIVE_OPCODES = frozenset(
-    f"{k}{s}"
-    for k in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
-    for s in ("", "-start", "-done")
-)
-_BOOKKEEPING = frozenset(
-    ("constant", "parameter", "broadcast", "iota", "copy", "bitcast", "tuple", "get-tuple-element", "")
-)
+HEAP_ROLES = ("heap free", "fragmentation stat")  # rows that hold no buffer: never in the timeline
+
 # the estimator's terms each role is held to (training: lab.predict.training.memory; serving: params and kv)
 ESTIMATED = {
     "parameter": "params_state",
@@ -69,36 +74,12 @@ ESTIMATED = {
 
 
 @dataclass(frozen=True)
-class Buffer:
-    """A buffer live at the peak: its bytes, role, HLO value (or argument path), op scope and source line."""
-
-    bytes: float
-    role: str
-    name: str
-    scope: str = ""
-    source: str = ""
-    shape: str = ""
-    live: tuple[int, int] | None = None  # schedule positions, first and last; None: held for the whole program
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "bytes": self.bytes,
-            "role": self.role,
-            "name": self.name,
-            "scope": self.scope,
-            "source": self.source,
-            "shape": self.shape,
-            "live": list(self.live) if self.live else None,
-        }
-
-
-@dataclass(frozen=True)
 class MemoryExplanation:
     target: str
     mesh: dict[str, int]
     backend: str
     compiled_for: str | None
-    peak_bytes: float
+    peak_bytes: float  # every row: the buffers live at the peak and the heap rows
     xla_peak_bytes: float
     peak_position: int
     schedule_length: int
@@ -107,6 +88,9 @@ class MemoryExplanation:
     memory_analysis: dict[str, float]
     estimator: str = ""
     timeline: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # role -> live bytes per position
+    live_bytes: float = 0.0  # the buffers live at the peak alone
+    heap: Heap = field(default_factory=Heap)
+    beside: float = 0.0  # the temporary heaps of the other memory spaces (a TPU's VMEM, SMEM, sync flags)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -116,12 +100,15 @@ class MemoryExplanation:
             "emulated": self.backend == "cpu",
             "compiled_for": self.compiled_for,
             "peak_bytes": self.peak_bytes,
+            "live_bytes": self.live_bytes,
             "xla_peak_bytes": self.xla_peak_bytes,
             "peak_position": self.peak_position,
             "schedule_length": self.schedule_length,
             "estimator": self.estimator,
             "by_role": self.by_role,
             "memory_analysis": self.memory_analysis,
+            "heap": self.heap.to_dict(),
+            "other_memory_spaces": self.beside,
             "buffers": [b.to_dict() for b in self.buffers],
         }
 
@@ -134,25 +121,38 @@ class MemoryExplanation:
             f"memory at the peak of {self.target} on mesh {mesh} ({where}): position {self.peak_position} of "
             f"{self.schedule_length} in XLA's schedule, per device"
         )
+        live = [b for b in self.buffers if b.role not in HEAP_ROLES]
+        shown = live[:top] + [b for b in self.buffers if b.role in HEAP_ROLES]
         rows = [
             [fmt_bytes(b.bytes), b.role, _short(b.name, 40), _short(b.scope or "-", 56), _short(b.source or "-", 40)]
-            for b in self.buffers[:top]
+            for b in shown
         ]
         out = head + "\n" + render(["bytes", "role", "buffer", "op scope", "source"], rows)
-        rest = self.buffers[top:]
+        rest = live[top:]
         if rest:
             out += f"\n... and {len(rest)} smaller buffers, {fmt_bytes(sum(b.bytes for b in rest))} together"
-        out += "\n\n" + self._roles()
+        return out + "\n\n" + self._roles() + "\n" + self._footer(len(live))
+
+    def _footer(self, n_live: int) -> str:
         gap = self.peak_bytes / self.xla_peak_bytes - 1 if self.xla_peak_bytes else float("nan")
-        why = (
-            "the rest is free space between buffers in XLA's heap"
-            if abs(gap) <= 0.02
-            else "NOT EXPLAINED: XLA's total holds what this reading of its default memory space does not"
+        added = [f"{fmt_bytes(b.bytes)} {b.role}" for b in self.buffers if b.role in HEAP_ROLES]
+        verdict = "adds up" if abs(gap) <= 0.01 else "NOT EXPLAINED: XLA's total holds what this reading does not"
+        out = (
+            f"peak: {fmt_bytes(self.live_bytes)} live in {n_live} buffers"
+            + (f", with {' and '.join(added)}: {fmt_bytes(self.peak_bytes)}" if added else "")
+            + f"; XLA's memory_analysis {fmt_bytes(self.xla_peak_bytes)} (arguments + outputs + temporaries - "
+            f"aliased): {100 * gap:+.2f}% ({verdict})"
         )
-        return out + (
-            f"\npeak: {fmt_bytes(self.peak_bytes)} live ({len(self.buffers)} buffers); XLA's memory_analysis "
-            f"{fmt_bytes(self.xla_peak_bytes)} (arguments + outputs + temporaries - aliased): {100 * gap:+.2f}% ({why})"
-        )
+        if self.compiled_for:
+            libtpu = self.memory_analysis.get("peak_memory_in_bytes")
+            out += "\n(TPU: " + (f"libtpu's peak_memory_in_bytes {fmt_bytes(libtpu)}; " if libtpu else "")
+            out += (
+                "the heap's temporaries were not counted: it holds only tuple index tables and scalars; "
+                if not self.heap.counted
+                else ""
+            )
+            out += f"beside HBM and not in memory_analysis: {fmt_bytes(self.beside)} of VMEM, SMEM and sync flags)"
+        return out
 
     def _roles(self) -> str:
         rows = []
@@ -175,15 +175,16 @@ def _short(text: str, width: int) -> str:
 
 def compile_dumped(plan: Plan, target: Target | None, folder: str):
     """``(built, compiled)``: the Plan's program compiled as the audit compiles it, with XLA's dump in ``folder``
-    (the persistent cache off: an executable read back from it would dump nothing). A program XLA refuses (too
-    large for the chip, an unsupported op) is a :class:`UserError` with XLA's first line."""
+    (as text, and as protos for the heap simulator's trace; the persistent cache off: an executable read back from
+    it would dump nothing). A program XLA refuses (too large for the chip, an unsupported op) is a
+    :class:`UserError` with XLA's first line."""
     import jax
 
     from kernels.registry import build
 
     mesh = target_mesh(plan.shape, target) if target is not None else None
     built = build(plan, mesh)
-    options = {"xla_dump_to": folder, "xla_dump_hlo_as_text": True}
+    options = {"xla_dump_to": folder, "xla_dump_hlo_as_text": True, "xla_dump_hlo_as_proto": True}
     with uncached():
         try:
             return built, built.fn.lower(*built.abstract).compile(compiler_options=options)
@@ -194,198 +195,67 @@ def compile_dumped(plan: Plan, target: Target | None, folder: str):
 
 
 def xla_peak(compiled) -> tuple[float, dict[str, float]]:
-    """XLA's memory per device as the audit states it: arguments + outputs + temporaries - what outputs alias."""
+    """XLA's memory per device as the audit states it: arguments + outputs + temporaries - what outputs alias
+    (and, beside it, the backend's own ``peak_memory_in_bytes`` where it gives one)."""
     mem = compiled.memory_analysis()
     names = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes")
     got = {n: float(getattr(mem, n, 0.0) or 0.0) for n in names}
     held = got["argument_size_in_bytes"] + got["output_size_in_bytes"] + got["temp_size_in_bytes"]
+    if getattr(mem, "peak_memory_in_bytes", None):
+        got["peak_memory_in_bytes"] = float(mem.peak_memory_in_bytes)
     return held - got["alias_size_in_bytes"], got
 
 
-# ----- reading the program -------------------------------------------------------------------
-
-
-class _Program:
-    """The optimized HLO's instructions by name, and the entry parameters' argument paths by number."""
-
-    def __init__(self, module: Module, ranges: LiveRanges):
-        self.module = module
-        self.by_name = {i.name: i for instrs in module.computations.values() for i in instrs}
-        self.arguments = {}
-        for i in module.computations.get(module.entry, []):
-            if i.opcode == "parameter" and i.operands_text.strip().isdigit():
-                self.arguments[int(i.operands_text)] = self.op_name(i.name)
-        self.backward_from = self._backward_from(ranges.sequence)
-
-    def _backward_from(self, sequence: tuple[str, ...]) -> int | None:
-        """Where the backward pass begins in the schedule: the position that leaves the fewest computing ops on the
-        wrong side (forward ops are under ``jvp(...)``, backward ones under ``transpose(...)``; XLA schedules a few
-        of each early or late). None for a program with no backward pass."""
-        marks = []
-        for t, n in enumerate(sequence):
-            scope = self.op_name(n) if self._computes(n) else ""
-            if "transpose(" in scope:
-                marks.append((t, -1))
-            elif "jvp(" in scope:
-                marks.append((t, 1))
-        if not any(m < 0 for _, m in marks):
-            return None
-        # wrong(p) = backward ops before p + forward ops from p on; each mark moves it by one as p passes it
-        best, at, wrong = None, 0, sum(1 for _, m in marks if m > 0)
-        for t, m in marks:
-            if best is None or wrong < best:
-                best, at = wrong, t
-            wrong += -1 if m > 0 else 1
-        return at
-
-    def _computes(self, name: str) -> bool:
-        """An instruction that computes (not a constant, a parameter, a copy or a view) and so places the pass."""
-        return self.opcode(name) not in _BOOKKEEPING
-
-    def op_name(self, name: str) -> str:
-        instr = self.by_name.get(name.split("{", 1)[0])
-        return self.module.op_name(instr).replace("\\'", "'") if instr else ""
-
-    def source(self, name: str) -> str:
-        instr = self.by_name.get(name.split("{", 1)[0])
-        return _relative(self.module.source(instr)) if instr else ""
-
-    def origin(self, name: str) -> tuple[str, str]:
-        """``(op scope, source)`` of what a value holds: its own, or for a value a loop stacks (a dynamic update
-        slice), the op whose result is written into it, found through copies and views."""
-        scope = self.op_name(name)
-        if "dynamic_update_slice" in scope or "dynamic-update-slice" in name:
-            instr = self.by_name.get(name.split("{", 1)[0])
-            for operand in re.findall(r"%([\w.\-]+)", instr.operands_text if instr else ""):
-                found, maker = self._made(operand, depth=4)
-                if found:
-                    return found, self.source(maker)
-        return scope, self.source(name)
-
-    def _made(self, name: str, depth: int) -> tuple[str, str]:
-        """``(op scope, instruction)`` that computed ``name``, through copies and views without a scope; empty for
-        an index or a constant."""
-        scope = self.op_name(name)
-        if scope and "dynamic_update_index" not in scope and "dynamic_index" not in scope:
-            return (scope, name) if self.opcode(name) not in ("constant", "parameter") else ("", name)
-        instr = self.by_name.get(name)
-        if depth and instr is not None and instr.opcode in ("copy", "bitcast", "convert", "get-tuple-element"):
-            operands = re.findall(r"%([\w.\-]+)", instr.operands_text)
-            return self._made(operands[0], depth - 1) if operands else ("", name)
-        return "", name
-
-    def opcode(self, name: str) -> str:
-        instr = self.by_name.get(name.split("{", 1)[0])
-        return instr.opcode if instr else ""
-
-
-def _relative(source: str) -> str:
-    """A source line without the checkout's or site-packages' leading folders."""
-    for marker in ("/site-packages/", "/kernels/", "/lab/"):
-        i = source.find(marker)
-        if i >= 0:
-            return source[i + len(marker) :] if marker == "/site-packages/" else source[i + 1 :]
-    return source
-
-
-def _argument_role(path: str) -> str:
-    head = re.split(r"[\[.]", path, maxsplit=1)[0]
-    if head == "params":
-        return "parameter"
-    if head in ("opt_state", "optimizer"):
-        return "optimizer state"
-    if head in ("cache", "kv", "kv_cache", "pages"):
-        return "kv cache"
-    return "input"
-
-
-def _dims(shape: str) -> tuple[int, ...] | None:
-    shapes = parse_shapes(shape)
-    return shapes[0].dims if len(shapes) == 1 else None
-
-
-def _held(allocations: list[Allocation], program: _Program) -> list[Buffer]:
-    """The entry parameters and the outputs not written over one: held for the whole program."""
-    out = []
-    for a in allocations:
-        if a.kind == "parameter":
-            path = program.arguments.get(a.parameter, f"parameter {a.parameter}")
-            out.append(Buffer(float(a.size), _argument_role(path), path, path, "", a.shape))
-        elif a.kind in ("output", "live-out") and a.color == 0:
-            name = a.values[0].name if a.values else f"allocation {a.index}"
-            scope = program.op_name(name)
-            out.append(Buffer(float(a.size), "output", name, scope, program.source(name), a.values[0].shape))
-    return out
-
-
-@dataclass
-class _Slot:
-    """Values of the temporary heap that share one place (aliases, or one value after another)."""
-
-    values: list[tuple[Value, int, int]]
-
-    @property
-    def span(self) -> tuple[int, int]:
-        return min(s for _, s, _ in self.values), max(e for _, _, e in self.values)
-
-
-def _slots(allocations: list[Allocation], ranges: LiveRanges) -> list[_Slot]:
-    """Temporary values of the default memory space grouped by place, then split where their spans do not touch."""
-    by_place: dict[tuple[int, int, int], list[tuple[Value, int, int]]] = {}
-    for a in allocations:
-        if a.kind != "temp" or a.color != 0:
-            continue
-        for v in a.values:
-            span = ranges.spans.get(v.key)
-            if span is not None:
-                by_place.setdefault((a.index, v.offset, v.size), []).append((v, *span))
-    out = []
-    for vals in by_place.values():
-        vals.sort(key=lambda x: (x[1], x[2]))
-        current = [vals[0]]
-        for item in vals[1:]:
-            if item[1] <= max(e for _, _, e in current):
-                current.append(item)
-            else:
-                out.append(_Slot(current))
-                current = [item]
-        out.append(_Slot(current))
-    return out
-
-
-def _role(slot: _Slot, at: int, program: _Program, params: set[tuple[int, ...]]) -> tuple[str, Value, Value]:
-    """The role at position ``at`` of a temporary buffer live there, the value that names it, and the value whose
-    op says what it holds.
-
-    The values of one place form a chain (a loop's initial value, its carried copies, what the body writes, the
-    loop's result); what the chain has held so far says what the buffer is for."""
-    held = [(v, s) for v, s, _ in slot.values if s <= at]
-    now = max(held, key=lambda x: x[1])[0]
-    if program.opcode(now.name) in COLLECTIVE_OPCODES:
-        return "collective", now, now
-    named = [v for v, _ in held if program.op_name(v.name)]
-    grads = [v for v, _, _ in slot.values if _dims(v.shape) in params and "transpose(" in program.op_name(v.name)]
-    if grads:  # a gradient's buffer from its zeros on: named by what it holds now, or the first gradient written
-        return "gradient", now if program.op_name(now.name) else grads[0], grads[0]
-    backward = program.backward_from
-    if backward is not None and slot.span[0] < backward <= slot.span[1]:  # made in the forward, held for the backward
-        saved = [v for v in named if "transpose(" not in program.op_name(v.name)]
-        written = [v for v in saved if "dynamic_update_slice" in program.op_name(v.name)]
-        return "activation", (saved or [now])[-1], (written or saved or [now])[-1]
-    last = named[-1] if named else now
-    return "temporary", last, last
-
-
-def _param_dims(held: list[Buffer]) -> set[tuple[int, ...]]:
-    """Parameters' shapes per device, whole and one layer of a stacked one."""
-    out: set[tuple[int, ...]] = set()
-    for b in held:
-        if b.role == "parameter" and (d := _dims(b.shape)) is not None:
-            out |= {d, d[1:]} if len(d) > 1 else {d}
-    return out
-
-
 # ----- the explanation -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What the dump says about the peak: every row (the buffers live there, then the heap rows), where it is, the
+    live bytes alone and the timeline of the live buffers by role."""
+
+    buffers: tuple[Buffer, ...]
+    peak_position: int
+    live_bytes: float
+    timeline: dict[str, np.ndarray]
+
+
+def read_peak(allocations: list[Allocation], ranges: LiveRanges, module: Module, heap: Heap) -> Reading:
+    """The buffers live at the peak (where the most bytes are live), each with its role, then the heap's free space
+    there and the fragmentation figure ``memory_analysis()`` adds (:mod:`lab.compile.memory_heap`)."""
+    program = Program(module, ranges)
+    kept = held(allocations, program)
+    params = param_dims(kept)
+    slots = heap_slots(allocations, ranges) if heap.counted else []
+    length = max(ranges.length, 1)
+    peak_at = int(np.argmax(_live(slots, kept, length)))
+    buffers = list(kept)
+    in_heap = 0.0
+    for slot in slots:
+        start, end = slot.span
+        if start <= peak_at <= end:
+            role, named, made = role_at(slot, peak_at, program, params)
+            scope, source = program.origin(made.name)
+            buffers.append(Buffer(float(named.size), role, named.name, scope, source, named.shape, slot.span))
+            in_heap += named.size
+    buffers.sort(key=lambda b: (-b.bytes, b.role, b.name))
+    live = float(sum(b.bytes for b in buffers))
+    rows = _heap_rows(heap, in_heap, len(buffers) - len(kept))
+    timeline = _timeline(slots, kept, length, program, params)
+    return Reading(tuple(buffers + rows), peak_at, live, timeline)
+
+
+def _heap_rows(heap: Heap, in_heap: float, n: int) -> list[Buffer]:
+    """The heap's free space at the peak, and on a TPU the fragmentation figure libtpu adds (none is a buffer)."""
+    rows = []
+    if heap.size:
+        aligned = f" ({heap.alignment // 1024} KiB aligned)" if heap.alignment > 1 else ""
+        scope = f"heap {fmt_bytes(heap.size)}{aligned} - {n} live buffers"
+        rows.append(Buffer(heap.size - in_heap, "heap free", "free in the heap at the peak", scope))
+    if heap.fragmentation is not None:
+        scope = f"heap {fmt_bytes(heap.size)} - XLA's no-fragmentation peak {fmt_bytes(heap.no_fragmentation_peak)}"
+        rows.append(Buffer(heap.fragmentation, "fragmentation stat", "libtpu counts it again in temp", scope))
+    return rows
 
 
 def explain_memory(plan: Plan, chip: Chip, target: Target | None = None) -> MemoryExplanation:
@@ -395,41 +265,34 @@ def explain_memory(plan: Plan, chip: Chip, target: Target | None = None) -> Memo
     with tempfile.TemporaryDirectory(prefix="shardlab-xla-dump-") as folder:
         _, compiled = compile_dumped(plan, target, folder)
         allocations, ranges = read_dump(folder)
-    program = _Program(parse_module(compiled.as_text()), ranges)
+        traces = read_heap_traces(folder)
+        alignment = int(read_flag(folder, "xla_jf_program_hbm_alignment_in_kib") or 0) * 1024
+    heap = read_heap(allocations, traces, alignment, tpu=target is not None)
+    reading = read_peak(allocations, ranges, parse_module(compiled.as_text()), heap)
     xla_bytes, mem = xla_peak(compiled)
-    held = _held(allocations, program)
-    params = _param_dims(held)
-    slots = _slots(allocations, ranges)
-    length = max(ranges.length, 1)
-    peak_at = int(np.argmax(_live(slots, held, length)))
-    buffers = list(held)
-    for slot in slots:
-        start, end = slot.span
-        if start <= peak_at <= end:
-            role, named, made = _role(slot, peak_at, program, params)
-            scope, source = program.origin(made.name)
-            buffers.append(Buffer(float(named.size), role, named.name, scope, source, named.shape, slot.span))
-    timeline = _timeline(slots, held, length, program, params)
-    buffers.sort(key=lambda b: (-b.bytes, b.role, b.name))
     est = _estimate(plan, chip, target)
+    beside = sum(a.size for a in allocations if a.kind == "temp" and a.color != 0)
     return MemoryExplanation(
         target=plan.name or plan.program,
         mesh=dict(plan.shape),
         backend="tpu" if target is not None else jax.devices()[0].platform,
         compiled_for=target.name if target is not None else None,
-        peak_bytes=float(sum(b.bytes for b in buffers)),
+        peak_bytes=float(sum(b.bytes for b in reading.buffers)),
         xla_peak_bytes=xla_bytes,
-        peak_position=peak_at,
+        peak_position=reading.peak_position,
         schedule_length=ranges.length,
-        buffers=tuple(buffers),
-        by_role=by_role(buffers, est.memory if est else {}),
+        buffers=reading.buffers,
+        by_role=by_role(list(reading.buffers), est.memory if est else {}),
         memory_analysis=mem,
         estimator=est.source if est else "",
-        timeline=timeline,
+        timeline=reading.timeline,
+        live_bytes=reading.live_bytes,
+        heap=heap,
+        beside=float(beside),
     )
 
 
-def _live(slots: list[_Slot], held: list[Buffer], length: int) -> np.ndarray:
+def _live(slots: list[Slot], held: list[Buffer], length: int) -> np.ndarray:
     """Bytes live at each schedule position: the held buffers, and each temporary place over its span."""
     diff = np.zeros(length + 1)
     diff[0] += sum(b.bytes for b in held)
@@ -440,7 +303,7 @@ def _live(slots: list[_Slot], held: list[Buffer], length: int) -> np.ndarray:
     return np.cumsum(diff)[:length]
 
 
-def _timeline(slots, held: list[Buffer], length: int, program: _Program, params) -> dict[str, np.ndarray]:
+def _timeline(slots, held: list[Buffer], length: int, program: Program, params) -> dict[str, np.ndarray]:
     """:func:`_live` by role: a place's role is read again where each of its values begins (a loop's carried
     buffer is a temporary in the forward pass and an activation saved for the backward once that begins)."""
     diff = {r: np.zeros(length + 1) for r in ROLES}
@@ -453,7 +316,7 @@ def _timeline(slots, held: list[Buffer], length: int, program: _Program, params)
         starts = sorted({s for _, s, _ in slot.values} | ({cut} if cut is not None and start < cut <= end else set()))
         size = slot.values[0][0].size
         for a, b in zip(starts, [*starts[1:], end + 1], strict=True):
-            role = _role(slot, a, program, params)[0]
+            role = role_at(slot, a, program, params)[0]
             diff[role][min(a, length - 1)] += size
             diff[role][min(b, length)] -= size
     return {r: np.cumsum(d)[:length] for r, d in diff.items() if d.any()}
@@ -486,4 +349,15 @@ def by_role(buffers: list[Buffer], estimated: dict[str, float]) -> dict[str, dic
     return out
 
 
-__all__ = ["ROLES", "Buffer", "MemoryExplanation", "by_role", "compile_dumped", "explain_memory", "xla_peak"]
+__all__ = [
+    "HEAP_ROLES",
+    "ROLES",
+    "Buffer",
+    "MemoryExplanation",
+    "Reading",
+    "by_role",
+    "compile_dumped",
+    "explain_memory",
+    "read_peak",
+    "xla_peak",
+]

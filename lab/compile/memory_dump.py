@@ -27,12 +27,14 @@ _COLOR = re.compile(r"color (\d+)")
 
 @dataclass(frozen=True)
 class Value:
-    """One HLO value in an allocation: ``name`` is its instruction, with ``{i}`` for a tuple element."""
+    """One HLO value in an allocation: ``name`` is its instruction, with ``{i}`` for a tuple element; ``id`` is
+    XLA's value id, the buffer id of the heap simulator's trace."""
 
     name: str
     size: int
     offset: int
     shape: str
+    id: int = -1
 
     @property
     def key(self) -> str:
@@ -95,7 +97,7 @@ def parse_buffer_assignment(text: str) -> list[Allocation]:
             continue
         v = _VALUE.match(line)
         if v and head is not None:
-            values.append(Value(v.group(2), int(v.group(3)), int(v.group(4)), v.group(5)))
+            values.append(Value(v.group(2), int(v.group(3)), int(v.group(4)), v.group(5), int(v.group(1))))
     close()
     return out
 
@@ -133,17 +135,120 @@ def parse_live_ranges(text: str) -> LiveRanges:
     return LiveRanges(ordered, spans)
 
 
-def read_dump(folder: str | Path) -> tuple[list[Allocation], LiveRanges]:
-    """The buffer assignment and live ranges of the largest module XLA dumped into ``folder``."""
-    folder = Path(folder)
+def _assignment(folder: Path) -> Path:
+    """The buffer assignment of the largest module XLA dumped into ``folder``."""
     found = sorted(folder.glob("*after_optimizations-buffer-assignment.txt"), key=lambda p: p.stat().st_size)
     if not found:
         raise UserError(f"XLA wrote no buffer assignment under {str(folder)!r}; this jaxlib does not dump one")
-    assignment = found[-1]
+    return found[-1]
+
+
+def read_dump(folder: str | Path) -> tuple[list[Allocation], LiveRanges]:
+    """The buffer assignment and live ranges of the largest module XLA dumped into ``folder``."""
+    assignment = _assignment(Path(folder))
     ranges = Path(str(assignment).replace("-buffer-assignment.txt", "-live-range.txt"))
     if not ranges.exists():
         raise UserError(f"XLA wrote a buffer assignment but no live ranges ({ranges.name}); this jaxlib is too old")
     return parse_buffer_assignment(assignment.read_text()), parse_live_ranges(ranges.read_text())
 
 
-__all__ = ["Allocation", "LiveRanges", "Value", "parse_buffer_assignment", "parse_live_ranges", "read_dump"]
+def read_flag(folder: str | Path, name: str) -> str | None:
+    """A compiler flag's value as the backend wrote it beside that module (libtpu's ``*.flagfile``); None where
+    there is no flag file (XLA:CPU writes none) or no such flag."""
+    flags = Path(
+        str(_assignment(Path(folder))).removesuffix(".after_optimizations-buffer-assignment.txt") + ".flagfile"
+    )
+    if not flags.exists():
+        return None
+    m = re.search(rf"^--{re.escape(name)}='?([^'\n]*)'?$", flags.read_text(), re.M)
+    return m.group(1) if m else None
+
+
+# ----- the heap simulator's trace (HloProto, protobuf wire format) ------------------------------
+
+
+@dataclass(frozen=True)
+class HeapTrace:
+    """The heap simulator's events for one allocation: ``(kind, buffer id)`` in order, kind 0 alloc, 1 free,
+    2 share-with (placed in a buffer already allocated); ``sizes`` are the buffers' bytes."""
+
+    allocation: int
+    events: tuple[tuple[int, int], ...]
+    sizes: dict[int, int]
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            return value, i
+
+
+def _fields(data: bytes):
+    """``(field number, value)`` of a protobuf message: an int for a varint, bytes for a length-delimited field."""
+    i = 0
+    while i < len(data):
+        key, i = _varint(data, i)
+        wire = key & 7
+        if wire == 0:
+            value, i = _varint(data, i)
+        elif wire == 2:
+            n, i = _varint(data, i)
+            value, i = data[i : i + n], i + n
+        elif wire in (1, 5):
+            value, i = data[i : i + (8 if wire == 1 else 4)], i + (8 if wire == 1 else 4)
+        else:
+            raise ValueError(f"protobuf wire type {wire} is not read here")
+        yield key >> 3, value
+
+
+def parse_heap_traces(hlo_proto: bytes) -> dict[int, HeapTrace]:
+    """The heap simulator traces of an ``HloProto``'s buffer assignment (field 3), by allocation index.
+
+    ``BufferAssignmentProto``: logical buffers (1: id 1, size 2), heap simulator traces (4: events 1, allocation
+    index 3); an event: kind 1, buffer id 2."""
+    assignment = b"".join(v for f, v in _fields(hlo_proto) if f == 3)
+    sizes: dict[int, int] = {}
+    traces: dict[int, HeapTrace] = {}
+    raw = []
+    for f, v in _fields(assignment):
+        if f == 1:
+            d = dict(_fields(v))
+            sizes[d.get(1, 0)] = d.get(2, 0)
+        elif f == 4:
+            raw.append(v)
+    for v in raw:
+        events, index = [], None
+        for g, w in _fields(v):
+            if g == 1:
+                e = dict(_fields(w))
+                events.append((e.get(1, 0), e.get(2, 0)))
+            elif g == 3:
+                index = w
+        if index is not None:
+            traces[index] = HeapTrace(index, tuple(events), sizes)
+    return traces
+
+
+def read_heap_traces(folder: str | Path) -> dict[int, HeapTrace]:
+    """The heap simulator traces of the module :func:`read_dump` reads; empty where XLA wrote no proto."""
+    proto = Path(str(_assignment(Path(folder))).replace("-buffer-assignment.txt", ".hlo.pb"))
+    return parse_heap_traces(proto.read_bytes()) if proto.exists() else {}
+
+
+__all__ = [
+    "Allocation",
+    "HeapTrace",
+    "LiveRanges",
+    "Value",
+    "parse_buffer_assignment",
+    "parse_heap_traces",
+    "parse_live_ranges",
+    "read_dump",
+    "read_flag",
+    "read_heap_traces",
+]
