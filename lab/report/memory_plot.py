@@ -37,8 +37,8 @@ def plot_timeline(result: MemoryExplanation, path: str | Path) -> None:
     p = result.peak_position
     ax.axvline(p, color="black", linewidth=1, linestyle=":")
     ax.annotate(
-        f"peak {fmt_bytes(result.peak_bytes)}\nat position {p}",
-        xy=(p, result.peak_bytes),
+        f"peak {fmt_bytes(result.live_bytes)} live\nat position {p}",
+        xy=(p, result.live_bytes),
         xytext=(8, -4),
         textcoords="offset points",
         va="top",
@@ -52,7 +52,7 @@ def plot_timeline(result: MemoryExplanation, path: str | Path) -> None:
         textcoords="offset points",
         fontsize=9,
     )
-    ax.set_ylim(0, max(result.xla_peak_bytes, result.peak_bytes) * 1.15)
+    ax.set_ylim(0, max(result.xla_peak_bytes, result.live_bytes) * 1.15)
     ax.set_xlim(0, max(result.schedule_length - 1, 1))
     ax.yaxis.set_major_formatter(EngFormatter(unit="B", sep=" "))
     ax.set_xlabel("position in XLA's schedule (instructions, loop bodies flattened once)")
