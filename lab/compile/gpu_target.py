@@ -25,7 +25,6 @@ sets the second before JAX starts. JAX is imported only inside functions; a name
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -356,21 +355,11 @@ def topology_devices(target: GpuTarget) -> list:
 
 
 def gpu_mesh(plan_shape: dict[str, int], target: GpuTarget, devices: list | None = None):
-    """A mesh shaped as the Plan says over the target's devices, in device order (the first axis the slowest: with
-    several hosts, the hosts split the first axes)."""
-    import jax
-    import numpy as np
+    """A mesh shaped as the Plan says over the target's devices, laid out as :func:`lab.compile.target.target_mesh`
+    lays a TPU topology's (and checked the same way: as many devices as the mesh)."""
+    from lab.compile.target import target_mesh
 
-    devices = devices if devices is not None else topology_devices(target)
-    need = math.prod(plan_shape.values())
-    if need != len(devices):
-        shown = ",".join(f"{k}={v}" for k, v in plan_shape.items())
-        raise UserError(
-            f"the mesh {shown} has {need} devices and {target.name} has {len(devices)}; give a mesh of "
-            f"{len(devices)} devices (--mesh) or a target of {need} GPUs"
-        )
-    grid = np.array(devices).reshape(tuple(plan_shape.values()))
-    return jax.sharding.Mesh(grid, tuple(plan_shape))
+    return target_mesh(plan_shape, target, devices if devices is not None else topology_devices(target))
 
 
 __all__ = [
