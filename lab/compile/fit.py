@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lab.compile.audit import compile_plan
-from lab.compile.memory import _estimate, xla_peak
+from lab.compile.memory import estimated_memory, xla_peak
 from lab.compile.target import DoesNotFit, Target, parse_target
 from lab.core.errors import UserError
 from lab.core.hardware import Chip
@@ -376,7 +376,7 @@ def _walk(steps: list[_Step], chip: Chip, limit: float, cache: Compiles) -> list
 def _estimated(plan: Plan, chip: Chip, target: Target | None) -> float | None:
     """The estimator's bytes per device, or None where it does not describe the Plan."""
     try:
-        est = _estimate(plan, chip, target)
+        est = estimated_memory(plan, chip, target)
     except UserError:
         return None
     return est.memory["total"] if est else None

@@ -38,7 +38,6 @@ from lab.compile.hlo import Module, parse_module
 from lab.compile.memory_dump import Allocation, LiveRanges, read_dump, read_flag, read_heap_traces
 from lab.compile.memory_heap import Heap, read_heap
 from lab.compile.memory_roles import Buffer, Program, Slot, heap_slots, held, param_dims, role_at
-from lab.compile.memory_roles import relative as _relative  # noqa: F401 (lab.compile.sharding reads it here)
 from lab.compile.target import Target, for_target, target_mesh, uncached
 from lab.core.errors import UserError
 from lab.core.hardware import Chip
@@ -124,7 +123,7 @@ class MemoryExplanation:
         live = [b for b in self.buffers if b.role not in HEAP_ROLES]
         shown = live[:top] + [b for b in self.buffers if b.role in HEAP_ROLES]
         rows = [
-            [fmt_bytes(b.bytes), b.role, _short(b.name, 40), _short(b.scope or "-", 56), _short(b.source or "-", 40)]
+            [fmt_bytes(b.bytes), b.role, shorten(b.name, 40), shorten(b.scope or "-", 56), shorten(b.source or "-", 40)]
             for b in shown
         ]
         out = head + "\n" + render(["bytes", "role", "buffer", "op scope", "source"], rows)
@@ -166,7 +165,7 @@ class MemoryExplanation:
         return render(["role", "XLA at the peak", "estimated", "XLA - estimated"], rows) + f"\n({note})"
 
 
-def _short(text: str, width: int) -> str:
+def shorten(text: str, width: int) -> str:
     return text if len(text) <= width else "..." + text[-(width - 3) :]
 
 
@@ -270,7 +269,7 @@ def explain_memory(plan: Plan, chip: Chip, target: Target | None = None) -> Memo
     heap = read_heap(allocations, traces, alignment, tpu=target is not None)
     reading = read_peak(allocations, ranges, parse_module(compiled.as_text()), heap)
     xla_bytes, mem = xla_peak(compiled)
-    est = _estimate(plan, chip, target)
+    est = estimated_memory(plan, chip, target)
     beside = sum(a.size for a in allocations if a.kind == "temp" and a.color != 0)
     return MemoryExplanation(
         target=plan.name or plan.program,
@@ -322,7 +321,7 @@ def _timeline(slots, held: list[Buffer], length: int, program: Program, params) 
     return {r: np.cumsum(d)[:length] for r, d in diff.items() if d.any()}
 
 
-def _estimate(plan: Plan, chip: Chip, target: Target | None):
+def estimated_memory(plan: Plan, chip: Chip, target: Target | None):
     """The estimate of the Plan (as the TPU compiler builds it, for a target), or None where none describes it."""
     if plan.spec.family == "user":
         return None
@@ -357,7 +356,9 @@ __all__ = [
     "Reading",
     "by_role",
     "compile_dumped",
+    "estimated_memory",
     "explain_memory",
     "read_peak",
+    "shorten",
     "xla_peak",
 ]

@@ -33,7 +33,8 @@ from typing import Any
 from lab.compile.audit import compile_plan
 from lab.compile.hlo import CompiledCollective, collectives, operand_shapes, parse_module
 from lab.compile.match import listed
-from lab.compile.memory import _relative, _short
+from lab.compile.memory import shorten
+from lab.compile.memory_roles import relative
 from lab.compile.target import Target
 from lab.core import arrays as declared
 from lab.core.errors import UserError
@@ -123,12 +124,12 @@ class TracedCollective:
     why: str
 
     def to_dict(self) -> dict[str, Any]:
-        d = dict(self.listed) | {"source": _relative(self.listed["source"]), "times": self.times}
+        d = dict(self.listed) | {"source": relative(self.listed["source"]), "times": self.times}
         return d | {"arrays": list(self.arrays), "rules": list(self.rules), "why": self.why}
 
     def row(self) -> list[str]:
         c, rule = self.listed, "; ".join(self.rules) or "NOT EXPLAINED"
-        where = _short(_relative(c["source"]) or "-", 44)
+        where = shorten(relative(c["source"]) or "-", 44)
         return [
             c["kind"],
             ",".join(c["axes"]),
