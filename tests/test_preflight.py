@@ -400,3 +400,27 @@ def test_the_usual_xla_flags_cost_no_child_process(monkeypatch):
     check_environment({"XLA_FLAGS": odd})  # the same value again: not tried twice
     check_environment({"XLA_FLAGS": "--xla_cpu_something_new=1"})
     assert probed == [odd, "--xla_cpu_something_new=1"]
+
+
+def test_an_error_raised_while_an_interrupt_is_handled_is_the_interrupt():
+    """Python 3.11's threading can turn a Ctrl-C into ``RuntimeError: release unlocked lock`` (the interrupt is its
+    context): that is the interrupt, exit 130 with its kept line; an error with no interrupt behind it is not."""
+    from lab.core.errors import Interrupted, interrupt_in
+
+    def raced():
+        try:
+            raise Interrupted("2 of 3 points are complete")
+        except KeyboardInterrupt:
+            raise RuntimeError("release unlocked lock") from None  # `from None` still keeps __context__
+
+    with pytest.raises(RuntimeError) as info:
+        raced()
+    assert str(interrupt_in(info.value)) == "2 of 3 points are complete"
+    assert interrupt_in(RuntimeError("a bug")) is None
+    try:
+        try:
+            raise ValueError("first")
+        except ValueError:
+            raise RuntimeError("second") from None
+    except RuntimeError as exc:
+        assert interrupt_in(exc) is None  # a chain of errors with no interrupt in it

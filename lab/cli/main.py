@@ -17,6 +17,7 @@ from lab.cli.commands import COMMANDS, GROUPS, JAX_COMMANDS
 from lab.core.errors import (
     Interrupted,
     UserError,
+    interrupt_in,
     keep_interrupts,
     keep_terminations,
     release_terminations,
@@ -92,6 +93,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         release_terminations()
 
 
+def _interrupted(exc: KeyboardInterrupt) -> int:
+    """Ctrl-C's (or SIGTERM's) one line, what was kept, and its exit code."""
+    kept = str(exc) if isinstance(exc, Interrupted) else "nothing was being written"
+    if terminated():
+        print(f"shardlab: terminated: {kept}", file=sys.stderr)
+        return 143
+    print(f"shardlab: interrupted: {kept}", file=sys.stderr)
+    return 130
+
+
 def _run(argv: list[str], chosen: str | None, debug: bool) -> int:
     """The command, its output, and its exit code (see :func:`main`)."""
     try:
@@ -115,13 +126,10 @@ def _run(argv: list[str], chosen: str | None, debug: bool) -> int:
         print(f"shardlab: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: what was kept, never a traceback
-        kept = str(exc) if isinstance(exc, Interrupted) else "nothing was being written"
-        if terminated():
-            print(f"shardlab: terminated: {kept}", file=sys.stderr)
-            return 143
-        print(f"shardlab: interrupted: {kept}", file=sys.stderr)
-        return 130
+        return _interrupted(exc)
     except Exception as exc:
+        if (interrupt := interrupt_in(exc)) is not None and not debug:  # an error the interrupt caused
+            return _interrupted(interrupt)
         said = _environment_error(exc)
         if said is not None and not debug:
             print(f"shardlab: error: {said}", file=sys.stderr)

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from lab.core.errors import Interrupted, UserError
+from lab.core.errors import Interrupted, UserError, interrupt_in
 from lab.run import distributed as dist
 
 GRACE_S = 5.0  # how long the others get to stop after one failed, before SIGKILL
@@ -227,7 +227,9 @@ def launch(
                 t.start()
                 threads.append(t)
         code, failed = _watch(procs, threads, state, write)
-    except KeyboardInterrupt:
+    except BaseException as exc:
+        if interrupt_in(exc) is None:
+            raise
         _stop(procs)
         raise Interrupted(f"stopped all {processes} processes; what each kept is in its run folder") from None
     if failed is None:

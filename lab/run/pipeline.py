@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lab.core.errors import Interrupted, UserError, raise_if_interrupted
+from lab.core.errors import Interrupted, UserError, interrupt_in, raise_if_interrupted
 from lab.core.hardware import Chip
 from lab.core.plan import Plan
 from lab.core.table import dumps
@@ -419,11 +419,10 @@ def _run_single(ctx: _Context, base: Path, name: str, resume: bool) -> RunResult
         )
         store.mark_complete(tmp)
         final = _commit_run(tmp, final, report)
-    except KeyboardInterrupt:
+    except BaseException as exc:
         store.discard(tmp)
-        raise Interrupted(f"the run had not finished and nothing was kept; run {ctx.path} again") from None
-    except BaseException:
-        store.discard(tmp)
+        if interrupt_in(exc) is not None:
+            raise Interrupted(f"the run had not finished and nothing was kept; run {ctx.path} again") from None
         raise
     return RunResult(final, report, tuple(sorted(p.name for p in final.iterdir())))
 
@@ -512,17 +511,19 @@ def _run_sweep(ctx: _Context, base: Path, name: str, points, resume: bool) -> Ru
             store.write_atomic(run_dir / "sweep.json", dumps(summary))
             if ctx.rank == 0:
                 _sweep_report(summary, run_dir)
-    except KeyboardInterrupt:
+    except UserError:
+        if created and not reports:  # a run that fails before any point finished leaves nothing behind
+            store.discard(run_dir)
+        raise
+    except BaseException as exc:
+        if interrupt_in(exc) is None:
+            raise
         flags = _run_flags(ctx.env.get("chip_flags", {}), ctx.env.get("overrides", {}))
         raise Interrupted(
             f"{len(reports)} of {len(points)} points are complete in {run_dir}; continue with "
             f"`shardlab run {ctx.path} --resume --run-id {run_dir.name}{' ' + flags if flags else ''}` (with the "
             "same --out)"
         ) from None
-    except UserError:
-        if created and not reports:  # a run that fails before any point finished leaves nothing behind
-            store.discard(run_dir)
-        raise
     return RunResult(run_dir, summary, tuple(sorted(p.name for p in run_dir.iterdir() if not p.name.startswith("."))))
 
 
