@@ -29,6 +29,7 @@ from lab.compile.hlo import collectives, parse_module
 from lab.compile.hlo_dots import dots
 from lab.compile.match import FLOP_TOLERANCE, AuditEntry, Key, compare, group_compiled, listed, total_bytes
 from lab.compile.target import Target, compile_for, for_target, target_mesh
+from lab.compile.view import CompiledView
 from lab.core.hardware import Chip
 from lab.core.plan import Plan, kernel_plan
 from lab.core.table import render
@@ -37,7 +38,7 @@ from lab.predict.program.estimate import ProgramEstimate, estimate_program
 
 
 @dataclass(frozen=True)
-class AuditResult:
+class AuditResult(CompiledView):
     target: str
     mesh: dict[str, int]
     sizes: dict[str, int]
@@ -70,13 +71,10 @@ class AuditResult:
 
     def to_dict(self) -> dict[str, Any]:
         return (
-            {
-                "target": self.target,
-                "mesh": self.mesh,
+            self.view_dict()
+            | {
                 "sizes": self.sizes,
                 "dtype": self.dtype,
-                "backend": self.backend,
-                "emulated": self.backend == "cpu",
                 "hardware": self.hardware,
                 "source": self.source,
                 "entries": [e.to_dict() for e in self.entries],
@@ -118,12 +116,8 @@ class AuditResult:
         }
 
     def table(self) -> str:
-        mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
         sizes = ",".join(f"{k}={v}" for k, v in self.sizes.items())
-        where = f"{self.backend}, emulated" if self.backend == "cpu" else self.backend
-        if self.compiled_for:
-            where = f"TPU {self.compiled_for}, cross-compiled: nothing ran"
-        head = f"audit {self.target} on mesh {mesh} ({where}), sizes {sizes}, {self.dtype}"
+        head = f"audit {self.target} on mesh {self.mesh_text} ({self.where}), sizes {sizes}, {self.dtype}"
         if self.source:
             head += f"; expected: the {self.source}"
         on = f"time on {self.hardware}" if self.hardware else "time"

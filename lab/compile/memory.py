@@ -39,6 +39,7 @@ from lab.compile.memory_dump import Allocation, LiveRanges, read_dump, read_flag
 from lab.compile.memory_heap import Heap, read_heap
 from lab.compile.memory_roles import Buffer, Program, Slot, heap_slots, held, param_dims, role_at
 from lab.compile.target import Target, for_target, target_mesh, uncached
+from lab.compile.view import CompiledView
 from lab.core.errors import UserError
 from lab.core.hardware import Chip
 from lab.core.plan import Plan
@@ -73,7 +74,7 @@ ESTIMATED = {
 
 
 @dataclass(frozen=True)
-class MemoryExplanation:
+class MemoryExplanation(CompiledView):
     target: str
     mesh: dict[str, int]
     backend: str
@@ -105,12 +106,7 @@ class MemoryExplanation:
 
     def to_dict(self) -> dict[str, Any]:
         est = self.estimated_bytes
-        return {
-            "target": self.target,
-            "mesh": self.mesh,
-            "backend": self.backend,
-            "emulated": self.backend == "cpu",
-            "compiled_for": self.compiled_for,
+        return self.view_dict() | {
             "peak_bytes": self.peak_bytes,
             "live_bytes": self.live_bytes,
             "xla_peak_bytes": self.xla_peak_bytes,
@@ -128,13 +124,9 @@ class MemoryExplanation:
         }
 
     def table(self, top: int = 15) -> str:
-        mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
-        where = f"{self.backend}, emulated" if self.backend == "cpu" else self.backend
-        if self.compiled_for:
-            where = f"TPU {self.compiled_for}, cross-compiled: nothing ran"
         head = (
-            f"memory at the peak of {self.target} on mesh {mesh} ({where}): position {self.peak_position} of "
-            f"{self.schedule_length} in XLA's schedule, per device"
+            f"memory at the peak of {self.target} on mesh {self.mesh_text} ({self.where}): position "
+            f"{self.peak_position} of {self.schedule_length} in XLA's schedule, per device"
         )
         live = [b for b in self.buffers if b.role not in HEAP_ROLES]
         shown = live[:top] + [b for b in self.buffers if b.role in HEAP_ROLES]

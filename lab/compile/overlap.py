@@ -29,6 +29,7 @@ from typing import Any
 from lab.compile.hlo import Instruction, Module, collectives, parse_module
 from lab.compile.match import compare, listed
 from lab.compile.target import Target, for_target
+from lab.compile.view import CompiledView
 from lab.core.errors import UserError
 from lab.core.hardware import Chip
 from lab.core.plan import Plan
@@ -327,7 +328,7 @@ def per_axis(rows: Iterable[Collective]) -> dict[str, dict[str, float]]:
 
 
 @dataclass(frozen=True)
-class OverlapExplanation:
+class OverlapExplanation(CompiledView):
     target: str
     mesh: dict[str, int]
     backend: str
@@ -343,10 +344,10 @@ class OverlapExplanation:
         return not any(c.asynchronous for c in self.collectives)
 
     def to_dict(self) -> dict[str, Any]:
-        head = {k: getattr(self, k) for k in ("target", "mesh", "backend", "compiled_for", "synchronous", "estimator")}
         flagged = {c.name for c in (*self.collectives, *self.trace_rows) if c.flagged}  # by the schedule or the trace
-        return head | {
-            "emulated": self.backend == "cpu",
+        return self.view_dict() | {
+            "synchronous": self.synchronous,
+            "estimator": self.estimator,
             "flag_share": FLAG_SHARE,
             "collectives": [c.to_dict() for c in self.collectives],
             "per_axis": per_axis(self.collectives),
@@ -355,11 +356,7 @@ class OverlapExplanation:
         }
 
     def table(self) -> str:
-        mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
-        where = f"{self.backend}, emulated" if self.backend == "cpu" else self.backend
-        if self.compiled_for:
-            where = f"TPU {self.compiled_for}, cross-compiled: nothing ran"
-        out = f"overlap in {self.target} on mesh {mesh} ({where}), seconds per step on one device; "
+        out = f"overlap in {self.target} on mesh {self.mesh_text} ({self.where}), seconds per step on one device; "
         out += f"estimated: the {self.estimator}" if self.estimator else "no estimator describes this program"
         if self.synchronous and self.backend == "cpu":
             out += (

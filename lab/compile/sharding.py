@@ -36,6 +36,7 @@ from lab.compile.match import listed
 from lab.compile.memory import shorten
 from lab.compile.memory_roles import relative
 from lab.compile.target import Target
+from lab.compile.view import CompiledView
 from lab.core import arrays as declared
 from lab.core.errors import UserError
 from lab.core.plan import Plan
@@ -142,7 +143,7 @@ class TracedCollective:
 
 
 @dataclass(frozen=True)
-class ShardingExplanation:
+class ShardingExplanation(CompiledView):
     target: str
     program: str
     mesh: dict[str, int]
@@ -155,9 +156,10 @@ class ShardingExplanation:
     collectives: tuple[TracedCollective, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        head = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)[:7]}
-        return head | {
-            "emulated": self.backend == "cpu",
+        return self.view_dict() | {
+            "program": self.program,
+            "rules": self.rules,
+            "remat": self.remat,
             "large_share": LARGE,
             "arrays": [a.to_dict() for a in self.arrays],
             "warnings": list(self.warnings),
@@ -165,11 +167,9 @@ class ShardingExplanation:
         }
 
     def table(self) -> str:
-        mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
-        where = f"TPU {self.compiled_for}, cross-compiled" if self.compiled_for else self.backend
-        where += ", emulated" if self.backend == "cpu" else ""
         rules = ", ".join(f"{k} -> {','.join(v)}" for k, v in self.rules.items()) or "none"
-        out = [f"sharding of {self.target} on mesh {mesh} ({where}); rules: {rules}", "", self._arrays(), ""]
+        head = f"sharding of {self.target} on mesh {self.mesh_text} ({self.where}); rules: {rules}"
+        out = [head, "", self._arrays(), ""]
         out += self._warnings()
         unexplained = sum(1 for c in self.collectives if not c.rules)
         out += ["", f"{len(self.collectives)} collectives in the compiled program, {unexplained} not explained:"]
