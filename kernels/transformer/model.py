@@ -36,10 +36,10 @@ estimator by ``shardlab audit``): the collectives above, except that every reduc
 ReduceScatter, the FSDP gradient reduction) stays an ``all-reduce`` followed by a ``dynamic-slice``, gradients of
 several weights are reduced in one tuple all-reduce, and bfloat16 collectives run in float32.
 
-Meshes use ``AxisType.Auto``: a whole Transformer under explicit axes would need ``out_sharding=`` on most
-einsums, and the sharded-matmul kernels already teach explicit mode; here activations are pinned with
-``jax.lax.with_sharding_constraint`` at block boundaries and the partitioner propagates the rest. Attention is
-a plain einsum softmax: with heads sharded over ``model`` every head's scores are local.
+Meshes use ``AxisType.Auto`` by default: activations are pinned with ``jax.lax.with_sharding_constraint`` at block
+boundaries and the partitioner propagates the rest. On ``AxisType.Explicit`` axes (the Plan's ``sharding_mode``) the
+pins are ``reshard`` s and contractions name their ``out_sharding`` (:mod:`kernels.transformer.explicit`). Attention
+is a plain einsum softmax: with heads sharded over ``model`` every head's scores are local.
 
 Precision: parameters and AdamW state are float32 (master weights); the compute dtype (``bfloat16`` for mixed
 precision) is what matmuls run in, parameters being cast at use; norms, softmax, logits and the loss are
@@ -86,6 +86,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels.mesh import make_mesh
+from kernels.transformer.explicit import is_explicit, lookup, pin, scaled, whole_t
 from kernels.transformer.moe_layer import SAVED as MOE_SAVED
 from kernels.transformer.moe_layer import moe_mlp
 from lab.core import arrays
@@ -336,8 +337,12 @@ class _Layout:
     attention: Attention = XLA_ATTENTION  # the einsum softmax, or a kernel (kernels.transformer.attention)
 
     def constrain(self, x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
-        if self.mesh is None:
-            return x
+        return x if self.mesh is None else pin(x, self.sharding(logical))
+
+    def out(self, logical: tuple[str | None, ...]) -> NamedSharding | None:  # explicit: a result's out_sharding
+        return self.sharding(logical) if is_explicit(self.mesh) else None
+
+    def sharding(self, logical: tuple[str | None, ...]) -> NamedSharding:
         if self.decode:  # one token: the residual stream is not split along T
             logical = tuple(None if a == "sequence" else a for a in logical)
         mesh = jax.sharding.get_abstract_mesh() if self.manual else self.mesh
@@ -347,7 +352,7 @@ class _Layout:
             seq = self.rules.axes("sequence") if logical[1] == "sequence" else ()
             t = (*ctx, *seq)
             spec = P(spec[0], t if len(t) > 1 else t[0], *spec[2:])
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        return NamedSharding(mesh, spec)
 
 
 RESIDUAL = ("batch", "sequence", "act_embed")
@@ -359,7 +364,7 @@ def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     with jax.named_scope("norm"):
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-        return (y * scale.astype(jnp.float32)).astype(x.dtype)
+        return scaled(y, scale.astype(jnp.float32)).astype(x.dtype)  # y * scale (explicit mode: FSDP's gather)
 
 
 def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -377,9 +382,10 @@ def _qkv(h: jax.Array, p: Params, positions: jax.Array, cfg: ModelConfig, lay: _
     per row and token (the serving engine's rows hold slots of different sequences)."""
     cd = lay.dtype
     with jax.named_scope("qkv"):
-        q = lay.constrain(jnp.einsum("btd,dnh->btnh", h, p["wq"].astype(cd)), HEADS)  # [B, T, N, H]
-        k = lay.constrain(jnp.einsum("btd,dkh->btkh", h, p["wk"].astype(cd)), KV_HEADS)  # [B, T, K, H]
-        v = lay.constrain(jnp.einsum("btd,dkh->btkh", h, p["wv"].astype(cd)), KV_HEADS)  # [B, T, K, H]
+        heads, kv = lay.out(HEADS), lay.out(KV_HEADS)  # explicit mode: tp_sp's h is split along T
+        q = lay.constrain(jnp.einsum("btd,dnh->btnh", h, p["wq"].astype(cd), out_sharding=heads), HEADS)  # [B,T,N,H]
+        k = lay.constrain(jnp.einsum("btd,dkh->btkh", h, p["wk"].astype(cd), out_sharding=kv), KV_HEADS)  # [B,T,K,H]
+        v = lay.constrain(jnp.einsum("btd,dkh->btkh", h, p["wv"].astype(cd), out_sharding=kv), KV_HEADS)  # [B,T,K,H]
     with jax.named_scope("rope"):
         if positions.ndim == 2:  # _rope takes one [T] for the whole batch: mapped over the rows
             rope = jax.vmap(lambda x, pos: _rope(x[None], pos, cfg.rope_theta)[0])
@@ -435,7 +441,7 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cfg: Mode
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cfg: ModelConfig, lay: _Layout):
     """Causal attention by the layout's implementation: :func:`_attend`, or a kernel inside ``shard_map``."""
     if not lay.attention.fused:
-        return _attend(q, k, v, mask, cfg)
+        return _attend(q, *whole_t((k, v), lay.mesh), mask, cfg)  # explicit mode: K, V whole along T
     from kernels.transformer.attention import attend
 
     with jax.named_scope("scores"):
@@ -445,11 +451,12 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cfg: M
 def _mlp(h: jax.Array, p: Params, cfg: ModelConfig, lay: _Layout) -> jax.Array:
     cd = lay.dtype
     with jax.named_scope("up"):
-        gate = jnp.einsum("btd,df->btf", h, p["w_gate"].astype(cd))
-        up = jnp.einsum("btd,df->btf", h, p["w_up"].astype(cd))
+        hidden = lay.out(("batch", None, "ffw"))
+        gate = jnp.einsum("btd,df->btf", h, p["w_gate"].astype(cd), out_sharding=hidden)
+        up = jnp.einsum("btd,df->btf", h, p["w_up"].astype(cd), out_sharding=hidden)
         u = lay.constrain(jax.nn.silu(gate) * up, ("batch", None, "ffw"))  # [B, T, F]
-    with jax.named_scope("down"):
-        return jnp.einsum("btf,fd->btd", u, p["w_down"].astype(cd))  # [B, T, D]{U over ffw}
+    with jax.named_scope("down"):  # [B, T, D]{U over ffw}; explicit mode: typed as the residual stream
+        return jnp.einsum("btf,fd->btd", u, p["w_down"].astype(cd), out_sharding=lay.out(RESIDUAL))
 
 
 def _block(x: jax.Array, p: Params, positions: jax.Array, cfg: ModelConfig, lay: _Layout):
@@ -472,7 +479,8 @@ def _attention_half(x: jax.Array, p: Params, positions: jax.Array, cfg: ModelCon
         causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]  # [T, S]
         o = lay.constrain(_attention(q, k, v, causal, cfg, lay), HEADS)
         with jax.named_scope("out"):
-            x = x + lay.constrain(jnp.einsum("btnh,nhd->btd", o, p["wo"].astype(lay.dtype)), RESIDUAL)
+            o = jnp.einsum("btnh,nhd->btd", o, p["wo"].astype(lay.dtype), out_sharding=lay.out(RESIDUAL))
+            x = x + lay.constrain(o, RESIDUAL)
     return x, (k, v)
 
 
@@ -495,7 +503,7 @@ def _remat_policy(remat: str):
 def _embed(params: Params, tokens: jax.Array, cfg: ModelConfig, lay: _Layout) -> jax.Array:
     with jax.named_scope("embed"):
         table = lay.constrain(params["embed"], ("vocab", None))  # FSDP: gather D; keep V split (Megatron)
-        x = jnp.take(table, tokens, axis=0).astype(lay.dtype)  # [B, T, D]
+        x = lookup(table, tokens, lay.out(("batch", None, "act_embed"))).astype(lay.dtype)  # [B, T, D]
         x = lay.constrain(x, ("batch", None, "act_embed"))  # masked local lookups summed over the vocab axes
         return lay.constrain(x, RESIDUAL)
 
@@ -503,10 +511,10 @@ def _embed(params: Params, tokens: jax.Array, cfg: ModelConfig, lay: _Layout) ->
 def _logits(params: Params, x: jax.Array, cfg: ModelConfig, lay: _Layout) -> jax.Array:
     x = _rms_norm(x, params["final_norm"], cfg.norm_eps)
     with jax.named_scope("logits"):
-        logits = jnp.einsum(
-            "btd,dv->btv", x, params["unembed"].astype(lay.dtype), preferred_element_type=jnp.float32
-        )  # [B, T, V] float32
-        return lay.constrain(logits, ("batch", None, "vocab"))
+        out = ("batch", None, "vocab")  # explicit mode: tp_sp's x is split along T
+        w = params["unembed"].astype(lay.dtype)
+        logits = jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32, out_sharding=lay.out(out))
+        return lay.constrain(logits, out)  # [B, T, V] float32
 
 
 def _layer_body(positions, cfg, lay, remat, keep_kv=False, single=False):

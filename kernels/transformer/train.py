@@ -18,6 +18,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import kernels.transformer.explicit as explicit
 from kernels.mesh import make_mesh
 from kernels.moe import load_report
 from kernels.program import Built
@@ -95,6 +96,7 @@ def make_grads_fn(
     the pipeline, when the rules put the layers on a mesh axis; ``capacity_factor``: a mixture of experts')."""
     _remat_policy(remat)
     validate(cfg, rules, mesh)
+    _check_mode(rules, mesh)
     p_sh = shardings(param_info(cfg), rules, mesh)
 
     def grads(params, tokens):
@@ -102,9 +104,10 @@ def make_grads_fn(
         options = {"interleave": interleave, "stage_split": stage_split, "attention": attention}
         return loss(params, tokens, cfg, rules, mesh, remat, dtype, microbatches, capacity_factor, **options)
 
-    return jax.jit(
+    jitted = jax.jit(
         grads, in_shardings=(p_sh, token_sharding(rules, mesh)), out_shardings=(NamedSharding(mesh, P()), p_sh)
     )
+    return explicit.on_mesh(jitted, mesh)
 
 
 def make_train_step(
@@ -126,6 +129,7 @@ def make_train_step(
     """
     _remat_policy(remat)
     validate(cfg, rules, mesh)
+    _check_mode(rules, mesh)
     tx = optimizer(learning_rate)
     p_sh = shardings(param_info(cfg), rules, mesh)
     o_sh = opt_state_shardings(tx, cfg, rules, mesh)
@@ -134,18 +138,25 @@ def make_train_step(
         options = {"interleave": interleave, "stage_split": stage_split, "attention": attention}
         value_and_grad = jax.value_and_grad(loss_fn)
         loss, grads = value_and_grad(params, tokens, cfg, rules, mesh, remat, dtype, microbatches, **options)
-        grads = jax.lax.with_sharding_constraint(grads, p_sh)
+        grads = explicit.pin(grads, p_sh)  # explicit mode: typed so already (the weights' cotangents)
         with jax.named_scope("optimizer"):
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
         return params, opt_state, loss
 
-    return jax.jit(
+    jitted = jax.jit(
         step,
         in_shardings=(p_sh, o_sh, token_sharding(rules, mesh)),
         out_shardings=(p_sh, o_sh, NamedSharding(mesh, P())),
         donate_argnums=(0, 1),
     )
+    return explicit.on_mesh(jitted, mesh)
+
+
+def _check_mode(rules: ShardingRules, mesh: Mesh) -> None:
+    """On an explicit mesh, refuse in one line what explicit mode does not run (``explicit.check``)."""
+    if explicit.is_explicit(mesh):
+        explicit.check(rules, dict(mesh.shape))
 
 
 def first_layer_routing(params, tokens, cfg: ModelConfig, groups: tuple[int, int]) -> dict[str, Any]:
@@ -181,6 +192,7 @@ def build_train(plan: Plan, mesh: Mesh | None = None, *, seed: int = 0, learning
     cfg = dataclasses.replace(cfg, layers=plan.stored_layers())  # under an uneven split, stages padded
     batch, seq = plan.sizes["batch"], plan.sizes["seq"]
     m = mesh if mesh is not None else make_mesh(plan.shape, slow=plan.slow_axes)
+    m = explicit.mesh_for(m, plan.options.sharding_mode == "explicit")  # the Plan's sharding mode
     v = plan.options.interleave if plan.options.pp_schedule == "interleaved" else 1
     attention = from_options(plan.options)
     if attention.fused:  # one line for a kernel these devices cannot run, before anything is traced

@@ -44,6 +44,7 @@ COMPUTE_DTYPES = ("fp32", "bf16")
 REMAT = ("none", "selective", "full")
 OPTIMIZERS = ("adam", "sgd", "adafactor")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SHARDING_MODES = ("auto", "explicit")  # JAX's: sharding propagated by XLA, or carried in the arrays' types
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,9 @@ class Options:
             shards, forward and backward; weight gradients summed over them). False: a ring (Megatron's).
         attention, attention_block_q, attention_block_k: the Transformer's attention (``xla``, ``pallas``,
             ``splash``, ``cudnn``) and the kernels' block sizes, clipped to the sequence (:mod:`lab.core.attention`).
+        sharding_mode: JAX's sharding mode of the Transformer's train step: ``auto`` (activations pinned, XLA
+            propagates the rest) or ``explicit`` (``AxisType.Explicit`` mesh axes, shardings in the arrays' types:
+            ``kernels/transformer/explicit.py``).
     """
 
     microbatch: int | None = None
@@ -115,9 +119,12 @@ class Options:
     attention: str = "xla"
     attention_block_q: int = DEFAULT_BLOCK
     attention_block_k: int = DEFAULT_BLOCK
+    sharding_mode: str = "auto"
 
     def __post_init__(self) -> None:
         Attention(self.attention, self.attention_block_q, self.attention_block_k)  # refuses a bad name or size
+        if self.sharding_mode not in SHARDING_MODES:
+            raise UserError(f"sharding_mode {self.sharding_mode!r} is not one of {', '.join(SHARDING_MODES)}")
         if self.zero not in (0, 1, 2, 3):
             raise UserError(f"zero = {self.zero!r} is not one of 0, 1, 2, 3")
         if self.pp_schedule not in PP_SCHEDULES:
@@ -227,6 +234,10 @@ class Plan:
         if self.rules is None:
             raise UserError('user_model needs [rules]: the mesh axes of its logical dims (preset = "fsdp_tp", ...)')
         self.rules.check_mesh(self.shape)
+        if self.options.sharding_mode != "auto":
+            raise UserError(
+                'sharding_mode = "explicit" applies to the Transformer\'s train_step; user_model runs in auto mode'
+            )
         for k, v in self.sizes.items():
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise UserError(f"user_model: size {k} = {v!r} must be a positive integer")
@@ -337,6 +348,7 @@ class Plan:
         plan_checks.pipeline(self)
         plan_checks.context(self)
         plan_checks.experts(self)
+        plan_checks.explicit_mode(self)
         check_plan(self)  # the attention kernel's blocks and layout
         for dim in NOT_EXECUTED:
             if rules.axes(dim):
@@ -546,6 +558,7 @@ __all__ = [
     "COMPUTE_DTYPES",
     "FIELDS",
     "LINKS",
+    "SHARDING_MODES",
     "MeshAxis",
     "Options",
     "Plan",

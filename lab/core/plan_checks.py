@@ -5,10 +5,11 @@ naming the value and a valid one before anything compiles. Called by :meth:`lab.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from lab.core.errors import UserError
-from lab.core.rules import FIELDS
+from lab.core.rules import FIELDS, PRESETS, ShardingRules
 
 Plan = Any  # a lab.core.plan.Plan (which imports this module)
 
@@ -145,4 +146,32 @@ def expert_count(plan: Plan) -> None:
         )
 
 
-__all__ = ["context", "expert_count", "experts", "pipeline"]
+def explicit_mode(plan: Plan) -> None:
+    """What the Transformer runs in JAX's explicit sharding mode (``sharding_mode = "explicit"``): its train step,
+    unpipelined (``kernels/transformer/explicit.py``)."""
+    if plan.options.sharding_mode != "explicit":
+        return
+    if plan.program != "train_step":
+        raise UserError(
+            f'sharding_mode = "explicit" applies to the Transformer\'s train_step; {plan.program} runs in auto mode '
+            '(leave sharding_mode out, or give sharding_mode = "auto")'
+        )
+    assert plan.rules is not None
+    explicit_rules(plan.rules, plan.shape, plan.rules_preset)
+
+
+def explicit_rules(rules: ShardingRules, shape: Mapping[str, int], preset: str | None = None) -> None:
+    """Rules the train step runs with ``AxisType.Explicit`` mesh axes: every preset, with experts, context axes or
+    an attention kernel too; not a pipeline (JAX 0.10.2 cannot transpose the vocab-parallel embedding lookup inside
+    the stages' ``shard_map`` when explicit axes remain there: "Closing over inputs to shard_map where the input is
+    sharded on `Explicit` axes is not implemented")."""
+    axes = rules.live("layers", shape)
+    if axes:
+        named = f"rules preset {preset!r} with " if preset else ""
+        raise UserError(
+            f'sharding_mode = "explicit" does not run a pipeline ({named}layers = {list(axes)}); explicit mode runs '
+            f'the presets {", ".join(PRESETS)} unpipelined: leave layers out, or give sharding_mode = "auto"'
+        )
+
+
+__all__ = ["context", "expert_count", "experts", "explicit_mode", "explicit_rules", "pipeline"]

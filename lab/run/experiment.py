@@ -19,7 +19,7 @@ seq = 32
 
 [model]                                # model fields (see `shardlab model show`): e.g. layers = 2
 [rules]                                # preset = "fsdp_tp", and/or logical dim = mesh axis (or a list of them)
-[options]                              # remat, optimizer, param_dtype, microbatch, zero, attention, ...
+[options]                              # remat, optimizer, param_dtype, microbatch, zero, attention, sharding_mode, ...
 [run]                                  # warmup, repeats (profiling)
 [sweep]                                # size = [values]: one run per combination
 ```
@@ -45,7 +45,7 @@ from lab.core.attention import IMPLEMENTATIONS
 from lab.core.errors import UserError
 from lab.core.models import ZERO_MEANS_NONE, ModelConfig, model_from_fields
 from lab.core.notation import AXIS_NAME  # the names --mesh takes
-from lab.core.plan import LINKS, REMAT, MeshAxis, Options, Plan
+from lab.core.plan import LINKS, REMAT, SHARDING_MODES, MeshAxis, Options, Plan
 from lab.core.programs import ProgramSpec, complete_mesh, get_program
 from lab.core.rules import FIELDS, PRESETS, ShardingRules, rules_from_table
 from lab.core.schema import Field, check_value, read_table
@@ -92,6 +92,7 @@ OPTIONS = {
     "attention": Field("str", "the Transformer's attention: einsum softmax or a kernel", IMPLEMENTATIONS),
     "attention_block_q": Field("int+", "the attention kernel's query block (clipped to the sequence)"),
     "attention_block_k": Field("int+", "the attention kernel's key block (clipped to the sequence)"),
+    "sharding_mode": Field("str", "JAX's sharding mode of the train step: propagated, or in the types", SHARDING_MODES),
 }
 RULES = {"preset": Field("str", "a preset the other keys override", tuple(PRESETS))} | {
     f: Field("strs", f"mesh axes of the logical dim {f}") for f in FIELDS
