@@ -86,13 +86,18 @@ def _gathered(x: jax.Array) -> jax.Array:
     return jax.sharding.reshard(x, NamedSharding(jax.typeof(x).sharding.mesh, P()))
 
 
+def typed_sharded(x: jax.Array) -> bool:
+    """``x`` carries a sharding over explicit mesh axes in its type (in auto mode: never)."""
+    typed = jax.typeof(x).sharding
+    return is_explicit(typed.mesh) and any(tuple(typed.spec))
+
+
 def scaled(y: jax.Array, scale: jax.Array) -> jax.Array:
     """``y * scale``: an activation ``[..., D]`` times a norm's scale ``[D]``. In explicit mode an FSDP-sharded scale
     ``[D_X]`` is resharded whole first (the type rules refuse X on two dims of the product), inside a
     ``jax.checkpoint`` that keeps the sharded scale for the backward pass and gathers it again there, as auto mode
     compiles it (the estimators' FSDP gathers, forward and backward)."""
-    typed = jax.typeof(scale).sharding
-    if not (is_explicit(typed.mesh) and any(tuple(typed.spec))):
+    if not typed_sharded(scale):
         return y * scale
     regather = jax.checkpoint(lambda y, s: y * _gathered(s), policy=jax.checkpoint_policies.nothing_saveable)
     return regather(y, scale)
@@ -142,4 +147,4 @@ class _OnMesh:
         return getattr(self._fn, name)
 
 
-__all__ = ["check", "is_explicit", "lookup", "mesh_for", "on_mesh", "pin", "scaled", "whole_t"]
+__all__ = ["check", "is_explicit", "lookup", "mesh_for", "on_mesh", "pin", "scaled", "typed_sharded", "whole_t"]

@@ -86,7 +86,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels.mesh import make_mesh
-from kernels.transformer.explicit import is_explicit, lookup, pin, scaled, whole_t
+from kernels.transformer.explicit import is_explicit, lookup, pin, scaled, typed_sharded, whole_t
 from kernels.transformer.moe_layer import SAVED as MOE_SAVED
 from kernels.transformer.moe_layer import moe_mlp
 from lab.core import arrays
@@ -364,7 +364,8 @@ def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     with jax.named_scope("norm"):
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-        return scaled(y, scale.astype(jnp.float32)).astype(x.dtype)  # y * scale (explicit mode: FSDP's gather)
+        s = scale.astype(jnp.float32)
+        return (scaled(y, s) if typed_sharded(s) else y * s).astype(x.dtype)  # explicit mode: FSDP's gather
 
 
 def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
