@@ -94,7 +94,7 @@ def test_decode_from_the_command_line_with_its_timeline(tmp_path):
     ("argv", "said"),
     [
         (["--target", "v9x:2x4"], "unknown TPU generation"),
-        (["--target", "nope"], "not a TPU topology name"),
+        (["--target", "nope"], "not a TPU topology or GPU name"),
         (["--png", "timeline.txt"], "chart format"),
     ],
 )

@@ -159,7 +159,7 @@ def test_decode_from_the_command_line(cli):
     ("argv", "said"),
     [
         (["experiments/train_fsdp_tp.toml", "--target", "v9x:2x4"], "unknown TPU generation"),
-        (["experiments/train_fsdp_tp.toml", "--target", "nope"], "not a TPU topology name"),
+        (["experiments/train_fsdp_tp.toml", "--target", "nope"], "not a TPU topology or GPU name"),
         (["experiments/collective_all_gather.toml"], "explain sharding reads the Transformer's"),
         (["README.md"], "not an experiment file"),
         (["missing.toml"], "missing.toml"),

@@ -45,10 +45,10 @@ def test_topology_names(text, chip, chips, kind):
     ("text", "match"),
     [
         ("v9z:2x4", "unknown TPU generation 'v9z'"),
-        ("v5e", "not a TPU topology name"),
-        ("v5e:2x2x2x2", "not a TPU topology name"),
+        ("v5e", "not a TPU topology or GPU name"),
+        ("v5e:2x2x2x2", "not a TPU topology or GPU name"),
         ("v5e:0x4", "no chips"),
-        ("h100:8", "not a TPU topology name"),
+        ("a10g:8", "not a TPU topology or GPU name"),  # a catalog GPU XLA has no target configuration for
     ],
 )
 def test_bad_topology_names_list_the_known_ones(text, match):

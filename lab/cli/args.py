@@ -170,15 +170,16 @@ def text_arg(what: str, example: str, kind: str = "text"):
     return conv
 
 
-def add_target(parser: argparse.ArgumentParser, when: str = "") -> None:
-    """``--target TOPOLOGY`` (dest ``topology``): compile for a TPU topology that need not be here."""
+def add_target(parser: argparse.ArgumentParser, when: str = "", gpus: bool = True) -> None:
+    """``--target TOPOLOGY`` (dest ``topology``): compile for a TPU topology (or GPUs) that need not be here."""
+    also = " or GPUs, e.g. h100:8 (needs JAX's CUDA plugin, the gpu-aot extra)" if gpus else ""
     parser.add_argument(
         "--target",
         dest="topology",
         metavar="TOPOLOGY",
         type=text_arg("--target", "a TPU topology such as v5e:2x4"),
         help=f"{when}compile for a TPU topology that need not be here, e.g. v5e:2x4, v5p:2x2x2, v6e:4x4 (needs "
-        "libtpu; priced on that generation's chip unless --hardware is given)",
+        f"libtpu){also}; priced on that chip unless --hardware is given",
     )
 
 

@@ -86,10 +86,10 @@ def cmd_audit(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
     topology = None
     if args.topology is not None:
-        from lab.compile.target import parse_target, require_libtpu
+        from lab.compile.target import parse_target, require_compiler
 
         topology = parse_target(args.topology)  # before JAX starts: a typo costs nothing
-        require_libtpu()
+        require_compiler(topology)
         if args.hardware is None:  # priced on the topology's chip unless told otherwise
             plan = dataclasses.replace(plan, hardware=topology.chip)
     # "calibrated" prices with this host's calibration (the cpu entry, replaced by specs/cpu.json when present);

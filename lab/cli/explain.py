@@ -40,10 +40,10 @@ def _plan_and_chip(args: argparse.Namespace):
         plan, _ = override(plan, dtype=args.dtype)
     target = None
     if args.topology is not None:
-        from lab.compile.target import parse_target, require_libtpu
+        from lab.compile.target import parse_target, require_compiler
 
         target = parse_target(args.topology)
-        require_libtpu()
+        require_compiler(target)
         plan = dataclasses.replace(plan, hardware=target.chip)
     chip = default_catalog().get("cpu" if plan.hardware == "calibrated" else plan.hardware)
     if target is not None and plan.dtype not in chip.peak_flops:

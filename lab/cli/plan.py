@@ -63,6 +63,8 @@ def _check_validate(args: argparse.Namespace) -> None:
         from lab.compile.target import parse_target, require_libtpu
 
         t = parse_target(args.topology)
+        if t.backend != "tpu":
+            raise UserError(f"plan --target {t.name}: the planner compiles for TPU topologies (v5e:2x4, ...)")
         if t.chips != args.chips:
             raise UserError(f"--target {t.name} has {t.chips} chips; give --chips {t.chips}")
         require_libtpu()
@@ -90,7 +92,7 @@ def _register_plan(sub, common, hw, with_chip) -> None:
         metavar="K",
         help="compile and run the K best layouts the train step executes, and compare the rankings",
     )
-    add_target(pl, "with --validate: ")
+    add_target(pl, "with --validate: ", gpus=False)
     pl.add_argument("--out", type=folder_path("--out"), help="with --validate: where the runs go (default runs/plan)")
     add_calls(
         pl,

@@ -337,6 +337,7 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
         fused_projections=cfg.fused_projections,
         causal=cfg.causal,
         cast_first=cfg.cast_first,
+        cast_first_out_table=cfg.cast_first_out_table,
         regather_norms=cfg.remat_regathers_norms,
         jax_remat=cfg.jax_remat,
         spmd_pipeline=cfg.spmd_pipeline,

@@ -158,8 +158,9 @@ class AuditResult(CompiledView):
     def _xla_lines(self) -> str:
         mem, cost = self.memory_analysis, self.cost_analysis
         held = mem.get("argument_size_in_bytes", 0.0) + mem.get("temp_size_in_bytes", 0.0)
+        compiler = "libtpu" if self.backend == "tpu" else self.backend.upper()
         line = (
-            f"XLA (libtpu) per device: arguments {fmt_bytes(mem.get('argument_size_in_bytes', 0.0))}, temporaries "
+            f"XLA ({compiler}) per device: arguments {fmt_bytes(mem.get('argument_size_in_bytes', 0.0))}, temporaries "
             f"{fmt_bytes(mem.get('temp_size_in_bytes', 0.0))}, output {fmt_bytes(mem.get('output_size_in_bytes', 0.0))}"
             f" (held {fmt_bytes(held)})"
         )
@@ -308,9 +309,9 @@ def audit_plan(plan: Plan, chip: Chip, target: Target | None = None) -> AuditRes
     ``target`` when one is given (cross-compiled: nothing runs)."""
     import jax
 
-    est = estimate_program(for_target(plan) if target is not None else plan, chip)
+    est = estimate_program(for_target(plan, target) if target is not None else plan, chip)
     _, compiled = compile_plan(plan, target)
-    backend = "tpu" if target is not None else jax.devices()[0].platform
+    backend = target.backend if target is not None else jax.devices()[0].platform
     result = audit_compiled(plan, compiled, est, backend)
     if target is not None:
         result = dataclasses.replace(result, compiled_for=target.name, step_time_estimated_s=est.step_time_s)
@@ -331,7 +332,7 @@ def inventory(plan: Plan, target: Target | None = None) -> tuple[dict[str, Any],
         for (kind, axes), cs in sorted(groups.items())
     ]
     cost, mem = _analyses(compiled)
-    backend = "tpu" if target is not None else jax.devices()[0].platform
+    backend = target.backend if target is not None else jax.devices()[0].platform
     data = {
         "target": plan.name or plan.program,
         "mesh": dict(plan.shape),
@@ -346,9 +347,8 @@ def inventory(plan: Plan, target: Target | None = None) -> tuple[dict[str, Any],
         "all_match": None,
         "note": "no estimator describes this program: its compiled collectives and FLOPs, with nothing to match",
     }
-    where = (
-        f"TPU {target.name}, cross-compiled" if target is not None else backend + (", emulated" * (backend == "cpu"))
-    )
+    where = f"{backend.upper()} {target.name}, cross-compiled" if target is not None else backend
+    where += ", emulated" if backend == "cpu" else ""
     head = f"compiled {data['target']} on mesh {','.join(f'{k}={v}' for k, v in plan.shape.items())} ({where})"
     table = render(
         ["kind", "axes", "bytes", "instructions"],

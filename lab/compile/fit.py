@@ -122,7 +122,7 @@ class FitResult:
 
     def table(self) -> str:
         mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
-        where = f"TPU {self.compiled_for}, cross-compiled" if self.compiled_for else "this host"
+        where = f"{self.compiled_for}, cross-compiled" if self.compiled_for else "this host"
         head = f"fit {self.target} on mesh {mesh} ({where}) in {fmt_bytes(self.hbm_bytes)} per device ({self.hbm_from})"
         rows = [
             [
@@ -281,9 +281,10 @@ def _more_fsdp(plan: Plan, target: Target | None, changes: dict[str, Any]) -> _S
 
 def _next_topology(plan: Plan, target: Target | None, changes: dict[str, Any]) -> _Step:
     name = "next topology"
-    if target is None:
+    if target is None or target.backend != "tpu":
         why = "compiled on this host's emulated devices, a fixed count; give --target to grow a TPU topology"
-        return _Step(name, None, None, dict(changes), why)
+        why = why if target is None else "a GPU target grows by hosts: give --target GPU:HOSTSxN yourself"
+        return _Step(name, None, target, dict(changes), why)
     assert plan.rules is not None
     axes = [a for a in plan.rules.axes("batch") if a in plan.shape]
     if not axes:
@@ -397,11 +398,11 @@ def _none_fits(plan: Plan, rungs: list[Rung], limit: float) -> str:
     tried = [r for r in rungs if r.xla_bytes is not None]
     if not tried:  # "as written" always applies: it failed to compile
         return f"no rung of the ladder compiled for {plan.name or plan.program} ({rungs[0].note})"
-    least = min(tried, key=lambda r: r.xla_bytes or 0.0)
+    least, name = min(tried, key=lambda r: r.xla_bytes or 0.0), plan.name or plan.program
     return (
-        f"no fix on the ladder fits {plan.name or plan.program} in {fmt_bytes(limit)} per device: the smallest XLA "
-        f"compiled holds {fmt_bytes(least.xla_bytes or 0.0)} ({least.name}, {len(tried)} rungs compiled); give a "
-        "larger --hbm, a smaller batch or a larger mesh"
+        f"no fix on the ladder fits {name} in {fmt_bytes(limit)} per device: the smallest XLA compiled holds "
+        f"{fmt_bytes(least.xla_bytes or 0.0)} ({least.name}, {len(tried)} rungs compiled); give a larger --hbm, a "
+        "smaller batch or a larger mesh"
     )
 
 

@@ -250,6 +250,7 @@ class GpuTarget:
     chips: int
     hosts: int = 1
     config: str | None = None
+    backend = "gpu"  # the compiler (a TPU Target's is "tpu")
 
     @property
     def topology(self) -> str:
@@ -354,21 +355,12 @@ def topology_devices(target: GpuTarget) -> list:
     return devices
 
 
-def gpu_mesh(plan_shape: dict[str, int], target: GpuTarget, devices: list | None = None):
-    """A mesh shaped as the Plan says over the target's devices, laid out as :func:`lab.compile.target.target_mesh`
-    lays a TPU topology's (and checked the same way: as many devices as the mesh)."""
-    from lab.compile.target import target_mesh
-
-    return target_mesh(plan_shape, target, devices if devices is not None else topology_devices(target))
-
-
 __all__ = [
     "GPUS",
     "INSTALL",
     "GpuSpec",
     "GpuTarget",
     "cuda_plugin_installed",
-    "gpu_mesh",
     "gpu_present",
     "parse_gpu_target",
     "quiet_absent_gpu",

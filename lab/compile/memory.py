@@ -163,7 +163,7 @@ class MemoryExplanation(CompiledView):
             + f"; XLA's memory_analysis {fmt_bytes(self.xla_peak_bytes)} (arguments + outputs + temporaries - "
             f"aliased): {100 * gap:+.2f}% ({verdict})"
         )
-        if self.compiled_for:
+        if self.compiled_for and self.backend == "tpu":
             libtpu = self.memory_analysis.get("peak_memory_in_bytes")
             out += "\n(TPU: " + (f"libtpu's peak_memory_in_bytes {fmt_bytes(libtpu)}; " if libtpu else "")
             out += (
@@ -287,7 +287,7 @@ def explain_memory(plan: Plan, chip: Chip, target: Target | None = None) -> Memo
         allocations, ranges = read_dump(folder)
         traces = read_heap_traces(folder)
         alignment = int(read_flag(folder, "xla_jf_program_hbm_alignment_in_kib") or 0) * 1024
-    heap = read_heap(allocations, traces, alignment, tpu=target is not None)
+    heap = read_heap(allocations, traces, alignment, tpu=target is not None and target.backend == "tpu")
     reading = read_peak(allocations, ranges, parse_module(compiled.as_text()), heap)
     xla_bytes, mem = xla_peak(compiled)
     est = estimated_memory(plan, chip, target)
@@ -295,7 +295,7 @@ def explain_memory(plan: Plan, chip: Chip, target: Target | None = None) -> Memo
     return MemoryExplanation(
         target=plan.name or plan.program,
         mesh=dict(plan.shape),
-        backend="tpu" if target is not None else jax.devices()[0].platform,
+        backend=target.backend if target is not None else jax.devices()[0].platform,
         compiled_for=target.name if target is not None else None,
         peak_bytes=float(sum(b.bytes for b in reading.buffers)),
         xla_peak_bytes=xla_bytes,
@@ -346,7 +346,7 @@ def estimated_memory(plan: Plan, chip: Chip, target: Target | None):
     """The estimate of the Plan (as the TPU compiler builds it, for a target), or None where none describes it."""
     if plan.spec.family == "user":
         return None
-    est = estimate_program(for_target(plan) if target is not None else plan, chip)
+    est = estimate_program(for_target(plan, target) if target is not None else plan, chip)
     return est if est.memory else None
 
 

@@ -229,7 +229,7 @@ def _estimate_view(plan: Plan, chip: Chip, target: Target | None, text: str) -> 
     """The estimator's view of the compiled program (empty where no estimator describes the Plan) and its name."""
     if plan.spec.family == "user":
         return {}, ""
-    est = estimate_program(for_target(plan) if target is not None else plan, chip)
+    est = estimate_program(for_target(plan, target) if target is not None else plan, chip)
     found = [c for c in collectives(parse_module(text)) if not c.explained]
     entries, _ = compare(est.collectives(), found, plan.shape)
     ops = {o.name: (o.time_s, o.hidden, o.bytes) for o in est.ops if o.is_collective}

@@ -8,7 +8,9 @@ Nothing executes, so there is no measured truth; the audit, XLA's ``memory_analy
 lab's predictions.
 
 :func:`parse_target` checks a name without starting JAX (so a typo is refused at once); :func:`target_mesh`
-builds the mesh of a Plan over the topology's devices.
+builds the mesh of a Plan over the topology's devices. A GPU name (``h100:8``) is a
+:class:`lab.compile.gpu_target.GpuTarget`, compiled by XLA:GPU through JAX's CUDA plugin the same way; every
+``--target`` takes either.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Target:
     chip: str
     device_kind: str
     chips: int
+    backend = "tpu"  # the compiler (a GpuTarget's is "gpu")
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -55,12 +58,19 @@ class Target:
         }
 
 
-def parse_target(text: str) -> Target:
-    """``"v5e:2x4"`` -> a :class:`Target`; a :class:`UserError` listing the known forms for anything else."""
+def parse_target(text: str):
+    """``"v5e:2x4"`` -> a :class:`Target`, ``"h100:8"`` -> a :class:`lab.compile.gpu_target.GpuTarget`; a
+    :class:`UserError` listing the known forms for anything else. Nothing imports JAX."""
+    from lab.compile.gpu_target import GPUS, parse_gpu_target
+
+    if text.strip().lower().split(":")[0] in GPUS:
+        return parse_gpu_target(text)
     m = _NAME.fullmatch(text.strip().lower())
-    known = f"known generations: {', '.join(GENERATIONS)}; e.g. {', '.join(EXAMPLES)}"
+    known = f"known generations: {', '.join(GENERATIONS)}; e.g. {', '.join(EXAMPLES)}; or a GPU: {', '.join(GPUS)}"
     if not m:
-        raise UserError(f"--target {text!r} is not a TPU topology name; give GENERATION:AxB[xC], {known}")
+        raise UserError(
+            f"--target {text!r} is not a TPU topology or GPU name; give GENERATION:AxB[xC] or GPU:N, {known}"
+        )
     gen, dims = m.group(1), m.group(2)
     if gen not in GENERATIONS:
         raise UserError(f"--target {text!r}: unknown TPU generation {gen!r}; {known}")
@@ -75,6 +85,18 @@ def require_libtpu() -> None:
     """libtpu is importable, or a :class:`UserError` saying how to install it."""
     if importlib.util.find_spec("libtpu") is None:
         raise UserError(f"compiling for a TPU topology needs libtpu, which is not installed; {INSTALL}")
+
+
+def require_compiler(target) -> None:
+    """The target's compiler is installed (libtpu, or JAX's CUDA plugin), or a :class:`UserError` saying how to
+    install it; for a GPU, the plugin told (before JAX starts) that no GPU is here."""
+    if target.backend == "tpu":
+        require_libtpu()
+        return
+    from lab.compile.gpu_target import quiet_absent_gpu, require_cuda_plugin
+
+    require_cuda_plugin()
+    quiet_absent_gpu()
 
 
 def tpu_present() -> bool:
@@ -95,8 +117,13 @@ def quiet_absent_tpu() -> None:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
-def topology_devices(target: Target) -> list:
-    """The devices of the topology (no TPU needed), checked against the generation's device kind."""
+def topology_devices(target) -> list:
+    """The devices of the topology (no TPU needed), checked against the generation's device kind; a GPU target's
+    from :func:`lab.compile.gpu_target.topology_devices`."""
+    if target.backend == "gpu":
+        from lab.compile import gpu_target
+
+        return gpu_target.topology_devices(target)
     require_libtpu()
     quiet_absent_tpu()
     from jax.experimental import topologies
@@ -166,8 +193,11 @@ def compile_for(built, target):
             return built.fn.lower(*built.abstract).compile()
         except Exception as exc:  # jax's runtime error type moved between versions; its message is stable
             found = _OUT_OF_HBM.search(str(exc))
-            if "RESOURCE_EXHAUSTED" not in str(exc) or found is None:
-                raise
+            if "RESOURCE_EXHAUSTED" not in str(exc) or found is None or target.backend != "tpu":
+                if type(exc).__name__ != "JaxRuntimeError":
+                    raise
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise UserError(f"XLA could not compile the program for {target.name}: {first[:300]}") from None
             need = float(found[1]) * _BINARY[found[2]]
             have = float(found[3]) * _BINARY[found[4]]
             raise DoesNotFit(
@@ -177,16 +207,20 @@ def compile_for(built, target):
             ) from None
 
 
-def for_target(plan):
+def for_target(plan, target=None):
     """The Plan as the TPU compiler builds it, for its estimate. The compiler adds the partial input gradients
     of Q, K and V (and of gate and up) before one AllReduce each (XLA's all-reduce reassociation), as if the
     projections were fused, where XLA:CPU reduces each apart; it moves the cast of fp32 weights to the compute
-    dtype ahead of FSDP's gathers (``cast_first``), and under recomputation it keeps the gathered norm scales."""
+    dtype ahead of FSDP's gathers (``cast_first``), and under recomputation it keeps the gathered norm scales.
+    XLA:GPU (a GPU ``target``) does the same, except that it gathers the output table in fp32 and casts after
+    (train_fsdp_tp on h100:8: 10,080 B gathered outside the layer loop, the two tables in fp32)."""
     import dataclasses
 
     if not plan.is_transformer:
         return plan
     options = dataclasses.replace(plan.options, fused_projections=True, cast_first=True, regather_norms=False)
+    if target is not None and target.backend == "gpu":
+        options = dataclasses.replace(options, cast_first_out_table=False)
     return dataclasses.replace(plan, options=options)
 
 
@@ -221,6 +255,7 @@ __all__ = [
     "for_target",
     "parse_target",
     "quiet_absent_tpu",
+    "require_compiler",
     "require_libtpu",
     "target_mesh",
 ]

@@ -27,7 +27,7 @@ class CompiledView:
     @property
     def where(self) -> str:
         if self.compiled_for:
-            return f"TPU {self.compiled_for}, cross-compiled: nothing ran"
+            return f"{self.backend.upper()} {self.compiled_for}, cross-compiled: nothing ran"
         return f"{self.backend}, emulated" if self.emulated else self.backend
 
     @property

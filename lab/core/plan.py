@@ -85,7 +85,9 @@ class Options:
         causal: the attention mask (FLOP conventions and flash attention's skipped blocks).
         cast_first: fp32 weights computed in a 16-bit dtype are cast before FSDP gathers them, and their matmul
             gradients reduced in the 16-bit dtype (the TPU compiler moves the cast across the collective; XLA:CPU
-            gathers the fp32 weights). Set for a TPU target (``lab.compile.target.for_target``).
+            gathers the fp32 weights). Set for a TPU or GPU target (``lab.compile.target.for_target``).
+        cast_first_out_table: with ``cast_first``, the output table too is cast before its gather (the TPU
+            compiler); XLA:GPU gathers it in fp32 and casts after (``for_target`` clears it for a GPU target).
         regather_norms: under recomputation, FSDP gathers a layer's norm scales again for the recomputed forward
             (XLA:CPU does; the TPU compiler keeps them: ``for_target`` clears it).
         jax_remat: recomputation as ``jax.checkpoint`` runs it (the lab's Transformer): XLA leaves the layer's
@@ -112,6 +114,7 @@ class Options:
     fused_projections: bool = False
     causal: bool = True
     cast_first: bool = False
+    cast_first_out_table: bool = True
     regather_norms: bool = True
     jax_remat: bool = True
     spmd_pipeline: bool = True

@@ -57,8 +57,7 @@ def plot_timeline(result: MemoryExplanation, path: str | Path) -> None:
     ax.yaxis.set_major_formatter(EngFormatter(unit="B", sep=" "))
     ax.set_xlabel("position in XLA's schedule (instructions, loop bodies flattened once)")
     ax.set_ylabel("live bytes per device")
-    where = f"TPU {result.compiled_for}, cross-compiled" if result.compiled_for else f"{result.backend}, emulated"
-    ax.set_title(f"{result.target}: memory over the compiled schedule ({where})", fontsize=11)
+    ax.set_title(f"{result.target}: memory over the compiled schedule ({result.where})", fontsize=11)
     handles, labels = ax.get_legend_handles_labels()
     ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9, frameon=False)
     fig.subplots_adjust(left=0.09, right=0.8, top=0.92, bottom=0.11)

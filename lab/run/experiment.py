@@ -85,6 +85,7 @@ OPTIONS = {
     "fused_projections": Field("bool", "Q/K/V and gate/up fused into one weight each (Megatron)"),
     "causal": Field("bool", "causal attention mask"),
     "cast_first": Field("bool", "fp32 weights cast to the compute dtype before FSDP gathers them (the TPU compiler)"),
+    "cast_first_out_table": Field("bool", "with cast_first, the output table cast before its gather (not XLA:GPU)"),
     "regather_norms": Field("bool", "FSDP gathers the norm scales again for a recomputed forward (XLA:CPU)"),
     "jax_remat": Field("bool", "recomputation as jax.checkpoint runs it (the layer's last projection left out)"),
     "spmd_context": Field("bool", "context parallelism as the lab compiles it (K, V gathered; not a ring)"),

@@ -234,19 +234,22 @@ def _run_for_target(
 ) -> RunResult:
     """``--compile-only --target v5e:2x4``: every point compiled for a TPU topology that is not here (nothing
     runs), audited, and reported with XLA's memory and cost analyses beside the lab's predictions."""
-    from lab.compile.target import parse_target, quiet_absent_tpu, require_libtpu
+    from lab.compile.target import parse_target, quiet_absent_tpu, require_compiler
     from lab.core.hardware import default_catalog
 
     topology = parse_target(target)
     if not compile_only:
-        raise UserError(f"--target {topology.name} compiles for TPU chips that are not here; add --compile-only")
+        raise UserError(
+            f"--target {topology.name} compiles for {topology.backend.upper()} chips that are not here; add "
+            "--compile-only"
+        )
     for label, plan in points:
         if plan.devices != topology.chips:
             raise UserError(
                 f"{exp.path}: {label + ': ' if label else ''}the mesh {plan.shape} has {plan.devices} devices and "
                 f"{topology.name} has {topology.chips} chips; give a topology of {plan.devices} chips"
             )
-    require_libtpu()
+    require_compiler(topology)
     chip = default_catalog(hardware_file).get(hardware or topology.chip)
     for label, plan in points:
         if plan.dtype not in chip.peak_flops:
@@ -254,9 +257,10 @@ def _run_for_target(
                 f"{exp.path}: {label + ': ' if label else ''}{chip.name} has no {plan.dtype} peak; set dtype = "
                 '"bfloat16" in the experiment (TPUs multiply in bf16) or price with --hardware NAME'
             )
-    quiet_absent_tpu()
+    if topology.backend == "tpu":
+        quiet_absent_tpu()
     env = environment() | {
-        "backend": "tpu",
+        "backend": topology.backend,
         "device_kind": topology.device_kind,
         "device_count": topology.chips,
         "compiled_for": topology.to_dict(),

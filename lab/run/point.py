@@ -99,7 +99,7 @@ def _compile_and_audit(
     from lab.compile.audit import audit_compiled
     from lab.compile.target import compile_for, target_mesh
 
-    where = f" for TPU {target.name} (cross-compiled)" if target is not None else ""
+    where = f" for {target.backend.upper()} {target.name} (cross-compiled)" if target is not None else ""
     progress(f"{plan.name} {dict(plan.sizes)}: building {plan.program} on mesh {plan.shape}{where}")
     built = build(plan, target_mesh(plan.shape, target) if target is not None else None)
     clock.lap("build_s")
@@ -395,7 +395,7 @@ def _estimate(plan: Plan, chip: Chip, compile_only: bool, target) -> tuple[Any, 
     if target is not None:
         from lab.compile.target import for_target
 
-        plan = for_target(plan)
+        plan = for_target(plan, target)
     return estimate_or_refuse(plan, chip, compile_only, say=False)
 
 

@@ -98,6 +98,7 @@ def train_config(plan: Plan, chip: Chip) -> TrainConfig:
         param_dtype=plan.param_dtype,
         fused_projections=opts.fused_projections,
         cast_first=opts.cast_first,
+        cast_first_out_table=opts.cast_first_out_table,
         jax_remat=opts.jax_remat,
         remat_regathers_norms=opts.regather_norms,
         spmd_pipeline=opts.spmd_pipeline and opts.pp_schedule in ("gpipe", "interleaved"),  # what the lab runs

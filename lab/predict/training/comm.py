@@ -315,7 +315,8 @@ def _fsdp_cast_first(cfg: TrainConfig, layer: float, final: float, rest: float, 
     cast ahead of the gather, so a layer's matmul weights cross the wire in the compute dtype (its norm scales,
     used in fp32, stay fp32) and their gradients are reduced in it before the fp32 update. The weights outside the
     layer loop are gathered once and kept for the backward: the final norm, the input table (fp32: the lookup
-    reads table rows) and the output table (16-bit: the logits' matmul input)."""
+    reads table rows) and the output table (16-bit: the logits' matmul input; XLA:GPU gathers it in fp32 and casts
+    after, ``cast_first_out_table`` False)."""
     m, act = cfg.model, cfg.act_bytes
     adt = "bf16" if act == 2 else "fp32"
     norms = float(m.norm_params_per_layer)
@@ -360,12 +361,12 @@ def _fsdp_cast_first(cfg: TrainConfig, layer: float, final: float, rest: float, 
             Comm(
                 "fsdp",
                 "all-gather",
-                out_table * act,
+                out_table * (act if cfg.cast_first_out_table else 4.0),
                 1,
                 "microbatch",
-                "FSDP: the output table, cast, kept",
+                "FSDP: the output table, " + ("cast, kept" if cfg.cast_first_out_table else "kept (cast after)"),
                 "layer",
-                adt,
+                adt if cfg.cast_first_out_table else "fp32",
             ),
             Comm("fsdp", "reduce-scatter", (rest + final) * 4.0, 1, "microbatch", _REST_GRADS, "layer", "fp32"),
         )

@@ -150,6 +150,7 @@ class TrainConfig:
     # fp32 weights computed in 16 bits: the cast moved ahead of FSDP's gather (the TPU compiler does; XLA:CPU gathers
     # the fp32 weights). Matters only when param_dtype is fp32.
     cast_first: bool = False
+    cast_first_out_table: bool = True  # with cast_first, the output table too (XLA:GPU gathers it in fp32)
     # Mixture of experts: each expert computes capacity_factor x its share of the routed tokens (slots padded up to
     # the capacity, as GShard-style dispatch does), and the dispatch and combine move as much; 1.0: dropless and
     # balanced.
