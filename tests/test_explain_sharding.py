@@ -163,11 +163,26 @@ def test_decode_from_the_command_line(cli):
         (["experiments/collective_all_gather.toml"], "explain sharding reads the Transformer's"),
         (["README.md"], "not an experiment file"),
         (["missing.toml"], "missing.toml"),
+        (["experiments/train_fsdp_tp.toml", "--mesh", "data=3,model=4"], "data=3"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(cli, argv, said):
     code, out, err = cli(["explain", "sharding", *(str(ROOT / a) if a.endswith((".toml", ".md")) else a for a in argv)])
     assert code == 2 and out == "" and said in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_mesh_replaces_the_experiment_s_mesh(cli):
+    """``--mesh`` (as ``run`` takes it): the explanation is of the Plan on that mesh, a parameter's shard with it:
+    w_up ``[D_data, F_model]`` of 56 x 104 fp32 is 56/4 x 104/2 x 4 B on data=4,model=2."""
+    code, out, err = cli(["explain", "sharding", str(EXPERIMENTS / "train_fsdp_tp.toml"), "--mesh", "data=4,model=2"])
+    assert code == 0, err
+    assert "on mesh data=4,model=2 " in out
+    code, out, err = cli(
+        ["explain", "sharding", str(EXPERIMENTS / "train_fsdp_tp.toml"), "--mesh", "data=4,model=2", "--json"]
+    )
+    arrays = {a["name"]: a for a in json.loads(out)["arrays"]}
+    w_up = next(a for name, a in arrays.items() if name.endswith("w_up") and a["kind"] == "parameter")
+    assert w_up["bytes_per_device"] == 2 * (56 // 4) * (104 // 2) * 4  # two layers, stacked
 
 
 def test_a_program_xla_refuses_is_one_line_and_exit_2(cli, monkeypatch, jax_devices):

@@ -86,7 +86,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels.mesh import make_mesh
-from kernels.transformer.explicit import is_explicit, lookup, pin, scaled, typed_sharded, whole_t
+from kernels.transformer.explicit import is_explicit, lookup, scaled, typed_sharded, whole_t
 from kernels.transformer.moe_layer import SAVED as MOE_SAVED
 from kernels.transformer.moe_layer import moe_mlp
 from lab.core import arrays
@@ -336,8 +336,11 @@ class _Layout:
     stage_split: tuple[int, ...] = ()  # pipelined: each stage's real layers; its stacked rows past them are padding
     attention: Attention = XLA_ATTENTION  # the einsum softmax, or a kernel (kernels.transformer.attention)
 
-    def constrain(self, x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
-        return x if self.mesh is None else pin(x, self.sharding(logical))
+    def constrain(self, x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:  # the op's source line: here
+        if self.mesh is None:
+            return x
+        pinned = jax.sharding.reshard if is_explicit(self.mesh) else jax.lax.with_sharding_constraint
+        return pinned(x, self.sharding(logical))
 
     def out(self, logical: tuple[str | None, ...]) -> NamedSharding | None:  # explicit: a result's out_sharding
         return self.sharding(logical) if is_explicit(self.mesh) else None
@@ -504,7 +507,8 @@ def _remat_policy(remat: str):
 def _embed(params: Params, tokens: jax.Array, cfg: ModelConfig, lay: _Layout) -> jax.Array:
     with jax.named_scope("embed"):
         table = lay.constrain(params["embed"], ("vocab", None))  # FSDP: gather D; keep V split (Megatron)
-        x = lookup(table, tokens, lay.out(("batch", None, "act_embed"))).astype(lay.dtype)  # [B, T, D]
+        typed = lay.out(("batch", None, "act_embed"))  # explicit mode: the lookup's result typed
+        x = (jnp.take(table, tokens, axis=0) if typed is None else lookup(table, tokens, typed)).astype(lay.dtype)
         x = lay.constrain(x, ("batch", None, "act_embed"))  # masked local lookups summed over the vocab axes
         return lay.constrain(x, RESIDUAL)
 

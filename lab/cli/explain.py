@@ -36,8 +36,8 @@ def _plan_and_chip(args: argparse.Namespace):
     if not str(args.experiment).endswith(".toml"):
         raise UserError(f"{args.experiment!r} is not an experiment file; give one such as experiments/train_dp.toml")
     plan = load_experiment(args.experiment).plan
-    if args.dtype is not None:
-        plan, _ = override(plan, dtype=args.dtype)
+    if args.dtype is not None or args.mesh is not None:
+        plan, _ = override(plan, dtype=args.dtype, mesh=args.mesh)
     target = None
     if args.topology is not None:
         from lab.compile.target import parse_target, require_compiler
@@ -179,9 +179,12 @@ def cmd_sharding(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 def _program_args(p: argparse.ArgumentParser) -> None:
-    """What every explain subcommand compiles: an experiment file, its dtype, a TPU target."""
+    """What every explain subcommand compiles: an experiment file, its dtype and mesh, a TPU or GPU target."""
     p.add_argument("experiment", metavar="EXPERIMENT", type=in_path("EXPERIMENT"), help="an experiments/*.toml file")
     p.add_argument("--dtype", choices=RUN_DTYPES, help="compute dtype (default: the experiment's)")
+    p.add_argument(
+        "--mesh", metavar="AXIS=N,...", help="the mesh instead of the experiment's, e.g. data=4,model=4 for v6e:4x4"
+    )
     add_target(p)
 
 
