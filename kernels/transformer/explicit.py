@@ -18,25 +18,22 @@ what auto mode leaves to propagation:
 
 The ``shard_map`` regions run as they are: an attention kernel's and the expert layer's ``shard_map`` take the
 explicit-typed operands; context parallelism's K and V are resharded whole along T before attention
-(:func:`whole_t`). A pipeline is refused (:func:`check`): JAX 0.10.2 cannot transpose the vocab-parallel lookup
-inside the stages' ``shard_map`` while explicit axes remain there. Every sharding here names the concrete mesh, and
-the mesh is also put in context while the step is traced (``jax.set_mesh``, as JAX documents explicit mode):
-:func:`on_mesh` wraps the jitted step so that every call, ``lower`` and ``trace`` is. The APIs used are in JAX
-0.10.2 and 0.11.2 alike (``jax.set_mesh``, ``jax.sharding.reshard``, ``jax.typeof``, ``out_sharding=``).
+(:func:`whole_t`). A pipeline is refused (:func:`lab.core.plan_checks.explicit_rules`): JAX 0.10.2 cannot
+transpose the vocab-parallel lookup inside the stages' ``shard_map`` while explicit axes remain there. Every
+sharding here names the concrete mesh, and the mesh is also put in context while the step is traced
+(``jax.set_mesh``, as JAX documents explicit mode): :func:`on_mesh` wraps the jitted step so that every call,
+``lower`` and ``trace`` is. The APIs used are in JAX 0.10.2 and 0.11.2 alike (``jax.set_mesh``,
+``jax.sharding.reshard``, ``jax.typeof``, ``out_sharding=``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-
-from lab.core.plan_checks import explicit_rules
-from lab.core.rules import ShardingRules
 
 
 def is_explicit(mesh: Any) -> bool:
@@ -60,11 +57,9 @@ def pin(x: Any, sharding: Any) -> Any:
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
-def lookup(table: jax.Array, tokens: jax.Array, out: NamedSharding | None) -> jax.Array:
-    """Rows of ``table`` at ``tokens``; in explicit mode typed ``out`` (else JAX cannot tell how to shard a gather
-    from a vocab-split table)."""
-    if out is None:
-        return jnp.take(table, tokens, axis=0)
+def lookup(table: jax.Array, tokens: jax.Array, out: NamedSharding) -> jax.Array:
+    """Rows of ``table`` at ``tokens``, typed ``out`` (explicit mode: else JAX cannot tell how to shard a gather
+    from a vocab-split table; auto mode's ``jnp.take`` stays in the model, where its source line belongs)."""
     return table.at[tokens].get(out_sharding=out)
 
 
@@ -93,12 +88,10 @@ def typed_sharded(x: jax.Array) -> bool:
 
 
 def scaled(y: jax.Array, scale: jax.Array) -> jax.Array:
-    """``y * scale``: an activation ``[..., D]`` times a norm's scale ``[D]``. In explicit mode an FSDP-sharded scale
-    ``[D_X]`` is resharded whole first (the type rules refuse X on two dims of the product), inside a
-    ``jax.checkpoint`` that keeps the sharded scale for the backward pass and gathers it again there, as auto mode
-    compiles it (the estimators' FSDP gathers, forward and backward)."""
-    if not typed_sharded(scale):
-        return y * scale
+    """``y * scale``: an activation ``[..., D]`` times a norm's scale ``[D_X]`` typed sharded (:func:`typed_sharded`;
+    the model multiplies an unsharded one itself). The scale is resharded whole first (the type rules refuse X on two
+    dims of the product), inside a ``jax.checkpoint`` that keeps the sharded scale for the backward pass and gathers
+    it again there, as auto mode compiles it (the estimators' FSDP gathers, forward and backward)."""
     regather = jax.checkpoint(lambda y, s: y * _gathered(s), policy=jax.checkpoint_policies.nothing_saveable)
     return regather(y, scale)
 
@@ -109,11 +102,6 @@ def whole_t(xs: tuple[jax.Array, ...], mesh: Mesh | None) -> tuple[jax.Array, ..
     if mesh is None or not is_explicit(mesh):
         return xs
     return tuple(_without(x, mesh, set(mesh.axis_names), dims=(1,)) for x in xs)
-
-
-def check(rules: ShardingRules, shape: Mapping[str, int]) -> None:
-    """Refuse in one line what explicit mode does not run: a pipeline (:func:`lab.core.plan_checks.explicit_rules`)."""
-    explicit_rules(rules, shape)
 
 
 def on_mesh(fn: Callable, mesh: Mesh) -> Callable:
@@ -147,4 +135,4 @@ class _OnMesh:
         return getattr(self._fn, name)
 
 
-__all__ = ["check", "is_explicit", "lookup", "mesh_for", "on_mesh", "pin", "scaled", "typed_sharded", "whole_t"]
+__all__ = ["is_explicit", "lookup", "mesh_for", "on_mesh", "pin", "scaled", "typed_sharded", "whole_t"]

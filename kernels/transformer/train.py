@@ -44,6 +44,7 @@ from kernels.transformer.model import (
 from lab.core.attention import Attention, check_backend, from_options
 from lab.core.models import ModelConfig
 from lab.core.plan import Plan
+from lab.core.plan_checks import explicit_rules
 from lab.core.programs import MOE_CAPACITY_FACTOR
 from lab.core.rules import ShardingRules
 
@@ -154,9 +155,9 @@ def make_train_step(
 
 
 def _check_mode(rules: ShardingRules, mesh: Mesh) -> None:
-    """On an explicit mesh, refuse in one line what explicit mode does not run (``explicit.check``)."""
+    """On an explicit mesh, refuse in one line what explicit mode does not run (a pipeline)."""
     if explicit.is_explicit(mesh):
-        explicit.check(rules, dict(mesh.shape))
+        explicit_rules(rules, dict(mesh.shape))
 
 
 def first_layer_routing(params, tokens, cfg: ModelConfig, groups: tuple[int, int]) -> dict[str, Any]:
