@@ -344,7 +344,7 @@ def strategy(command: str, action: argparse.Action, work: Path):
         "target": BAD_TARGET,
         "--target": TEXT,  # plan --target without --validate, or a name that is no TPU topology
         # validate --case: no such run, or one with no prediction (unexpressible: no interval either)
-        "--case": st.one_of(st.sampled_from(["PS44", "T212", "PT99", "T9999"]), TEXT.filter(lambda s: not _is_case(s))),
+        "--case": st.one_of(st.sampled_from(["T229", "T212", "PT99", "T9999"]), TEXT.filter(lambda s: not _is_case(s))),
     }
     return by_name.get(name)
 

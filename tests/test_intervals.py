@@ -158,9 +158,9 @@ def test_one_case_shows_its_interval_and_an_unexpressible_one_is_refused(capsys)
     assert main(["validate", "--case", "PS03", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["case"] == "PS03" and d["interval_ratio"][0] < 1 < d["interval_ratio"][1] * 2
-    assert main(["validate", "--case", "PS44"]) == 2
+    assert main(["validate", "--case", "T229"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "PS44 is not expressible" in err[0] and "no interval" in err[0]
+    assert len(err) == 1 and "T229 is not expressible" in err[0] and "no interval" in err[0]
     assert main(["validate", "--case", "nope"]) == 2
     assert "--case 'nope' is no published run; valid: PT01" in capsys.readouterr().err
 

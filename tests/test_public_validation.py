@@ -238,7 +238,7 @@ def test_each_serving_source_is_taken_whole_or_by_its_stated_rule():
     assert {(r.layout["tp"], r.layout["batch"]) for r in dbrx} == {(tp, b) for tp in (4, 8) for b in (8, 16, 32, 64)}
     hf = next(v for k, v in by.items() if "optimum" in k)
     assert sorted(r.layout["batch"] for r in hf) == [1, 2, 4, 8, 16]
-    assert all(r.expressible is not None for r in hf)  # each carries the reason it is counted, not predicted
+    assert all(r.expressible is None and r.elementwise == "eager" for r in hf)  # priced as eager generate
 
 
 # ----- collectives by message size, TP overlap and fp8 casts ---------------------------------------------------

@@ -119,6 +119,7 @@ def infer_config(args: argparse.Namespace, chip) -> InferConfig:
         fp8_scaling=scaling or "dynamic",
         moe_weights=getattr(args, "moe_weights", "all"),  # infer estimate's flags; the other commands price the default
         step_overhead_s=getattr(args, "step_overhead", 0.0),
+        eager=getattr(args, "eager", False),
     )
 
 
@@ -188,6 +189,7 @@ def cmd_infer_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         ["  KV reads", fmt_seconds(e.kv_s)],
         ["  weight reads / FLOPs", f"{fmt_seconds(e.weights_s)} / {fmt_seconds(e.compute_s)}"],
         ["  collectives", fmt_seconds(e.comm_s) + ("  (latency-bound)" if e.latency_bound_collectives else "")],
+        *([["  host (eager)", f"{fmt_seconds(e.host_s)}  (its ops issued from Python)"]] if cfg.eager else []),
         ["throughput", f"{fmt_count(e.tokens_per_s)} tokens/s ({e.tokens_per_s_per_chip:,.0f} per chip)"],
         ["TP limit (memory-bound)", f"{e.tp_max_degree:.0f}-way at this batch (F / (B W_hbm / W_ici))"],
     ]
@@ -403,9 +405,18 @@ def _register_estimate(isub, common):
         "vLLM's and SGLang's fused MoE kernels, JAX's megablox)",
     )
     add_step_overhead(ie)
+    ie.add_argument(
+        "--eager",
+        action="store_true",
+        help="with --achievable, one model per GPU: PyTorch eager generate (Hugging Face transformers without CUDA "
+        "graphs or torch.compile), whose host issues every op from Python: a step takes the longer of the host's "
+        "time (0.61 ms a layer, measured) and the GPU's",
+    )
     ie.add_argument("--continuous", action="store_true", help=argparse.SUPPRESS)  # gone: refused, naming infer serve
     # the Plan's dtypes and pricing mode: priced as it is built
-    plan_options(ie, "weights", "kv", "compute", "mfu", "achievable", "fp8_scaling", "moe_weights", "step_overhead")
+    plan_options(
+        ie, "weights", "kv", "compute", "mfu", "achievable", "fp8_scaling", "moe_weights", "step_overhead", "eager"
+    )
     command(ie, cmd_infer_estimate)
     return ie
 

@@ -32,6 +32,9 @@ its rows), per chip family where one was measured; a calibrated chip (``shardlab
   of HBM on H100 (G16), i.e. 0.78 of its copy rate (H2); other GPU families take 0.78 of their own measured copy
   rate (A100 62%, H200 66%, B200 72%); TPUs their copy rate, 87% (T3). fp8 weights multiplying fp8
   activations quantised as the step runs take 0.62 of bf16's GEMM time, not half (FP8_DECODE_TIME_VS_BF16).
+* **PyTorch eager generate** (Hugging Face transformers, no CUDA graphs): the host issues each op from Python,
+  0.61 ms a layer and 1.26 ms a step on a GPU (E1, E2 measured by this project; O1's launch), and a step takes the
+  longer of the host's and the GPU's time.
 * **Across nodes** a collective reaches 12.5% of the NIC rate at 16 MiB, 44% at 256 MiB, 70% at 1 GiB (C14);
   and on GPUs, computation overlapped with a collective runs 18.9% slower (arXiv:2507.03114), so a hidden
   collective is not free.
@@ -65,6 +68,29 @@ DECODE_SMALL_KERNELS_PER_LAYER = 8
 # of a timed jitted call on v5e that is not MXU time. No per-op figure is published, so this is the whole fixed
 # cost of a TPU step.
 TPU_STEP_DISPATCH_S = 100e-6  # O4
+
+
+# PyTorch eager generate (Hugging Face transformers without CUDA graphs or torch.compile): the host dispatches every op
+# of every layer from Python, and the GPU waits when its kernels are shorter (microbenchmarks-added.md §3b): E1, the
+# host's seconds of an eager decode step measured without a GPU (a layer, and the step's own work outside the layers:
+# embedding, final norm, logits, sampling, stopping criteria); E2, the kernels a step's ops launch on a GPU, each
+# adding O1's asynchronous enqueue (2.65 us) beyond the CPU kernel E1 ran in its place.
+EAGER_HOST_S_PER_LAYER = 0.507e-3  # E1
+EAGER_HOST_S_PER_STEP = 1.09e-3  # E1
+EAGER_KERNELS_PER_LAYER = 40  # E2
+EAGER_KERNELS_PER_STEP = 64  # E2
+CUDA_LAUNCH_S = 2.65e-6  # O1: asynchronous enqueue of one kernel
+# Its KV cache grows by concatenation: transformers' DynamicCache.update (cache_utils.py, 4.46.3) runs torch.cat of each
+# layer's whole cache with the new token's keys and values every step (E2's four cats a layer: two here, two in the
+# rotary embedding), so the cache is read and written once more besides attention's read of it.
+EAGER_KV_PASSES = 3.0
+
+
+def eager_host_time(layers: int) -> float:
+    """Seconds the host spends issuing one forward pass of ``layers`` layers in PyTorch eager on a GPU (E1, E2, O1):
+    what a step costs when its kernels are shorter."""
+    per_layer = EAGER_HOST_S_PER_LAYER + EAGER_KERNELS_PER_LAYER * CUDA_LAUNCH_S
+    return layers * per_layer + EAGER_HOST_S_PER_STEP + EAGER_KERNELS_PER_STEP * CUDA_LAUNCH_S
 
 
 def decode_kernel_overhead(chip: Chip, layers: int) -> float:

@@ -101,7 +101,9 @@ class PublicRun:
     # serving a mixture of experts: the stack streams every expert's weights each step ("all") or the routed ones
     # ("routed": vLLM's and SGLang's fused MoE kernels, microbenchmarks-added.md M1); None: the estimator's default
     moe_weights: str | None = None
-    elementwise: str = "fused"  # eager: PyTorch eager norms, rotary embedding and activation (TrainConfig)
+    # eager: PyTorch eager execution. Training: unfused norms, rotary embedding and activation (TrainConfig); serving:
+    # Hugging Face generate, its ops issued from Python each step (InferConfig.eager)
+    elementwise: str = "fused"
     tp_comm_overlap: bool = False  # the run's config sets TP communication overlap (TrainConfig.tp_comm_overlap)
     # serving: the source's per-token figure is a whole generate call (tokenize, prefill and every decode step) over
     # the tokens it generated, as its benchmark script states, not the time of one decode step

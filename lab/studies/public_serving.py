@@ -13,8 +13,9 @@ before any row was predicted, never row by row:
   is left out: the table does not say which of the blog's two int4 kernels each of its rows ran.
 * **vLLM, DBRX** (PR #3692, H100): the rows of the shipped (tuned) MoE kernel config; the untuned rows measure a
   default the PR replaced.
-* **HF transformers generate** (optimum's GPTQ benchmark, A100): the fp16 rows, listed as not expressible
-  (eager PyTorch: a host-bound step the estimators do not price). The GPTQ rows are int4 kernels of their own.
+* **HF transformers generate** (optimum's GPTQ benchmark, A100): the fp16 rows, priced as PyTorch eager generate
+  (a host-bound step: InferConfig.eager, measured pieces E1-E2; not expressible before that was built). The GPTQ rows
+  are int4 kernels of their own.
 
 Units: seconds per generated token (``s/token``); a throughput figure is turned into a step as batch / tokens/s.
 """
@@ -277,7 +278,7 @@ SERVING += tuple(
         assumed="fp16 as bf16",
         note=f"{ms} ms per token over whole generate calls of 512 new tokens (the prefill included)",
         per_token_includes_prefill=True,
-        expressible="eager PyTorch generate: each step's host work (per-op dispatch, a sync per step) is not priced",
+        elementwise="eager",  # Hugging Face generate: each step's host work priced (InferConfig.eager, E1-E2)
     )
     for case, batch, ms in (
         ("PS44", 1, 36.958),

@@ -172,7 +172,7 @@ def _under_load(run: PublicRun) -> tuple[float, float, str]:
     lay = run.layout
     tp = int(lay["tp"])  # type: ignore[call-overload]
     replicas = max(1, run.chips // tp)
-    extra = {"moe_weights": run.moe_weights} if run.moe_weights else {}
+    extra = _infer_options(run)
     cfg = InferConfig(
         model=_model(run),
         chip=_chip(run),
@@ -203,6 +203,13 @@ def _under_load(run: PublicRun) -> tuple[float, float, str]:
     return value, value / run.measured - 1, detail
 
 
+def _infer_options(run: PublicRun) -> dict[str, Any]:
+    """The InferConfig options a serving run states: its MoE weight streaming, and PyTorch eager generate (a run whose
+    stack executes eagerly, ``elementwise = "eager"``)."""
+    out: dict[str, Any] = {"moe_weights": run.moe_weights} if run.moe_weights else {}
+    return out | ({"eager": True} if run.elementwise == "eager" else {})
+
+
 def loaded(run: PublicRun) -> bool:
     """Whether the run was measured under a stated load (priced by :func:`_under_load`)."""
     return run.kind == "serving" and ("concurrency" in run.layout or "rate" in run.layout)
@@ -214,7 +221,7 @@ def steady_price(run: PublicRun) -> float:
     run from this ratio, swapped over built, rather than simulating the load again for every constant."""
     lay = run.layout
     prompt, generated = int(lay["prompt"]), int(lay["generated"])  # type: ignore[call-overload]
-    extra = {"moe_weights": run.moe_weights} if run.moe_weights else {}
+    extra = _infer_options(run)
     cfg = InferConfig(
         model=_model(run),
         chip=_chip(run),
@@ -244,7 +251,7 @@ def _serve(run: PublicRun) -> tuple[float, float, str]:
         return _under_load(run)
     prompt, generated = int(lay["prompt"]), int(lay["generated"])  # type: ignore[call-overload]
     ttft = run.unit == "s/prefill"
-    extra = {"moe_weights": run.moe_weights} if run.moe_weights else {}
+    extra = _infer_options(run)
     cfg = InferConfig(
         model=_model(run),
         chip=_chip(run),

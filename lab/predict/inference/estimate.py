@@ -83,6 +83,10 @@ class InferConfig:
     # The lab's Pallas kernels (attention = "pallas"): (block_q, block_k) of the prefill's flash kernel, block_k also
     # the decode kernel's page; their FLOPs as they compute them (lab.predict.inference.attention_kernels).
     pallas_blocks: tuple[int, int] | None = None
+    # PyTorch eager generate (Hugging Face transformers without CUDA graphs or torch.compile) on one GPU: every step's
+    # ops are issued from Python, and a step takes the longer of the host's time and the GPU's (efficiency
+    # .eager_host_time; achievable only).
+    eager: bool = False
 
     @property
     def chips(self) -> int:
@@ -115,6 +119,8 @@ def check_infer(cfg: InferConfig) -> None:
         raise UserError(f"--step-overhead must be seconds in [0, 10), e.g. 0.002, got {overhead!r}")
     if cfg.fp8_scaling not in eff.FP8_SCALINGS:
         raise UserError(f"--fp8-scaling {cfg.fp8_scaling!r} is not one of {', '.join(eff.FP8_SCALINGS)}")
+    if cfg.eager:
+        _check_eager(cfg)
     if cfg.mfu is not None and not 0 < cfg.mfu <= 1:
         raise UserError(f"--mfu must be in (0, 1], got {cfg.mfu}")
     if m.heads % cfg.tp:
@@ -132,6 +138,21 @@ def check_infer(cfg: InferConfig) -> None:
         raise UserError(
             f"--batch {cfg.batch} does not divide over --dp {cfg.dp}; try {max(cfg.dp, cfg.batch // cfg.dp * cfg.dp)}"
         )
+
+
+def _check_eager(cfg: InferConfig) -> None:
+    """PyTorch eager generate is priced on GPUs, one model copy per GPU, under the efficiency model."""
+    if cfg.chip.kind != "gpu":
+        raise UserError(
+            f"--eager prices PyTorch eager generate on a GPU; {cfg.chip.name} is a {cfg.chip.kind}: drop --eager"
+        )
+    if cfg.tp * cfg.ep > 1:
+        raise UserError(
+            f"--eager prices a model on one GPU (Hugging Face generate); got tp={cfg.tp}, ep={cfg.ep}: give --tp 1 "
+            "(replicas with --dp), or drop --eager"
+        )
+    if not cfg.achievable:
+        raise UserError("--eager prices the host's work under the efficiency model; add --achievable")
 
 
 @dataclass(frozen=True)
@@ -155,6 +176,7 @@ class InferEstimate:
     max_batch: int
     min_chips: int
     tp_max_degree: float | None
+    host_s: float = 0.0  # PyTorch eager: the host's seconds a decode step (InferConfig.eager)
 
     @property
     def total_bytes(self) -> float:
@@ -183,7 +205,10 @@ class InferEstimate:
             "weight reads": self.weights_s,
             "compute": self.compute_s,
             "collectives": self.comm_s,
+            "host (eager)": self.host_s,
         }
+        if self.host_s >= self.decode_step_s:
+            return "host (eager)"
         if self.weights_s >= self.compute_s:
             terms.pop("compute")
         else:
@@ -238,6 +263,8 @@ class InferEstimate:
             "prefill_s": self.prefill_s,
             "moe_weights": c.moe_weights if c.model.is_moe else None,
             "step_overhead_s": c.step_overhead_s,
+            "eager": c.eager,
+            "host_s": self.host_s,
             "time_to_first_token_s": self.prefill_s,
             "generate": c.generate,
             "generate_s": self.generate_s,
@@ -344,20 +371,23 @@ def decode_step(cfg: InferConfig, context: int | None = None) -> dict[str, float
         if cfg.achievable
         else weight_bytes / chip.hbm_bandwidth
     )
-    kv_s = _mem_time(chip, kv_bytes, cfg.achievable)
+    kv_s = _mem_time(chip, kv_bytes, cfg.achievable) * (eff.EAGER_KV_PASSES if cfg.eager else 1.0)
     comm, lat = 0.0, False
     for kind, nbytes, calls, group, _ in comms(cfg, b):
         t, bound = _comm(chip, kind, nbytes, group, cfg.achievable)
         comm += calls * t
         lat = lat or (bound and kind != "all-gather")  # the sampling gather is tiny, not a TP verdict
     fixed = (eff.decode_kernel_overhead(chip, m.layers) if cfg.achievable else 0.0) + cfg.step_overhead_s
+    device = kv_s + max(weights_s, compute_s) + comm + fixed
+    host = eff.eager_host_time(m.layers) if cfg.eager else 0.0
     return {
         "kv_s": kv_s,
         "weights_s": weights_s,
         "compute_s": compute_s,
         "comm_s": comm,
         "overhead_s": fixed,
-        "step_s": kv_s + max(weights_s, compute_s) + comm + fixed,
+        "host_s": host,
+        "step_s": max(device, host),
         "latency_bound": lat,
         "weight_bytes": weight_bytes,
         "kv_bytes": kv_bytes,
@@ -396,7 +426,7 @@ def prefill_terms(cfg: InferConfig) -> dict[str, float]:
         "compute_s": compute_s,
         "memory_s": memory_s,
         "comm_s": comm,
-        "step_s": max(compute_s, memory_s) + comm,
+        "step_s": max(max(compute_s, memory_s) + comm, eff.eager_host_time(m.layers) if cfg.eager else 0.0),
     }
 
 
@@ -446,6 +476,7 @@ def estimate_inference(cfg: InferConfig) -> InferEstimate:
         max_batch=int(per_replica * cfg.dp),
         min_chips=min_chips,
         tp_max_degree=tp_max,
+        host_s=float(d["host_s"]),
     )
 
 
