@@ -205,9 +205,8 @@ class InferEstimate:
             "weight reads": self.weights_s,
             "compute": self.compute_s,
             "collectives": self.comm_s,
-            "host (eager)": self.host_s,
         }
-        if self.host_s >= self.decode_step_s:
+        if self.host_s >= self.decode_step_s:  # PyTorch eager: the GPU waits for the host
             return "host (eager)"
         if self.weights_s >= self.compute_s:
             terms.pop("compute")
