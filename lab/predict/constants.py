@@ -464,28 +464,12 @@ CONSTANTS: tuple[Constant, ...] = (
         "decode.small_kernels_per_layer", "DECODE_SMALL_KERNELS_PER_LAYER", None, "C", "a count", 12, "unfused", ["gpu"]
     ),
     # PyTorch eager generate's host (microbenchmarks-added.md §3b)
-    _c(
-        "decode.eager_host_per_layer",
-        "EAGER_HOST_S_PER_LAYER",
-        None,
-        "B",
-        "E1, measured on the development host",
-        0.76e-3,
-        "a host core 1.5x slower",
-        ["gpu"],
-    ),
+    _c("decode.eager_host_per_layer", "EAGER_HOST_S_PER_LAYER", None, "B", "E1", 0.76e-3, "1.5x slower", ["gpu"]),
     _c("decode.eager_host_per_step", "EAGER_HOST_S_PER_STEP", None, "B", "E1", 1.64e-3, "1.5x slower", ["gpu"]),
     _c("decode.eager_kernels_per_layer", "EAGER_KERNELS_PER_LAYER", None, "A", "E2 (counted)", 48, "+20%", ["gpu"]),
     _c("decode.eager_kernels_per_step", "EAGER_KERNELS_PER_STEP", None, "A", "E2 (counted)", 77, "+20%", ["gpu"]),
     _c(
-        "decode.eager_kv_passes",
-        "EAGER_KV_PASSES",
-        None,
-        "A",
-        "transformers' DynamicCache.update (torch.cat each step)",
-        1.0,
-        "a static cache, read by attention only",
-        ["gpu"],
+        "decode.eager_kv_passes", "EAGER_KV_PASSES", None, "A", "DynamicCache's torch.cat", 1.0, "static cache", ["gpu"]
     ),
     _c("decode.cuda_launch_s", "CUDA_LAUNCH_S", None, "C", "O1 (a consumer GPU)", 6.4e-6, "O1 with a sync", ["gpu"]),
     _c(
