@@ -27,7 +27,7 @@ from lab.cli.model_args import check_model_path, model_of, model_parent, ops_tab
 from lab.core.errors import UserError
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
-from lab.predict.efficiency import FP8_DECODE_TIME_VS_BF16, FP8_SCALINGS
+from lab.predict.efficiency import FP8_DECODE_TIME_VS_BF16, FP8_SCALINGS, eager_host_time
 from lab.predict.inference.estimate import MOE_WEIGHTS, WEIGHT_DTYPES, InferConfig, estimate_inference
 from lab.predict.intervals import for_inference
 from lab.predict.intervals import text as interval_text
@@ -410,7 +410,7 @@ def _register_estimate(isub, common):
         action="store_true",
         help="with --achievable, one model per GPU: PyTorch eager generate (Hugging Face transformers without CUDA "
         "graphs or torch.compile), whose host issues every op from Python: a step takes the longer of the host's "
-        "time (0.61 ms a layer, measured) and the GPU's",
+        f"time ({(eager_host_time(1) - eager_host_time(0)) * 1e3:.2f} ms a layer, measured) and the GPU's",
     )
     ie.add_argument("--continuous", action="store_true", help=argparse.SUPPRESS)  # gone: refused, naming infer serve
     # the Plan's dtypes and pricing mode: priced as it is built
