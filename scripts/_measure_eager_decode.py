@@ -33,11 +33,13 @@ LAYERS = (2, 8, 16, 32)
 SHORT, LONG = 8, 40  # new tokens of the two generate calls whose difference times LONG - SHORT decode steps
 PROMPT = 64
 REPEATS = 7
-# ATen ops that only make a view or read metadata: no kernel on a GPU
+# ATen ops that launch no kernel on a GPU: views and metadata, allocations, and reads of one value to the host (a copy
+# and a sync, not a kernel)
 NO_KERNEL = {
     "view",
     "_unsafe_view",
     "reshape",
+    "_reshape_alias",
     "expand",
     "transpose",
     "t",
@@ -51,25 +53,22 @@ NO_KERNEL = {
     "as_strided",
     "split",
     "split_with_sizes",
-    "unbind",
-    "size",
-    "stride",
-    "sym_size",
-    "empty",
-    "empty_like",
-    "empty_strided",
-    "lift_fresh",
-    "_to_copy_noop",
-    "is_same_size",
-    "_reshape_alias",
     "unsafe_split",
+    "unbind",
     "chunk",
     "narrow",
     "diagonal",
-    "contiguous_noop",
+    "size",
+    "stride",
+    "sym_size",
+    "is_same_size",
+    "lift_fresh",
+    "empty",
+    "empty_like",
+    "empty_strided",
     "item",
     "_local_scalar_dense",
-    "arange",
+    "is_nonzero",
 }
 
 
