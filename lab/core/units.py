@@ -67,6 +67,12 @@ def dtype_bytes(name: str) -> float:
     return DTYPE_BYTES[canonical_dtype(name)]
 
 
+def wire_bytes(compute: str) -> float:
+    """Bytes per activation element a collective moves when the matmuls compute in ``compute``: its width, and 16 bits
+    for narrower recipes (fp8 and int8 matmuls take and give 16-bit activations)."""
+    return max(2.0, dtype_bytes(compute))
+
+
 def _scaled(value: float, steps: list[tuple[float, str]], unit: str, digits: int = 3) -> str:
     for factor, prefix in steps:
         # the value as it will print (999.97 rounds to 1e+03: that is the next prefix's 1)

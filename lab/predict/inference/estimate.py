@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from lab.core.errors import UserError
 from lab.core.hardware import Chip
 from lab.core.models import ModelConfig
-from lab.core.units import canonical_dtype, dtype_bytes
+from lab.core.units import canonical_dtype, dtype_bytes, wire_bytes
 from lab.predict import efficiency as eff
 from lab.predict.inference.attention_kernels import decode_attention_flops, prefill_attention_flops
 from lab.predict.placement import placement
@@ -325,7 +325,7 @@ def _comm(chip: Chip, kind: str, nbytes: float, group: int, achievable: bool) ->
 
 def _act_bytes(cfg: InferConfig) -> float:
     """Bytes per activation on the wire: the compute dtype's (16-bit for int8/fp8 compute)."""
-    return 4.0 if cfg.compute == "fp32" else 2.0
+    return wire_bytes(cfg.compute)
 
 
 def comms(cfg: InferConfig, tokens: float) -> list[tuple[str, float, float, int, str]]:

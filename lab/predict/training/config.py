@@ -10,6 +10,7 @@ from lab.core.degrees import DEGREES
 from lab.core.errors import UserError
 from lab.core.hardware import Chip
 from lab.core.models import ModelConfig
+from lab.core.units import wire_bytes
 from lab.predict.training.remat import policy as remat_policy
 
 REMAT = ("none", "selective", "full")
@@ -205,7 +206,7 @@ class TrainConfig:
     @property
     def act_bytes(self) -> float:
         """Bytes per activation element on the wire: the compute dtype's, 16-bit for fp8/int8 recipes."""
-        return {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}.get(self.dtype, 2.0)
+        return wire_bytes(self.dtype)
 
     @property
     def batch_tokens(self) -> int:
