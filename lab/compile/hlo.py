@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lab.core.collective_kinds import HLO_NAMES
+from lab.core.collective_kinds import HLO_NAMES, from_hlo
 
 HLO_DTYPES = {
     "f32": ("fp32", 4),
@@ -539,7 +539,7 @@ def _collective(module: Module, instr, times: float, kind: str, replica_groups: 
     dtype = (ops or results)[0].dtype if (ops or results) else "?"
     return CompiledCollective(
         name=instr.name,
-        kind="permute" if kind == "collective-permute" else kind,
+        kind=from_hlo(kind),
         dtype=dtype,
         bytes=v,
         elements=e,

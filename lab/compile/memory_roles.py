@@ -16,12 +16,9 @@ from typing import Any
 
 from lab.compile.hlo import Module, parse_shapes
 from lab.compile.memory_dump import Allocation, LiveRanges, Value
+from lab.core.collective_kinds import HLO_NAMES
 
-COLLECTIVE_OPCODES = frozenset(
-    f"{k}{s}"
-    for k in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
-    for s in ("", "-start", "-done")
-)
+COLLECTIVE_OPCODES = frozenset(f"{k}{s}" for k in (*HLO_NAMES, "ragged-all-to-all") for s in ("", "-start", "-done"))
 _BOOKKEEPING = frozenset(
     ("constant", "parameter", "broadcast", "iota", "copy", "bitcast", "tuple", "get-tuple-element", "")
 )

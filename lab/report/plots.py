@@ -27,7 +27,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from lab.core.collective_kinds import HLO_NAMES
+from lab.core.collective_kinds import HLO_NAMES, from_hlo
 from lab.core.paths import chart_metadata
 
 BAND = (0.67, 1.5)  # the measured/predicted band the validation criterion judges by
@@ -339,7 +339,7 @@ def _kind_roof(hw: dict[str, Any], kind: str, link: float) -> float | None:
     """A calibrated host's bus-bandwidth roof for one collective kind: the link over the factor its bandwidth term
     was measured at for the whole mesh (lab.predict.collectives prices the term x factor); None uncalibrated."""
     factors = (hw.get("calibration") or {}).get("collective_factor") or {}
-    factor = factors.get("permute" if kind == "collective-permute" else kind)
+    factor = factors.get(from_hlo(kind))
     if not factor or abs(float(factor) - 1) < 0.02:  # the link's own roof already (AllGather's is the fit itself)
         return None
     return link / float(factor)
@@ -368,7 +368,7 @@ def _collectives(ax, report: dict[str, Any]) -> None:
     for i, kind in enumerate(sorted({r["kind"] for r in comm})):
         sel = [r for r in comm if r["kind"] == kind]
         groups = [_group(report, r) for r in sel]
-        if kind not in ("collective-permute", "permute"):  # a send's factor is 1 whatever its group
+        if from_hlo(kind) != "permute":  # a send's factor is 1 whatever its group
             unknown += sum(g is None for g in groups)
         moved = [r["collective_bytes"] * bus_factor(kind, g or 1) for r, g in zip(sel, groups, strict=True)]
         color, v = f"C{i}", [r["collective_bytes"] for r in sel]

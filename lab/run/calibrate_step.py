@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from lab.core.collective_kinds import KINDS
 from lab.predict.efficiency import HOST_OP_KINDS
 
 # The reference: every device busy with the same shapes (data parallel over the whole mesh), attention as the lab runs
@@ -69,7 +70,7 @@ def factors(report: dict[str, Any]) -> dict[str, Any]:
         est, meas = op.get("estimated_s"), op.get("measured_s")
         if not est or not meas:
             continue
-        kind = KIND_OF.get(op.get("kind"), "collective" if op.get("role") or op.get("kind") in _COLLECTIVE else None)
+        kind = KIND_OF.get(op.get("kind"), "collective" if op.get("role") or op.get("kind") in KINDS else None)
         if kind is None:
             continue
         sums[kind][0] += meas
@@ -77,9 +78,6 @@ def factors(report: dict[str, Any]) -> dict[str, Any]:
     out = {k: (m / e if e > 0 and m > 0 else 1.0) for k, (m, e) in sums.items()}
     detail = {k: {"measured_s": m, "estimated_s": e} for k, (m, e) in sums.items()}
     return {"op_factor": out, "op_factor_detail": detail}
-
-
-_COLLECTIVE = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "permute")
 
 
 def measure_step(spec_path: Path, devices: int, quick: bool, progress=None) -> dict[str, Any]:
