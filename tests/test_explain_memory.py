@@ -312,10 +312,6 @@ def test_the_estimate_is_held_to_the_live_buffers_and_the_heap_s_free_space_not_
     roles = by_role(list(reading.buffers), {"params": 4096, "activations": est - 4096, "total": est})
     total = sum(b.bytes for b in reading.buffers)
     explained = MemoryExplanation(
-        "synth",
-        {"x": 2},
-        "tpu",
-        "v5e:2x4",
         total,
         total,
         3,
@@ -325,6 +321,10 @@ def test_the_estimate_is_held_to_the_live_buffers_and_the_heap_s_free_space_not_
         {},
         heap=heap,
         live_bytes=reading.live_bytes,
+        target="synth",
+        mesh={"x": 2},
+        backend="tpu",
+        compiled_for="v5e:2x4",
     )
     d = explained.to_dict()
     assert d["held_bytes"] == held and d["estimated_bytes"] == pytest.approx(est)

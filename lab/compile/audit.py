@@ -39,11 +39,8 @@ from lab.predict.program.estimate import ProgramEstimate, estimate_program
 
 @dataclass(frozen=True)
 class AuditResult(CompiledView):
-    target: str
-    mesh: dict[str, int]
     sizes: dict[str, int]
     dtype: str
-    backend: str
     entries: tuple[AuditEntry, ...]
     unexpected: tuple[dict[str, Any], ...]
     flops_predicted: float
@@ -56,7 +53,6 @@ class AuditResult(CompiledView):
     memory: dict[str, float] = field(default_factory=dict)
     source: str = ""
     layout: dict[str, Any] = field(default_factory=dict)  # the Transformer's rules, batch, seq and remat
-    compiled_for: str | None = None  # a TPU topology compiled for ahead of time (nothing ran), e.g. "v5e:2x4"
     step_time_estimated_s: float | None = None  # the estimator's step, beside XLA's optimal_seconds
 
     @property

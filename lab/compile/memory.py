@@ -75,10 +75,6 @@ ESTIMATED = {
 
 @dataclass(frozen=True)
 class MemoryExplanation(CompiledView):
-    target: str
-    mesh: dict[str, int]
-    backend: str
-    compiled_for: str | None
     peak_bytes: float  # every row: the buffers live at the peak and the heap rows
     xla_peak_bytes: float
     peak_position: int

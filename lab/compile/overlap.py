@@ -329,10 +329,6 @@ def per_axis(rows: Iterable[Collective]) -> dict[str, dict[str, float]]:
 
 @dataclass(frozen=True)
 class OverlapExplanation(CompiledView):
-    target: str
-    mesh: dict[str, int]
-    backend: str
-    compiled_for: str | None
     collectives: tuple[Collective, ...]
     estimator: str = ""
     trace: TraceOverlap | None = None
@@ -475,8 +471,8 @@ def explain_overlap(
         merged = target is None and same  # the run ran this schedule
         rows = _measured(rows, trace.collectives) if merged else rows
     backend, where = ("tpu", target.name) if target is not None else (jax.devices()[0].platform, None)
-    name = plan.name or plan.program
-    return OverlapExplanation(name, dict(plan.shape), backend, where, tuple(rows), source, trace, tuple(ran), merged)
+    view = {"target": plan.name or plan.program, "mesh": dict(plan.shape), "backend": backend, "compiled_for": where}
+    return OverlapExplanation(tuple(rows), source, trace, tuple(ran), merged, **view)
 
 
 __all__ = [

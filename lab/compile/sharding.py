@@ -144,11 +144,7 @@ class TracedCollective:
 
 @dataclass(frozen=True)
 class ShardingExplanation(CompiledView):
-    target: str
     program: str
-    mesh: dict[str, int]
-    backend: str
-    compiled_for: str | None
     rules: dict[str, list[str]]
     remat: str
     arrays: tuple[ShardedArray, ...]

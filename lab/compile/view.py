@@ -1,23 +1,26 @@
 """What every account of one compiled program says first: which program, on which mesh, compiled where.
 
 The audit, ``explain memory``, ``explain overlap`` and ``explain sharding`` each describe one compiled program. Their
-results share four fields (``target``, ``mesh``, ``backend``, ``compiled_for``) and say them the same way, through
-:class:`CompiledView`: the table's first line names the mesh and where the program was compiled ("TPU v5e:2x4,
-cross-compiled: nothing ran", "cpu, emulated"), and the JSON begins with the same keys and ``emulated``.
+results share four fields (``target``, ``mesh``, ``backend``, ``compiled_for``), declared once by
+:class:`CompiledView` (keyword-only, so each result's own fields keep their order), and say them the same way: the
+table's first line names the mesh and where the program was compiled ("TPU v5e:2x4, cross-compiled: nothing ran",
+"cpu, emulated"), and the JSON begins with the same keys and ``emulated``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 
+@dataclass(frozen=True, kw_only=True)
 class CompiledView:
-    """A mixin for the frozen dataclasses that describe one compiled program; they define the four fields."""
+    """The base of the frozen dataclasses that describe one compiled program: its four fields, given by keyword."""
 
     target: str
     mesh: dict[str, int]
     backend: str
-    compiled_for: str | None  # a TPU topology compiled for ahead of time (nothing ran), e.g. "v5e:2x4"
+    compiled_for: str | None = None  # a TPU topology compiled for ahead of time (nothing ran), e.g. "v5e:2x4"
 
     @property
     def emulated(self) -> bool:
