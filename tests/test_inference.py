@@ -318,8 +318,9 @@ def test_a_gpu_decode_step_pays_its_kernels_fixed_costs():
 
 def test_a_decode_steps_matmuls_run_at_the_tile_factor_of_their_rows():
     """The decode batch is every product's row count: 128 rows on a 128-wide tile reach half the GEMM ceiling
-    (A100 bf16: 82.2%, microbenchmarks.md G9), as the training estimator's matmuls do; the ideal roofline does not
-    change, and the named ops still add up to the step."""
+    (A100 bf16: 82.2%, microbenchmarks.md G9), as the training estimator's matmuls do, and each projection's K and N
+    take their tile factors too (FLOP-weighted); the ideal roofline does not change, and the named ops still add up
+    to the step."""
     import dataclasses
 
     from lab.predict.inference.estimate import decode_step
@@ -329,7 +330,12 @@ def test_a_decode_steps_matmuls_run_at_the_tile_factor_of_their_rows():
     cfg = InferConfig(model=m, chip=get_chip("a100-80gb"), batch=128, context=512, tp=8, achievable=True)
     d = decode_step(cfg)
     flops = d["matmul_flops"] + d["attention_flops"]
-    assert d["compute_s"] == pytest.approx(flops / (0.822 * 128 / 256 * 312e12), rel=1e-9)
+    # llama2-70b over tp=8, (k, n) per chip: QKV (8192, (8192 + 2 x 1024) / 8), out (1024, 8192), gate and up
+    # (8192, 3584) each, down (3584, 8192); weighted by k x n, their times add
+    products = [(8192, 1280, 1), (1024, 8192, 1), (8192, 3584, 2), (3584, 8192, 1)]
+    shape = sum(k * n * c for k, n, c in products) / sum((k + 128) * (n + 128) * c for k, n, c in products)
+    assert shape == pytest.approx(0.9385, abs=5e-4)
+    assert d["compute_s"] == pytest.approx(flops / (0.822 * 128 / 256 * shape * 312e12), rel=1e-9)
     ideal = decode_step(dataclasses.replace(cfg, achievable=False))
     assert ideal["compute_s"] == pytest.approx(flops / 312e12, rel=1e-9)
     assert sum(o["time_s"] for o in decode_ops(cfg)) == pytest.approx(d["step_s"])

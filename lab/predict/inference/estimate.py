@@ -22,7 +22,8 @@ Serving after the scaling book's inference chapters (inference.md, applied-infer
   AllReduces over ``[B P, D]``.
 * **Ideal by default.** Like the book, the default prices peak FLOP/s and bandwidth;
   ``achievable=True`` applies the efficiency model of :mod:`lab.predict.efficiency` instead: the GEMM ceiling
-  and, in a decode step, the tile factor of its ``B`` rows (a batch of 128 computes at half the ceiling).
+  and, as the training estimator prices a matmul, the tile factor of every dimension: the pass's rows (a decode
+  batch of 128 computes at half the ceiling) and each projection's K and N on one chip (:func:`matmul_shape_factor`).
 """
 
 from __future__ import annotations
@@ -300,16 +301,40 @@ def _mem_time(chip: Chip, nbytes: float, achievable: bool) -> float:
 
 
 def _flop_time(
-    chip: Chip, flops: float, dtype: str, achievable: bool, rows: float | None = None, tile: float | None = None
+    chip: Chip,
+    flops: float,
+    dtype: str,
+    achievable: bool,
+    rows: float | None = None,
+    tile: float | None = None,
+    shape: float = 1.0,
 ) -> float:
-    """FLOPs at the peak (ideal), or at the GEMM ceiling; with ``rows`` (a decode step's tokens, the rows every
+    """FLOPs at the peak (ideal), or at the GEMM ceiling; with ``rows`` (the tokens of a pass, the rows every
     product has) also at the tile factor ``rows / (rows + tile)`` the training estimator's matmuls take
-    (efficiency.matmul_efficiency): a batch of 128 rows on a 128-wide tile runs at half the ceiling."""
+    (efficiency.matmul_efficiency): a batch of 128 rows on a 128-wide tile runs at half the ceiling; and at
+    ``shape``, the factor of the products' other two dimensions (:func:`matmul_shape_factor`)."""
     if not achievable:
         return flops / chip.flops(dtype)
     tile = eff.tile(chip) if tile is None else tile
-    frac = eff.gemm_ceiling(chip, dtype) * (1.0 if rows is None else rows / (rows + tile))
+    frac = eff.gemm_ceiling(chip, dtype) * (1.0 if rows is None else rows / (rows + tile)) * shape
     return flops / (frac * chip.flops(dtype))
+
+
+def matmul_shape_factor(cfg: InferConfig) -> float:
+    """The share of the GEMM ceiling a forward pass's products keep for their K and N dimensions on one chip: the
+    tile factor ``k / (k + t) x n / (n + t)`` of each of a layer's projections as the training estimator prices them
+    (efficiency.matmul_efficiency; Q, K and V as one product), FLOP-weighted (a harmonic mean: their times add).
+    The rows' factor is the pass's own (:func:`_flop_time`); attention's products are taken at the same share."""
+    m, t, tp, d = cfg.model, eff.tile(cfg.chip), cfg.tp, cfg.model.d_model
+    width = m.d_ff if m.is_moe else m.dense_ff  # an expert's MLP (experts split over tp), else the dense MLP
+    uses = (m.experts_per_token + m.shared_experts) if m.is_moe else 1
+    products = (  # (k, n, times per token)
+        (d, (m.attention_matmul_params - m.v_dim * d) / (d * tp), 1),
+        (m.v_dim / tp, d, 1),
+        (d, width / tp, (m.mlp_matrices - 1) * uses),
+        (width / tp, d, uses),
+    )
+    return sum(k * n * c for k, n, c in products) / sum((k + t) * (n + t) * c for k, n, c in products)
 
 
 def _comm(chip: Chip, kind: str, nbytes: float, group: int, achievable: bool) -> tuple[float, bool]:
@@ -363,7 +388,8 @@ def decode_step(cfg: InferConfig, context: int | None = None) -> dict[str, float
     att = m.attention_flops_per_token(ctx, causal=False) * b / (cfg.tp * cfg.ep)
     if cfg.pallas_blocks is not None:
         att = decode_attention_flops(cfg, ctx)
-    compute_s = _flop_time(chip, mm + att, cfg.compute, cfg.achievable, rows=b, tile=eff.decode_row_tile(chip, cfg))
+    tile = eff.decode_row_tile(chip, cfg)
+    compute_s = _flop_time(chip, mm + att, cfg.compute, cfg.achievable, b, tile, matmul_shape_factor(cfg))
     # the weights stream through skinny GEMMs, which reach less of HBM than a copy (achievable)
     weights_s = (
         eff.decode_weights_time(chip, weight_bytes, cfg.weights, cfg.compute, cfg.fp8_scaling)
@@ -411,7 +437,7 @@ def prefill_terms(cfg: InferConfig) -> dict[str, float]:
         * cfg.replica_batch
         / (kv_shards(m, cfg.tp, cfg.replica_batch / cfg.ep) * cfg.ep)
     )
-    compute_s = _flop_time(chip, mm + att, cfg.compute, cfg.achievable)
+    compute_s = _flop_time(chip, mm + att, cfg.compute, cfg.achievable, tokens / cfg.dp, shape=matmul_shape_factor(cfg))
     memory_s = _mem_time(chip, wbytes + kv_write, cfg.achievable)
     comm = sum(
         calls * _comm(chip, k, b, g, cfg.achievable)[0] for k, b, calls, g, _ in comms(cfg, cfg.replica_batch * p)

@@ -18,6 +18,7 @@ from lab.predict.inference.estimate import (
     _mem_time,
     comms,
     decode_step,
+    matmul_shape_factor,
     prefill_terms,
 )
 
@@ -67,13 +68,16 @@ def _split(
     rest = mm_flops - (logits_flops or 0.0)
     total_used = sum(used[k] for k in shared)
     ops = []
+    rows = cfg.replica_batch * (1 if decode else (cfg.prefill_len or 0))
+    tile = eff.decode_row_tile(chip, cfg) if decode else None
+    shape = matmul_shape_factor(cfg)
     for name in (*MATMULS, "embed", "norm"):
         w = weight_bytes * read[name] / total_read
         flops = rest * used[name] / total_used if name in shared else 0.0
         if name == "logits" and logits_flops is not None:
             flops = logits_flops
         if not memory_bound:
-            t = _flop_time(chip, flops, cfg.compute, cfg.achievable, rows=cfg.replica_batch if decode else None)
+            t = _flop_time(chip, flops, cfg.compute, cfg.achievable, rows, tile, shape)
         elif decode and cfg.achievable:  # the weights at the skinny-GEMM rate, as decode_step prices them all
             t = eff.decode_weights_time(chip, w, cfg.weights, cfg.compute, cfg.fp8_scaling)
         else:
@@ -89,7 +93,7 @@ def _split(
         )
     t_att = _mem_time(chip, kv_bytes, cfg.achievable)
     if not memory_bound:
-        t_att += _flop_time(chip, att_flops, cfg.compute, cfg.achievable, rows=cfg.replica_batch if decode else None)
+        t_att += _flop_time(chip, att_flops, cfg.compute, cfg.achievable, rows, tile, shape)
     ops.append(
         {"name": "attention/scores", "kind": "attention", "time_s": t_att, "flops": att_flops, "bytes": kv_bytes}
     )

@@ -39,6 +39,7 @@ from lab.predict.inference.estimate import (
     check_infer,
     comms,
     kv_shards,
+    matmul_shape_factor,
     param_bytes_per_chip,
 )
 
@@ -63,6 +64,7 @@ class StepPricer:
         self.kv_per_token = m.kv_bytes_per_token(cfg.kv) / cfg.ep
         self.fixed = eff.decode_kernel_overhead(chip, m.layers) + cfg.step_overhead_s
         self.row_tile = eff.decode_row_tile(chip, cfg)
+        self.shape = matmul_shape_factor(cfg)
         self._per_tokens: dict[tuple[int, int], tuple[float, float, float, float]] = {}
 
     def _terms(self, tokens: int, seqs: int) -> tuple[float, float, float, float]:
@@ -72,7 +74,7 @@ class StepPricer:
         if hit is not None:
             return hit
         cfg, m, chip = self.cfg, self.cfg.model, self.cfg.chip
-        spf = _flop_time(chip, 1.0, cfg.compute, True, rows=tokens, tile=self.row_tile)
+        spf = _flop_time(chip, 1.0, cfg.compute, True, tokens, self.row_tile, self.shape)
         dense, experts = _split_params(m)
         touched = 1.0
         if m.is_moe and cfg.moe_weights == "routed":
