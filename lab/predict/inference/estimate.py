@@ -23,7 +23,7 @@ Serving after the scaling book's inference chapters (inference.md, applied-infer
 * **Ideal by default.** Like the book, the default prices peak FLOP/s and bandwidth;
   ``achievable=True`` applies the efficiency model of :mod:`lab.predict.efficiency` instead: the GEMM ceiling
   and, as the training estimator prices a matmul, the tile factor of every dimension: the pass's rows (a decode
-  batch of 128 computes at half the ceiling) and each projection's K and N on one chip (:func:`matmul_shape_factor`).
+  batch of 128 computes at half the ceiling) and each projection's K and N on one chip (rates.matmul_shape_factor).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from lab.core.models import ModelConfig
 from lab.core.units import canonical_dtype, dtype_bytes, wire_bytes
 from lab.predict import efficiency as eff
 from lab.predict.inference.attention_kernels import decode_attention_flops, prefill_attention_flops
+from lab.predict.inference.rates import flop_time, matmul_shape_factor, mem_time
 from lab.predict.placement import placement
 
 TYPE_CHECKING = False  # typing is not imported at run time: annotations only
@@ -296,47 +297,6 @@ def kv_bytes_per_sequence(m: ModelConfig, context: int, kv: str) -> float:
     return m.kv_bytes_per_token(kv) * context
 
 
-def _mem_time(chip: Chip, nbytes: float, achievable: bool) -> float:
-    return eff.memory_time(chip, nbytes) if achievable else nbytes / chip.hbm_bandwidth
-
-
-def _flop_time(
-    chip: Chip,
-    flops: float,
-    dtype: str,
-    achievable: bool,
-    rows: float | None = None,
-    tile: float | None = None,
-    shape: float = 1.0,
-) -> float:
-    """FLOPs at the peak (ideal), or at the GEMM ceiling; with ``rows`` (the tokens of a pass, the rows every
-    product has) also at the tile factor ``rows / (rows + tile)`` the training estimator's matmuls take
-    (efficiency.matmul_efficiency): a batch of 128 rows on a 128-wide tile runs at half the ceiling; and at
-    ``shape``, the factor of the products' other two dimensions (:func:`matmul_shape_factor`)."""
-    if not achievable:
-        return flops / chip.flops(dtype)
-    tile = eff.tile(chip) if tile is None else tile
-    frac = eff.gemm_ceiling(chip, dtype) * (1.0 if rows is None else rows / (rows + tile)) * shape
-    return flops / (frac * chip.flops(dtype))
-
-
-def matmul_shape_factor(cfg: InferConfig) -> float:
-    """The share of the GEMM ceiling a forward pass's products keep for their K and N dimensions on one chip: the
-    tile factor ``k / (k + t) x n / (n + t)`` of each of a layer's projections as the training estimator prices them
-    (efficiency.matmul_efficiency; Q, K and V as one product), FLOP-weighted (a harmonic mean: their times add).
-    The rows' factor is the pass's own (:func:`_flop_time`); attention's products are taken at the same share."""
-    m, t, tp, d = cfg.model, eff.tile(cfg.chip), cfg.tp, cfg.model.d_model
-    width = m.d_ff if m.is_moe else m.dense_ff  # an expert's MLP (experts split over tp), else the dense MLP
-    uses = (m.experts_per_token + m.shared_experts) if m.is_moe else 1
-    products = (  # (k, n, times per token)
-        (d, (m.attention_matmul_params - m.v_dim * d) / (d * tp), 1),
-        (m.v_dim / tp, d, 1),
-        (d, width / tp, (m.mlp_matrices - 1) * uses),
-        (width / tp, d, uses),
-    )
-    return sum(k * n * c for k, n, c in products) / sum((k + t) * (n + t) * c for k, n, c in products)
-
-
 def _comm(chip: Chip, kind: str, nbytes: float, group: int, achievable: bool) -> tuple[float, bool]:
     """One collective over a group of ``group`` neighbouring chips, where it sits (lab.predict.placement: inside a
     node or pod on the fast links; a larger one also over the slow link, as training prices it)."""
@@ -389,14 +349,16 @@ def decode_step(cfg: InferConfig, context: int | None = None) -> dict[str, float
     if cfg.pallas_blocks is not None:
         att = decode_attention_flops(cfg, ctx)
     tile = eff.decode_row_tile(chip, cfg)
-    compute_s = _flop_time(chip, mm + att, cfg.compute, cfg.achievable, b, tile, matmul_shape_factor(cfg))
+    compute_s = flop_time(
+        chip, mm + att, cfg.compute, cfg.achievable, b, tile, matmul_shape_factor(cfg.model, cfg.chip, cfg.tp)
+    )
     # the weights stream through skinny GEMMs, which reach less of HBM than a copy (achievable)
     weights_s = (
         eff.decode_weights_time(chip, weight_bytes, cfg.weights, cfg.compute, cfg.fp8_scaling)
         if cfg.achievable
         else weight_bytes / chip.hbm_bandwidth
     )
-    kv_s = _mem_time(chip, kv_bytes, cfg.achievable) * (eff.EAGER_KV_PASSES if cfg.eager else 1.0)
+    kv_s = mem_time(chip, kv_bytes, cfg.achievable) * (eff.EAGER_KV_PASSES if cfg.eager else 1.0)
     comm, lat = 0.0, False
     for kind, nbytes, calls, group, _ in comms(cfg, b):
         t, bound = _comm(chip, kind, nbytes, group, cfg.achievable)
@@ -437,8 +399,15 @@ def prefill_terms(cfg: InferConfig) -> dict[str, float]:
         * cfg.replica_batch
         / (kv_shards(m, cfg.tp, cfg.replica_batch / cfg.ep) * cfg.ep)
     )
-    compute_s = _flop_time(chip, mm + att, cfg.compute, cfg.achievable, tokens / cfg.dp, shape=matmul_shape_factor(cfg))
-    memory_s = _mem_time(chip, wbytes + kv_write, cfg.achievable)
+    compute_s = flop_time(
+        chip,
+        mm + att,
+        cfg.compute,
+        cfg.achievable,
+        tokens / cfg.dp,
+        shape=matmul_shape_factor(cfg.model, cfg.chip, cfg.tp),
+    )
+    memory_s = mem_time(chip, wbytes + kv_write, cfg.achievable)
     comm = sum(
         calls * _comm(chip, k, b, g, cfg.achievable)[0] for k, b, calls, g, _ in comms(cfg, cfg.replica_batch * p)
     )

@@ -14,13 +14,11 @@ from lab.predict import efficiency as eff
 from lab.predict.inference.estimate import (
     InferConfig,
     _comm,
-    _flop_time,
-    _mem_time,
     comms,
     decode_step,
-    matmul_shape_factor,
     prefill_terms,
 )
+from lab.predict.inference.rates import flop_time, matmul_shape_factor, mem_time
 
 TYPE_CHECKING = False  # typing is not imported at run time: annotations only
 if TYPE_CHECKING:
@@ -70,18 +68,18 @@ def _split(
     ops = []
     rows = cfg.replica_batch * (1 if decode else (cfg.prefill_len or 0))
     tile = eff.decode_row_tile(chip, cfg) if decode else None
-    shape = matmul_shape_factor(cfg)
+    shape = matmul_shape_factor(cfg.model, cfg.chip, cfg.tp)
     for name in (*MATMULS, "embed", "norm"):
         w = weight_bytes * read[name] / total_read
         flops = rest * used[name] / total_used if name in shared else 0.0
         if name == "logits" and logits_flops is not None:
             flops = logits_flops
         if not memory_bound:
-            t = _flop_time(chip, flops, cfg.compute, cfg.achievable, rows, tile, shape)
+            t = flop_time(chip, flops, cfg.compute, cfg.achievable, rows, tile, shape)
         elif decode and cfg.achievable:  # the weights at the skinny-GEMM rate, as decode_step prices them all
             t = eff.decode_weights_time(chip, w, cfg.weights, cfg.compute, cfg.fp8_scaling)
         else:
-            t = _mem_time(chip, w, cfg.achievable)
+            t = mem_time(chip, w, cfg.achievable)
         ops.append(
             {
                 "name": name,
@@ -91,9 +89,9 @@ def _split(
                 "bytes": w,
             }
         )
-    t_att = _mem_time(chip, kv_bytes, cfg.achievable)
+    t_att = mem_time(chip, kv_bytes, cfg.achievable)
     if not memory_bound:
-        t_att += _flop_time(chip, att_flops, cfg.compute, cfg.achievable, rows, tile, shape)
+        t_att += flop_time(chip, att_flops, cfg.compute, cfg.achievable, rows, tile, shape)
     ops.append(
         {"name": "attention/scores", "kind": "attention", "time_s": t_att, "flops": att_flops, "bytes": kv_bytes}
     )

@@ -33,15 +33,13 @@ from lab.predict import efficiency as eff
 from lab.predict.inference.estimate import (
     InferConfig,
     _comm,
-    _flop_time,
-    _mem_time,
     _split_params,
     check_infer,
     comms,
     kv_shards,
-    matmul_shape_factor,
     param_bytes_per_chip,
 )
+from lab.predict.inference.rates import flop_time, matmul_shape_factor, mem_time
 
 # vLLM's default gpu_memory_utilization: weights, activations and the KV pool share 90% of each chip's memory.
 MEMORY_UTILIZATION = 0.9
@@ -64,7 +62,7 @@ class StepPricer:
         self.kv_per_token = m.kv_bytes_per_token(cfg.kv) / cfg.ep
         self.fixed = eff.decode_kernel_overhead(chip, m.layers) + cfg.step_overhead_s
         self.row_tile = eff.decode_row_tile(chip, cfg)
-        self.shape = matmul_shape_factor(cfg)
+        self.shape = matmul_shape_factor(cfg.model, cfg.chip, cfg.tp)
         self._per_tokens: dict[tuple[int, int], tuple[float, float, float, float]] = {}
 
     def _terms(self, tokens: int, seqs: int) -> tuple[float, float, float, float]:
@@ -74,7 +72,7 @@ class StepPricer:
         if hit is not None:
             return hit
         cfg, m, chip = self.cfg, self.cfg.model, self.cfg.chip
-        spf = _flop_time(chip, 1.0, cfg.compute, True, tokens, self.row_tile, self.shape)
+        spf = flop_time(chip, 1.0, cfg.compute, True, tokens, self.row_tile, self.shape)
         dense, experts = _split_params(m)
         touched = 1.0
         if m.is_moe and cfg.moe_weights == "routed":
@@ -82,7 +80,7 @@ class StepPricer:
         wbytes = (dense / cfg.tp + experts / (cfg.tp * cfg.ep) * touched) * dtype_bytes(cfg.weights)
         weights_s = eff.decode_weights_time(chip, wbytes, cfg.weights, cfg.compute, cfg.fp8_scaling)
         comm_s = sum(calls * _comm(chip, k, b, g, True)[0] for k, b, calls, g, _ in comms(cfg, tokens))
-        kv_spb = _mem_time(chip, 1.0, True) / kv_shards(m, cfg.tp, seqs / cfg.ep)
+        kv_spb = mem_time(chip, 1.0, True) / kv_shards(m, cfg.tp, seqs / cfg.ep)
         hit = self._per_tokens[key] = (spf, weights_s, comm_s, kv_spb)
         return hit
 
