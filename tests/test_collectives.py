@@ -224,3 +224,13 @@ def test_comm_time_takes_a_spelling_of_a_kind():
 
     h100 = get_chip("h100")
     assert eff.comm_time(h100, "AllReduce", 2.0**24, 8) == eff.comm_time(h100, "all-reduce", 2.0**24, 8) > 0
+
+
+def test_an_all_gather_on_a_mesh_runs_over_every_link_to_the_group():
+    # MI300X: one 64 GB/s link to each peer; a group of D sends over D - 1 of them: V (D-1) / (D (D-1) W) = V / (D W)
+    mi = get_chip("mi300x")
+    v = 1e9
+    for d in (2, 4, 8):
+        c = collective_time("all-gather", v, d, mi)
+        assert c.bandwidth_s == pytest.approx(v / (d * 6.4e10)) and c.link == "xgmi"
+    assert collective_time("permute", v, 8, mi).bandwidth_s == pytest.approx(v / 6.4e10)  # one send, one link

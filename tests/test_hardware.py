@@ -12,12 +12,22 @@ CANONICAL = [
     "tpu-v5e",
     "tpu-v5p",
     "tpu-v6e",
+    "tpu-v7x",
     "a100-40gb",
     "a100-80gb",
+    "a800",
     "h100",
     "h100-pcie",
     "h200",
+    "h800",
+    "h20",
     "b200",
+    "gb200",
+    "b300",
+    "gb300",
+    "mi300x",
+    "mi325x",
+    "mi355x",
     "a10g",
     "a10",
     "l4",
@@ -211,6 +221,10 @@ def test_catalog_entries_are_immutable():
         ("TPU v5 lite", 15.7e9, "tpu-v5e"),
         ("TPU v5", 95e9, "tpu-v5p"),
         ("TPU v6 lite", 31.2e9, "tpu-v6e"),
+        ("TPU7x", 94e9, "tpu-v7x"),
+        ("NVIDIA H800", 79.1e9, "h800"),
+        ("NVIDIA GB200", 184e9, "gb200"),
+        ("AMD Instinct MI300X", 191e9, "mi300x"),
     ],
 )
 def test_device_kinds_map_to_their_exact_chip(kind, memory, chip):
@@ -220,10 +234,48 @@ def test_device_kinds_map_to_their_exact_chip(kind, memory, chip):
     assert Catalog().get(chip).name == chip
 
 
-@pytest.mark.parametrize("kind", ["NVIDIA H100 NVL", "NVIDIA GH200 480GB", "TPU7x", "NVIDIA A100-PCIE-40GB"])
+@pytest.mark.parametrize("kind", ["NVIDIA H100 NVL", "NVIDIA GH200 480GB", "TPU v8", "NVIDIA A100-PCIE-40GB"])
 def test_unknown_device_kinds_name_the_kind_and_the_way_out(kind):
     from lab.run.environment import chip_for_device
 
     with pytest.raises(UserError, match="--hardware NAME") as e:
         chip_for_device(kind, 80e9)
     assert repr(kind) in str(e.value) and "h100-pcie" in str(e.value)
+
+
+def test_parts_of_a_measured_die_are_priced_with_its_figures_and_keep_their_own_links():
+    from lab.predict import efficiency as eff
+
+    # H800 / A800: the H100 / A100 die with NVLink cut to 200 GB/s one way; GB200: B200's die in a 72-GPU domain
+    for part, die, link in (("h800", "h100", 2e11), ("a800", "a100-80gb", 2e11), ("gb200", "b200", 9e11)):
+        p, d = get_chip(part), get_chip(die)
+        assert eff.gemm_ceiling(p) == eff.gemm_ceiling(d) and eff.hbm_fraction(p) == eff.hbm_fraction(d)
+        assert p.link_bandwidth == link
+    assert get_chip("gb200").node_size == 72 and get_chip("h100-pcie") is not None
+    assert eff.family(get_chip("h20")) == "gpu"  # a cut-down Hopper with no matmul measured: not H100's figures
+
+
+def test_tpu7x_is_priced_per_chip_with_its_own_matmul_figure():
+    from lab.predict import efficiency as eff
+
+    c = get_chip("ironwood")
+    assert c.name == "tpu-v7x" and c.flops("bf16") == 2.307e15 and c.hbm_bytes == 192 * 2**30
+    assert eff.gemm_ceiling(c) == pytest.approx(956.4 / 1153.5, abs=1e-3)  # T4: one TensorCore's half of the chip
+    assert eff.gemm_ceiling(get_chip("v6e")) == eff.GEMM_CEILING_TPU_OTHER and eff.tile(c) == 256.0
+
+
+def test_a_mesh_node_reaches_one_link_per_peer_in_the_group():
+    c = get_chip("mi300x")  # 7 Infinity Fabric links of 64 GB/s one way, one to each peer
+    assert c.topology == "mesh" and c.node_size == 8
+    assert [c.group_egress(d) for d in (2, 4, 8)] == [6.4e10, 3 * 6.4e10, 7 * 6.4e10]
+    assert get_chip("h100").group_egress(2) == get_chip("h100").group_egress(8) == 4.5e11  # a switch: full egress
+
+
+def test_a_mesh_needs_a_node_size_and_is_no_tpu_fabric(tmp_path):
+    f = tmp_path / "m.toml"
+    f.write_text('[chip]\nname = "my-amd"\nbase = "mi300x"\nnode_size = 0\n')
+    with pytest.raises(UserError, match="node_size = 0 must be a positive integer"):
+        load_hardware_file(f)
+    f.write_text('[chip]\nname = "my-tpu"\nbase = "tpu-v5e"\ntopology = "mesh"\nnode_size = 8\n')
+    with pytest.raises(UserError, match="priced on a torus"):
+        load_hardware_file(f)

@@ -20,9 +20,9 @@ def _fits(chip, axes, scope):
     import math
 
     g = math.prod(axes)
-    if chip.topology == "switch" and scope == "node":
+    if chip.topology != "torus" and scope == "node":
         return g <= chip.node_size
-    if chip.topology == "switch" and g > chip.node_size:
+    if chip.topology != "torus" and g > chip.node_size:
         return g % chip.node_size == 0
     return True
 

@@ -95,7 +95,7 @@ def cmd_hardware_show(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if c.nics_per_node:
         nic = f"{c.nics_per_node} x {c.nic_bandwidth * 8 / 1e9:g} Gb/s per node" + (f", {c.fabric}" if c.fabric else "")
         rows.append(["scale-out NICs", nic, src.get("nics_per_node", "")])
-    if c.topology == "switch":
+    if c.topology != "torus":
         lat = scaleout_step_latency(c)
         rows.append(["step across nodes", fmt_seconds(lat), src.get("scaleout_latency_s", "") or "the chip's field"])
     if c.topology == "torus":

@@ -40,7 +40,7 @@ def scaleout_step_latency(chip: Chip) -> float:
 # may correct, and the scopes a collective can span: here, where the chip's data is, so that the command line lists
 # them without importing the cost model.
 COLLECTIVE_KINDS, COLLECTIVE_SCOPES = KINDS_TABLE, SCOPES_TABLE  # lab.core.collective_kinds: one table
-TOPOLOGIES = ("torus", "switch")
+TOPOLOGIES = ("torus", "switch", "mesh")
 WRAPAROUND_RULES = ("full-axis", "cube", "always", "never")
 MAX_TORUS_DIMS = 3  # every torus built for accelerators is 2D (TPU v5e, v6e) or 3D (v4, v5p); a 1D ring is one too
 
@@ -140,9 +140,11 @@ class Chip:
             matmul unit for is absent.
         hbm_bytes: device memory capacity.
         hbm_bandwidth: device memory bandwidth, bytes/s.
-        topology: ``torus`` (TPU ICI: direct chip-to-chip links) or ``switch`` (NVLink/NVSwitch
-            domain, or threads of one host for the CPU).
-        link_bandwidth: one-way bytes/s; per ICI link (torus) or per-chip switch egress (switch).
+        topology: ``torus`` (TPU ICI: direct chip-to-chip links), ``switch`` (NVLink/NVSwitch
+            domain, or threads of one host for the CPU) or ``mesh`` (every chip of a node linked directly to
+            each of the others: AMD Infinity Fabric).
+        link_bandwidth: one-way bytes/s; per ICI link (torus), per-chip switch egress (switch) or per link to
+            one peer (mesh: a group of d chips in a node reaches d - 1 of them, :meth:`group_egress`).
         hop_latency_s: fixed cost of one step of a ring collective on the scale-up fabric.
         scaleout_bandwidth: one-way bytes/s per chip on DCN or InfiniBand.
         scaleout_latency_s: fixed cost of one step across the scale-out network.
@@ -217,14 +219,14 @@ class Chip:
             )
         if self.wraparound_rule in ("full-axis", "cube") and not self.wraparound_size:
             raise UserError(f"{where}: wraparound_rule {self.wraparound_rule!r} needs a wraparound_size")
-        if (self.kind, self.topology) in (("tpu", "switch"), ("gpu", "torus")):  # e.g. kind = "tpu" on a GPU base
+        if (self.kind == "tpu") != (self.topology == "torus") and self.kind != "cpu":  # e.g. "tpu" on a GPU base
             want = "torus" if self.kind == "tpu" else "switch"
             raise UserError(
                 f"{where}: kind {self.kind!r} with topology {self.topology!r}: a {self.kind.upper()} is priced on a "
                 f"{want} (give topology = {want!r} with its fields, or base the chip on a catalog {self.kind.upper()})"
             )
-        if self.topology == "switch" and not self.node_size:
-            raise UserError(f"{where}: a switch topology needs node_size (chips per switch domain)")
+        if self.topology != "torus" and not self.node_size:
+            raise UserError(f"{where}: a {self.topology} topology needs node_size (chips per node)")
         if self.pod_shape is not None and not self.pod_shape:
             raise UserError(
                 f"{where}: pod_shape = [] names no axis; give the pod's axis sizes, e.g. [16, 16], or leave it out "
@@ -271,7 +273,7 @@ class Chip:
             raise UserError(
                 f"{where}: give nics_per_node and nic_bandwidth together (e.g. 8 and 5e10 for 8 x 400 Gb/s)"
             )
-        if self.topology != "switch":
+        if self.topology == "torus":
             raise UserError(
                 f"{where}: nics_per_node describes a GPU node; a TPU's DCN share is scaleout_bandwidth per chip"
             )
@@ -290,6 +292,13 @@ class Chip:
     def critical_intensity(self, dtype: str = "bf16") -> float:
         """FLOPs per HBM byte above which a kernel is compute-bound: ``peak / hbm_bandwidth``."""
         return self.flops(dtype) / self.hbm_bandwidth
+
+    def group_egress(self, members: int) -> float:
+        """One-way bytes/s a chip sends to the others of a group of ``members`` inside one node: its switch egress,
+        or on a mesh its links to the ``members - 1`` peers (one link to each); the link itself on a torus."""
+        if self.topology == "mesh":
+            return self.link_bandwidth * max(1, members - 1)
+        return self.link_bandwidth
 
     @property
     def ici_bidirectional(self) -> float:

@@ -16,6 +16,13 @@ DEVICE_KIND_TO_CHIP = {
     "nvidia h100 pcie": "h100-pcie",
     "nvidia h200": "h200",
     "nvidia b200": "b200",
+    "nvidia h800": "h800",
+    "nvidia h20": "h20",
+    "nvidia gb200": "gb200",
+    "nvidia a800-sxm4-80gb": "a800",
+    "amd instinct mi300x": "mi300x",
+    "amd instinct mi325x": "mi325x",
+    "amd instinct mi355x": "mi355x",
     "nvidia a100-sxm4-80gb": "a100-80gb",
     "nvidia a100-sxm4-40gb": "a100-40gb",
     "tpu v3": "tpu-v3",
@@ -26,6 +33,7 @@ DEVICE_KIND_TO_CHIP = {
     "tpu v5p": "tpu-v5p",
     "tpu v6 lite": "tpu-v6e",
     "tpu v6e": "tpu-v6e",
+    "tpu7x": "tpu-v7x",
 }
 # Kinds whose name leaves the part open: told apart by the memory JAX reports (bytes_limit is a little under the
 # HBM size, so the split is between the two sizes).

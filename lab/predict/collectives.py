@@ -29,6 +29,10 @@ AllGather costs ``V (N-1) / (N W_link)``; AllToAll ``V (N-1) / (N^2 W_link)``. A
 hierarchical form ``V * max((D-1)/(D W_link), (M-1)/(M W_node))`` applies (D GPUs per node in the
 group, M nodes, ``W_node = D * scaleout_bandwidth``). A GPU collective adds NCCL's fixed launch cost.
 TPU ``cross-node`` means across slices over DCN, priced per chip like a switch with one chip per node.
+On a **mesh** (AMD Infinity Fabric: one direct link between each pair of a node's GPUs) the collective libraries
+run rings over every link at once, so a member of a D-chip group sends over its D-1 links to the others:
+``W_link`` is D-1 times one link's rate (an 8-GPU all-reduce reaches 70% of 7 links, a 2-GPU one 75% of one:
+microbenchmarks-added.md X3), and a point-to-point send has one link.
 
 AllReduce is ReduceScatter followed by AllGather, in every case (no in-network reduction).
 """
@@ -151,9 +155,10 @@ def _switched(kind: str, v: float, g: int, chip: Chip, scope: str, per_node: int
         d, m = per_node, g // per_node
     elif scope == "node":
         if g > chip.node_size:
+            where = "host" if chip.kind == "cpu" else ("NVLink node" if chip.topology == "switch" else "node")
             raise UserError(
-                f"a group of {g} {chip.name} chips does not fit in one {chip.node_size}-chip "
-                f"{'host' if chip.kind == 'cpu' else 'NVLink node'}; use --scope cross-node"
+                f"a group of {g} {chip.name} chips does not fit in one {chip.node_size}-chip {where}; "
+                "use --scope cross-node"
             )
         d, m = g, 1
     elif chip.topology == "torus" or g <= chip.node_size:
@@ -165,14 +170,15 @@ def _switched(kind: str, v: float, g: int, chip: Chip, scope: str, per_node: int
                 f"{chip.node_size}-GPU nodes; use a multiple of {chip.node_size}"
             )
         d, m = chip.node_size, g // chip.node_size
-    w_link = chip.link_bandwidth
+    w_link = chip.group_egress(d)  # a mesh's d - 1 links to the node's other members; a switch's egress
     w_node = d * chip.scaleout_bandwidth
     if chip.kind == "cpu":
         link = "host"
     elif chip.topology == "torus":
         link = "dcn"
     else:
-        link = "nvlink" if m == 1 else ("network" if d == 1 else "nvlink+network")
+        fast = "nvlink" if chip.topology == "switch" else "xgmi"
+        link = fast if m == 1 else ("network" if d == 1 else f"{fast}+network")
     # Per step latency: NVLink steps inside a node, network steps across nodes.
     lat_in, lat_out = chip.hop_latency_s, scaleout_step_latency(chip)
     if kind in ("all-gather", "reduce-scatter"):
@@ -185,8 +191,8 @@ def _switched(kind: str, v: float, g: int, chip: Chip, scope: str, per_node: int
         hops = 1 if g > 1 else 0
         hops_lat = hops * (lat_out if m > 1 else lat_in)
         formula = "max(V(D-1)/(D*N*W_link), V(M-1)/(M^2*W_node))"
-    else:  # permute
-        bw = v / (w_link if m == 1 else chip.scaleout_bandwidth)
+    else:  # permute: one send, over one link (a mesh's to its one peer)
+        bw = v / (chip.link_bandwidth if m == 1 else chip.scaleout_bandwidth)
         hops = 1 if g > 1 else 0
         hops_lat = hops * (lat_out if m > 1 else lat_in)
         formula = "V/W (one send per device)"

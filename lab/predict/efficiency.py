@@ -128,9 +128,19 @@ GEMM_CEILING: dict[tuple[str, str], float] = {
     ("l40s", "bf16"): 0.743,  # D6: 269.2 of 362
     ("l40s", "fp8"): 0.743,  # no fp8 sweep: bf16's share (C)
     ("v100", "bf16"): 0.759,  # D9: fp16 94.8 of 125 (the rate a 16-bit job runs at on Volta)
+    # AMD Instinct (microbenchmarks-added.md X1: best-shape bf16 matmul, torch with TunableOp; no sustained figure is
+    # published, so these are bursts): MI300X 668.4 of 1307.4, MI325X 784.9 of 1307.4, MI355X 1565 of 2500. No fp8
+    # matmul is measured on any of them: bf16's share (C).
+    ("mi300x", "bf16"): 0.511,
+    ("mi300x", "fp8"): 0.511,
+    ("mi325x", "bf16"): 0.600,
+    ("mi325x", "fp8"): 0.600,
+    ("mi355x", "bf16"): 0.626,
+    ("mi355x", "fp8"): 0.626,
 }
 GEMM_CEILING_TPU = 0.923  # G26: v5e jnp.matmul bf16 8192^3
 GEMM_CEILING_TPU_OTHER = 0.923  # no v4/v5p/v6e figure is published: v5e's carried over (grade B)
+GEMM_CEILING_TPU7X = 0.829  # T4: TPU7x bf16 32768^3 at 956.4 TF per JAX device, one TensorCore's half of 2307
 # a chip family with no measurement: a GPU takes Hopper's sustained bf16 rate (MSMF), not a burst's
 GEMM_CEILING_OTHER = {"gpu": 0.76, "cpu": 1.0}
 TILE = {"gpu": 128.0, "tpu": 128.0, "cpu": 1.0}
@@ -151,6 +161,8 @@ ATTENTION: dict[tuple[str, str], float] = {
 HBM_FRACTION = {"a100": 0.79, "h100": 0.87, "h200": 0.84, "b200": 0.92}  # H1, H2, H3, H4 (GB200)
 # inference cards' copies (D10: a.copy_(b), host-timed; grade C): A10 469 of 600 GB/s, V100 766 of 900
 HBM_FRACTION |= {"a10": 0.78, "a10g": 0.78, "v100": 0.85}
+# AMD Instinct: MI300X's HBM3 at 4.2 of 5.3 TB/s (X2, ROCm's roofline tool), carried to MI325X's and MI355X's HBM3e
+HBM_FRACTION |= {"mi300x": 0.79, "mi325x": 0.79, "mi355x": 0.79}
 # an unmeasured GPU (assumed); TPUs: TPU7x's copy at 87% of HBM (microbenchmarks-added.md T3), carried to v3-v6e
 HBM_FRACTION_OTHER = {"gpu": 0.85, "tpu": 0.87, "cpu": 1.0}
 DECODE_WEIGHT_FRACTION = 0.68  # G16: DeepGEMM M=64 rows on H800 reach 50/73/80% of HBM (mean); Hopper's HBM3
@@ -167,6 +179,9 @@ DECODE_WEIGHT_FRACTION_TPU = 0.87
 
 # Fraction of the link a ring collective reaches (microbenchmarks.md §4).
 NVLINK_RING = {"a100": 0.775, "h100": 0.81, "h200": 0.81, "b200": 0.75}  # C1/C2, C6, C6, C8
+# AMD's Infinity Fabric mesh (the scale-up fabric's share, read by the same rule): MI300X's 8-GPU all-reduce at 312.9 of
+# 7 x 64 GB/s (X3; 2 GPUs: 74.5% of one link), carried to MI325X (the same links) and MI355X (faster links)
+NVLINK_RING |= {"mi300x": 0.70, "mi325x": 0.70, "mi355x": 0.70}
 NVLS_ALL_REDUCE = {"h100": 1.07, "h200": 1.07, "b200": 0.93}  # C3/C5, C6, C8: busbw at 6-8 GPUs (NVLS)
 NIC_FRACTION = 0.72  # C14 (74%), C17 (71%): per-GPU NIC rate of inter-node all-reduce at >= 1 GiB
 ICI_FRACTION = 0.95  # C20: v5e AllGather at 95% of the link rate
@@ -190,7 +205,15 @@ def host_link_bandwidth(chip: Chip) -> float:
 
 
 # The measured families, by the start of a catalog name (a100 before a10: "a100-80gb" is an A100)
-FAMILIES = ("a100", "a10g", "a10", "h100", "h200", "b200", "l40s", "l4", "v100")
+FAMILIES = ("a100", "a10g", "a10", "h100", "h200", "b200", "l40s", "l4", "v100", "mi300x", "mi325x", "mi355x")
+# Parts built on a measured family's die and memory under another name: H800 and A800 are the H100 and A100 with their
+# NVLink cut (microbenchmarks.md §1: "H800 SXM5 has the H100 SXM tensor-core and HBM specs"; the A800 likewise), and
+# GB200's GPU is B200's Blackwell die on HBM3e at a higher power limit. Their links are the catalog's own; every
+# figure measured on the die (GEMM, attention, HBM, NVLink ring share) is the family's.
+SAME_DIE = {"h800": "h100", "a800": "a100", "gb200": "b200"}
+# Blackwell Ultra (B300, GB300): no sustained figure is published; its best-shape bf16 matmul keeps 78.6% of the peak
+# (X4), B200's 77.6% (G6), so B200's figures are carried (grade B, as for any part of another die).
+SAME_DIE |= {"b300": "b200", "gb300": "b200"}
 _FAMILIES: dict[tuple[str, str], str] = {}  # (name, kind) -> family: every priced op and collective asks
 
 
@@ -203,6 +226,7 @@ def family(chip: Chip) -> str:
         fam = chip.kind
         if "pcie" not in chip.name:
             fam = next((n for n in FAMILIES if chip.name.startswith(n)), chip.kind)
+            fam = next((f for n, f in SAME_DIE.items() if chip.name.startswith(n)), fam)
         if len(_FAMILIES) > 256:
             _FAMILIES.clear()
         _FAMILIES[key] = fam
@@ -226,14 +250,15 @@ def host_factor(chip: Chip, kind: str) -> float:
 
 
 def tile(chip: Chip) -> float:
-    # v6e's MXU is 256x256 (tpus.md); the other TPUs' are 128x128.
-    return 256.0 if chip.name == "tpu-v6e" else TILE[chip.kind]
+    # v6e's MXU is 256x256 (tpus.md); TPU7x's taken as v6e's, its predecessor's (no published size was found: an
+    # assumption); the other TPUs' are 128x128.
+    return 256.0 if chip.name in ("tpu-v6e", "tpu-v7x") else TILE[chip.kind]
 
 
 def gemm_ceiling(chip: Chip, dtype: str = "bf16") -> float:
     """The best fraction of ``dtype``'s peak a large GEMM reaches on this chip (module docstring)."""
     if chip.kind == "tpu":
-        return GEMM_CEILING_TPU if chip.name == "tpu-v5e" else GEMM_CEILING_TPU_OTHER
+        return {"tpu-v5e": GEMM_CEILING_TPU, "tpu-v7x": GEMM_CEILING_TPU7X}.get(chip.name, GEMM_CEILING_TPU_OTHER)
     dt = {"fp16": "bf16", "fp32": "bf16"}.get(canonical_dtype(dtype), canonical_dtype(dtype))
     return GEMM_CEILING.get((family(chip), dt), GEMM_CEILING_OTHER[chip.kind])
 

@@ -184,8 +184,8 @@ def parse(text: str, path: str = "<text>", split: str = "test") -> tuple[PublicR
             split=split,
             source_key=src["key"],
         )
-        if src.get("assumed") and not run.assumed:
-            run = dataclasses.replace(run, assumed=src["assumed"])
+        if src.get("assumed"):  # the source's assumptions, then the run's own
+            run = dataclasses.replace(run, assumed="; ".join(a for a in (src["assumed"], run.assumed) if a))
         _check_catalog(where, run)
         out.append(run)
     return tuple(out)
