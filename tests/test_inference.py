@@ -365,3 +365,11 @@ def test_decode_weights_stream_at_the_skinny_gemm_share_of_each_gpus_own_copy_ra
     assert t["weights_s"] == pytest.approx(t["weight_bytes"] / (0.87 * tpu.chip.hbm_bandwidth), rel=1e-9)
     ideal = decode_step(dataclasses.replace(a100, achievable=False))
     assert ideal["weights_s"] == pytest.approx(ideal["weight_bytes"] / 2.039e12, rel=1e-9)
+
+
+def test_an_fp16_kv_cache_is_stored_at_bf16s_width():
+    # vLLM's default cache dtype on an fp16 model is fp16: two bytes an element, as bf16
+    half = est(batch=8, context=4096, tp=8, kv="fp16")
+    brain = est(batch=8, context=4096, tp=8, kv="bf16")
+    assert half.kv_bytes_per_chip == brain.kv_bytes_per_chip > 0 and half.decode_step_s == brain.decode_step_s
+    assert est(batch=8, context=4096, tp=8, kv="int8").kv_bytes_per_chip == pytest.approx(brain.kv_bytes_per_chip / 2)
