@@ -14,8 +14,6 @@ Conventions (named in every result, since sources differ):
 
 KV-cache bytes per token: ``2 * L * K * H * bytes`` (inference.md).
 """
-# Over 500 lines on purpose: the model config and its accounting (parameters, FLOPs, KV bytes): the conventions are
-# named once, for the estimators and the kernels alike.
 
 from __future__ import annotations
 
@@ -32,9 +30,6 @@ TYPE_CHECKING = False  # typing is not imported at run time: annotations only
 if TYPE_CHECKING:
     from typing import Any
 
-HF = "Hugging Face config.json of the released checkpoint"
-KORTHIKANTI = "Korthikanti et al. 2022 (arXiv 2205.05198), Table 3"
-NARAYANAN = "Narayanan et al. 2021 (arXiv 2104.04473), Table 1"
 # Every integer dim of a model is at most this: about a hundred times the largest published (a 10M-token context,
 # a 1M-token vocabulary), and small enough that the checks which list a dim's divisors stay instant.
 MAX_DIM = 2**30
@@ -367,115 +362,17 @@ class ModelConfig:
         return d
 
 
-def _megatron(name: str, heads: int, hidden: int, layers: int, source: str) -> ModelConfig:
-    """GPT-style models of the Megatron papers: 4h GeLU MLP, biases, LayerNorm, learned positions,
-    tied embeddings, V = 51200, s = 2048, dropout."""
-    return ModelConfig(
-        name=name,
-        layers=layers,
-        d_model=hidden,
-        d_ff=4 * hidden,
-        heads=heads,
-        kv_heads=heads,
-        head_dim=hidden // heads,
-        vocab=51200,
-        tied_embeddings=True,
-        gated_mlp=False,
-        learned_positions=True,
-        biases=True,
-        norm="layernorm",
-        dropout=True,
-        max_seq_len=2048,
-        source=source,
-    )
+# The built-in catalog: cited data in lab/core/data/models.json (one entry a model, its source beside its dims), read
+# through the loader a user's model file goes through (model_from_fields), so the same checks hold it.
+CATALOG_FILE = Path(__file__).parent / "data" / "models.json"
 
 
-def _llama(name: str, layers: int, d: int, f: int, n: int, k: int, v: int, ctx: int, theta: float) -> ModelConfig:
-    return ModelConfig(
-        name=name,
-        layers=layers,
-        d_model=d,
-        d_ff=f,
-        heads=n,
-        kv_heads=k,
-        head_dim=d // n,
-        vocab=v,
-        max_seq_len=ctx,
-        rope_theta=theta,
-        norm_eps=1e-5,
-        source=HF,
-    )
+def _load_catalog() -> tuple[tuple[ModelConfig, ...], dict[str, str]]:
+    import json
 
-
-CATALOG: tuple[ModelConfig, ...] = (
-    _llama("llama3-8b", 32, 4096, 14336, 32, 8, 128256, 8192, 500000.0),
-    _llama("llama3-70b", 80, 8192, 28672, 64, 8, 128256, 8192, 500000.0),
-    _llama("llama3-405b", 126, 16384, 53248, 128, 8, 128256, 8192, 500000.0),
-    _llama("llama2-7b", 32, 4096, 11008, 32, 32, 32000, 4096, 10000.0),
-    _llama("llama2-13b", 40, 5120, 13824, 40, 40, 32000, 4096, 10000.0),
-    _llama("llama2-70b", 80, 8192, 28672, 64, 8, 32000, 4096, 10000.0),
-    ModelConfig(
-        name="gpt3-175b",
-        layers=96,
-        d_model=12288,
-        d_ff=49152,
-        heads=96,
-        kv_heads=96,
-        head_dim=128,
-        vocab=50257,
-        tied_embeddings=True,
-        gated_mlp=False,
-        learned_positions=True,
-        biases=True,
-        norm="layernorm",
-        dropout=True,
-        max_seq_len=2048,
-        source="Brown et al. 2020 (GPT-3), Table 2.1",
-    ),
-    _megatron("megatron-22b", 64, 6144, 48, KORTHIKANTI),
-    _megatron("megatron-175b", 96, 12288, 96, KORTHIKANTI),
-    _megatron("megatron-530b", 128, 20480, 105, KORTHIKANTI),
-    _megatron("megatron-1t", 160, 25600, 128, KORTHIKANTI),
-    _megatron("megatron-1.7b", 24, 2304, 24, NARAYANAN),
-    _megatron("megatron-3.6b", 32, 3072, 30, NARAYANAN),
-    _megatron("megatron-7.5b", 32, 4096, 36, NARAYANAN),
-    _megatron("megatron-18.4b", 48, 6144, 40, NARAYANAN),
-    _megatron("megatron-39.1b", 64, 8192, 48, NARAYANAN),
-    _megatron("megatron-76.1b", 80, 10240, 60, NARAYANAN),
-    _megatron("megatron-145.6b", 96, 12288, 80, NARAYANAN),
-    _megatron("megatron-310.1b", 128, 16384, 96, NARAYANAN),
-    ModelConfig(
-        name="mixtral-8x7b",
-        layers=32,
-        d_model=4096,
-        d_ff=14336,
-        heads=32,
-        kv_heads=8,
-        head_dim=128,
-        vocab=32000,
-        experts=8,
-        experts_per_token=2,
-        max_seq_len=32768,
-        source=HF,
-    ),
-)
-
-_ALIASES = {
-    "llama-3-8b": "llama3-8b",
-    "llama3.1-8b": "llama3-8b",
-    "llama-3-70b": "llama3-70b",
-    "llama3.1-70b": "llama3-70b",
-    "llama-3.1-405b": "llama3-405b",
-    "llama3.1-405b": "llama3-405b",
-    "llama-2-7b": "llama2-7b",
-    "llama-2-13b": "llama2-13b",
-    "llama-2-70b": "llama2-70b",
-    "gpt3": "gpt3-175b",
-    "gpt-3": "gpt3-175b",
-    "mixtral": "mixtral-8x7b",
-    "megatron-530b-mtnlg": "megatron-530b",
-    "mt-nlg-530b": "megatron-530b",
-}
+    doc = json.loads(CATALOG_FILE.read_text(encoding="utf-8"))
+    models = tuple(model_from_fields(m, f"{CATALOG_FILE.name} model #{i}") for i, m in enumerate(doc["models"], 1))
+    return models, dict(doc["aliases"])
 
 
 def get_model(name: str) -> ModelConfig:
@@ -567,5 +464,7 @@ def resolve_model(spec: str | None, overrides: dict[str, Any] | None = None) -> 
         model = ModelConfig(**(dataclasses.asdict(model) | {"name": f"{model.name}+flags"} | overrides))
     return model
 
+
+CATALOG, _ALIASES = _load_catalog()
 
 __all__ = ["CATALOG", "ModelConfig", "get_model", "load_model_file", "resolve_model"]
