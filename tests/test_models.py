@@ -100,3 +100,26 @@ def test_bad_models(spec, overrides, match):
 def test_catalog_names_unique():
     names = [m.name for m in CATALOG]
     assert len(names) == len(set(names))
+
+
+def test_every_catalog_model_cites_its_source_and_every_alias_names_one():
+    from lab.core.models import _ALIASES
+
+    for m in CATALOG:
+        assert m.source and m.source != "user", m.name
+    names = {m.name for m in CATALOG}
+    assert set(_ALIASES.values()) <= names and not set(_ALIASES) & names
+
+
+def test_a_bad_catalog_entry_is_refused_by_name(tmp_path, monkeypatch):
+    import json
+
+    from lab.core import models
+
+    doc = json.loads(models.CATALOG_FILE.read_text(encoding="utf-8"))
+    doc["models"][0]["heads"] = 0
+    bad = tmp_path / "models.json"
+    bad.write_text(json.dumps(doc), encoding="utf-8")
+    monkeypatch.setattr(models, "CATALOG_FILE", bad)
+    with pytest.raises(UserError, match="model 'llama3-8b': heads must be a positive integer, got 0"):
+        models._load_catalog()
