@@ -115,7 +115,7 @@ def test_does_not_fit_reports_instead_of_failing():
         ({"batch": 1, "context": 10, "tp": 3}, "--tp 3 does not divide 64 attention heads"),
         ({"batch": 3, "context": 10, "dp": 2}, "--batch 3 does not divide over --dp 2"),
         ({"batch": 1, "context": 10, "ep": 2}, "--ep 2 needs a mixture-of-experts model"),
-        ({"batch": 1, "context": 10, "weights": "fp16"}, "--weights fp16 is not one of"),
+        ({"batch": 1, "context": 10, "weights": "fp4"}, "--weights fp4 is not one of"),
     ],
 )
 def test_bad_input(kw, match):
