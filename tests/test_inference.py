@@ -373,3 +373,12 @@ def test_an_fp16_kv_cache_is_stored_at_bf16s_width():
     brain = est(batch=8, context=4096, tp=8, kv="bf16")
     assert half.kv_bytes_per_chip == brain.kv_bytes_per_chip > 0 and half.decode_step_s == brain.decode_step_s
     assert est(batch=8, context=4096, tp=8, kv="int8").kv_bytes_per_chip == pytest.approx(brain.kv_bytes_per_chip / 2)
+
+
+def test_a_parallel_block_decodes_with_one_tensor_parallel_sum_a_layer():
+    import dataclasses
+
+    m = get_model("llama3-70b")
+    kw = dict(chip=H100, batch=1, context=2048, tp=8, achievable=True)
+    seq, par = est(model=m, **kw), est(model=dataclasses.replace(m, parallel_block=True), **kw)
+    assert par.comm_s == pytest.approx(seq.comm_s / 2) and par.weights_s == seq.weights_s

@@ -141,6 +141,7 @@ def test_a_bad_catalog_entry_is_refused_by_name(tmp_path, monkeypatch):
         ("bloom-176b", 176.2e9, None),  # BLOOM model card
         ("nemotron4-340b", 341e9, None),  # Nemotron-4 340B model card
         ("internlm2-20b", 19.86e9, None),  # InternLM2 model card
+        ("gpt-neox-20b", 20.55e9, None),  # Black et al. 2022 (GPT-NeoX-20B), 20.55B
     ],
 )
 def test_added_models_have_their_published_sizes(name, params, active):

@@ -324,3 +324,15 @@ def _json(argv) -> dict:
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
+
+
+def test_a_model_the_lab_cannot_build_is_refused_by_name_and_priced_by_the_estimators(tmp_path):
+    # GPT-NeoX-20B: a parallel block, biases, LayerNorm, a GeLU MLP: the lab's Transformer builds none of them
+    body = TRAIN.replace('dtype = "float32"', 'dtype = "float32"\nmodel = "gpt-neox-20b"')
+    body = body[: body.index("[model]")] + "[model]\nlayers = 2\n\n" + body[body.index("[rules]") :]
+    with pytest.raises(UserError, match="a parallel attention and MLP block") as e:
+        load_experiment(_file(tmp_path, body))
+    assert "gpt-neox-20b" in str(e.value) and "biases" in str(e.value)
+    m = dataclasses.replace(get_model("gpt-neox-20b"), layers=2)
+    cfg = TrainConfig(model=m, chip=get_chip("h100"), layout=Layout(tp=2), seq_len=2048, global_batch=8, microbatch=1)
+    assert estimate(cfg).step_time_s > 0

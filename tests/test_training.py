@@ -639,3 +639,25 @@ def test_eager_elementwise_ops_move_the_bytes_of_their_kernels():
 def test_an_unknown_elementwise_mode_names_the_valid_ones():
     with pytest.raises(UserError, match="--elementwise 'jit' is not one of fused, eager"):
         check_config(dataclasses.replace(cfg(), elementwise="jit"))
+
+
+def test_a_parallel_block_sums_half_the_tensor_parallel_outputs():
+    # GPT-J/NeoX/Falcon: attention and the MLP side by side, one sum a layer over the TP group, forward and backward
+    from lab.predict.training.comm import collectives
+
+    seq_model = get_model("llama3-70b")
+    par_model = dataclasses.replace(seq_model, name="parallel", parallel_block=True)
+    for sp in (False, True):
+        counts = []
+        for model in (seq_model, par_model):
+            c = dataclasses.replace(cfg("llama3-70b", tp=8, sequence_parallel=sp), model=model)
+            layer = [x for x in collectives(c) if x.role == "tp" and x.per == "layer"]
+            counts.append({x.kind: x.calls for x in layer})
+        assert counts[1] == {k: v / 2 for k, v in counts[0].items()}, sp
+    parts = {
+        m.name: estimate(dataclasses.replace(cfg("llama3-70b", tp=8), model=m)).to_dict()["breakdown"]
+        for m in (seq_model, par_model)
+    }
+    assert parts["parallel"]["compute_s"] == parts["llama3-70b"]["compute_s"]
+    # the per-layer sums halve; the vocabulary-parallel ones once a microbatch stay
+    assert parts["llama3-70b"]["comm_tp_s"] / 2 < parts["parallel"]["comm_tp_s"] < parts["llama3-70b"]["comm_tp_s"]

@@ -54,7 +54,12 @@ def cmd_model_show(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             + (f" + {m.shared_experts} shared" if m.shared_experts else "")
             + (f"; {m.dense_layers} dense layers (d_ff {m.dense_ff})" if m.dense_layers else ""),
         ],
-        ["layers / d_model / d_ff", f"{m.layers} / {m.d_model} / {m.d_ff}" + (" (gated)" if m.gated_mlp else "")],
+        [
+            "layers / d_model / d_ff",
+            f"{m.layers} / {m.d_model} / {m.d_ff}"
+            + (" (gated)" if m.gated_mlp else "")
+            + (" (parallel block)" if m.parallel_block else ""),
+        ],
         ["heads / kv_heads / head_dim", f"{m.heads} / {m.kv_heads} / {m.head_dim}"],
         ["vocab", f"{m.vocab}" + (" (tied)" if m.tied_embeddings else "")],
         [f"KV cache per token ({kv})", fmt_bytes(m.kv_bytes_per_token(kv))],

@@ -25,7 +25,7 @@ def model_flags() -> tuple[str, ...]:
     sets it), and the two switches; read from the model's own table when a command needs them."""
     from lab.core.models import ZERO_MEANS_NONE
 
-    return (*_sizes(), "tied_embeddings", *ZERO_MEANS_NONE, "gated_mlp")
+    return (*_sizes(), "tied_embeddings", *ZERO_MEANS_NONE, "gated_mlp", "parallel_block")
 
 
 def _sizes() -> tuple[str, ...]:
@@ -68,6 +68,12 @@ def model_parent(positional: bool) -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="SwiGLU MLP with 3 matrices (default for custom models) or a 2-matrix GeLU MLP",
+    )
+    g.add_argument(
+        "--parallel-block",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="attention and MLP side by side on one input (GPT-J, GPT-NeoX, Falcon): one TP sum a layer, not two",
     )
     return p
 

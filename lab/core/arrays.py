@@ -179,6 +179,7 @@ def unsupported_features(m: ModelConfig) -> list[str]:
             ("learned positions", m.learned_positions),
             (f"norm={m.norm}", m.norm != "rmsnorm"),
             ("biases", m.biases),
+            ("a parallel attention and MLP block", m.parallel_block),
         )
         if bad
     ]

@@ -83,6 +83,9 @@ class ModelConfig:
         q_lora_rank: MLA's query latent width (0: a full-rank query projection).
         rope_head_dim: MLA's decoupled RoPE width per query head (and of the one shared RoPE key).
         v_head_dim: MLA's value head width (0: ``head_dim``).
+        parallel_block: attention and the MLP read the same input and their outputs are summed into the residual
+            at once (GPT-J, GPT-NeoX, Falcon, PaLM): under tensor parallelism a layer sums one partial output, not
+            two (:attr:`tp_reductions_per_layer`). The lab's Transformer runs the sequential block only.
         learned_positions: a learned position embedding of ``max_seq_len x D`` (GPT); False for RoPE.
         biases: linear layers carry biases (GPT/Megatron); LLaMA has none.
         norm: ``layernorm`` (weight and bias) or ``rmsnorm`` (weight only).
@@ -112,6 +115,7 @@ class ModelConfig:
     q_lora_rank: int = 0
     rope_head_dim: int = 0
     v_head_dim: int = 0
+    parallel_block: bool = False
     learned_positions: bool = False
     biases: bool = False
     norm: str = "rmsnorm"
@@ -245,6 +249,13 @@ class ModelConfig:
     @property
     def norm_params_per_layer(self) -> int:
         return 2 * self.d_model * (2 if self.norm == "layernorm" else 1)
+
+    @property
+    def tp_reductions_per_layer(self) -> int:
+        """Partial outputs a layer sums over a tensor-parallel group in its forward pass (its row-parallel matmuls'):
+        attention's and the MLP's, or one sum of both in a parallel block; its backward sums as many input
+        gradients."""
+        return 1 if self.parallel_block else 2
 
     @property
     def router_params_per_layer(self) -> int:

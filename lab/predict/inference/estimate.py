@@ -318,7 +318,8 @@ def comms(cfg: InferConfig, tokens: float) -> list[tuple[str, float, float, int,
     prefill: batch x prompt): ``(kind, bytes of one call, calls, group, what)``."""
     m = cfg.model
     act = tokens * m.d_model * _act_bytes(cfg)
-    out = [("all-reduce", act / cfg.ep, 2 * m.layers, cfg.tp, "TP AllReduces: attention out, MLP down")]
+    syncs = m.tp_reductions_per_layer * m.layers
+    out = [("all-reduce", act / cfg.ep, syncs, cfg.tp, "TP AllReduces: attention out, MLP down (or their sum)")]
     if cfg.ep > 1:
         out.append(("all-to-all", act * m.experts_per_token, 2 * m.layers, cfg.ep, "EP dispatch and combine"))
     if cfg.tp > m.kv_heads:  # batch-sharded attention: queries out to the cache's owners and back

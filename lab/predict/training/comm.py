@@ -188,8 +188,9 @@ def _tp_layer(cfg: TrainConfig) -> list[Comm]:
     # The input gradients: Megatron's two fused projections; the lab's q, k, v and gate, up apart, and its expert
     # layers' one (kernels/transformer/moe_layer.py: the routed tokens' gradient summed once).
     share = m.moe_layers / m.layers if m.is_moe else 0.0
-    row, col = 2, (2 if cfg.fused_projections else 5 - share)
-    rows_again, gathers_again, regather = _recomputed_tp(cfg, row)
+    row = m.tp_reductions_per_layer  # a parallel block sums attention's and the MLP's outputs (and input grads) once
+    col = row if cfg.fused_projections or m.parallel_block else 5 - share
+    rows_again, gathers_again, regather = (min(n, row) for n in _recomputed_tp(cfg, row))
     if not cfg.fused_projections and regather:  # an expert layer keeps its gathered input for the weight gradients
         regather -= share
 
