@@ -254,8 +254,9 @@ def test_validate_command(capsys):
             "make the degrees multiply to 8",
         ),
         (
-            ["train", "estimate", "--model", "llama3-8b", "--hardware", "h100", "--chips", "10", "--pp", "5"],
-            "--pp 5 does not divide 32 layers; try --pp 4",
+            ["train", "estimate", "--model", "llama3-8b", "--hardware", "h100", "--chips", "10", "--pp", "5"]
+            + ["--pp-schedule", "interleaved", "--interleave", "2"],
+            "--pp 5 x --interleave 2 does not divide 32 layers; try --pp 4",
         ),
         (["train", "estimate", "--model", "llama9", "--hardware", "h100", "--chips", "8"], "unknown model 'llama9'"),
         (
@@ -392,3 +393,13 @@ def test_eager_elementwise_ops_slow_the_step_and_say_so(capsys):
     assert eager["breakdown"]["compute_s"] > fused["breakdown"]["compute_s"]
     assert eager["model_flops_per_step"] == fused["model_flops_per_step"]  # the same matmuls, more bytes
     assert ops == {(o["name"], o["kind"]) for o in fused["ops"]}
+
+
+def test_a_pipeline_the_layers_do_not_divide_runs_uneven_stages_priced_at_the_busiest(capsys):
+    # LLaMA-3 8B's 32 layers over 5 stages: 7/7/6/6/6, as an explicit --pp-split of the same prices it
+    base = ["train", "estimate", "--model", "llama3-8b", "--hardware", "h100", "--chips", "10", "--pp", "5", "--json"]
+    assert main(base) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert main([*base, "--pp-split", "7,7,6,6,6"]) == 0
+    split = json.loads(capsys.readouterr().out)
+    assert auto["layout"]["stage_split"] == [7, 7, 6, 6, 6] and auto["step_time_s"] == split["step_time_s"]

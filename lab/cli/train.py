@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 from lab.cli.args import (
@@ -135,9 +136,27 @@ def _check_layout_flags(args: argparse.Namespace, degrees: dict[str, int]) -> No
         raise UserError(f"--attention-kernel {args.attention_kernel} is a fused kernel; drop --no-flash-attention")
 
 
+def _uneven_stages(lay: Layout, layers: int) -> Layout:
+    """A 1F1B or GPipe pipeline whose stages the layers do not divide, as such runs are built (LLaMA 3 405B's 126
+    layers over 16 stages, BLOOM's 70 over 12, DeepSeek-V3's 61 over 16): stages of ceil and floor layers, the
+    busiest pricing the pipeline, shown as the layout's split (``--pp-split`` gives another; an interleaved
+    schedule or ``--pp-embedding-slots`` still needs the layers to divide)."""
+    if (
+        lay.pp <= 1
+        or lay.stage_split
+        or lay.pp_embedding_slots
+        or lay.v > 1
+        or not lay.pp < layers
+        or not layers % lay.pp
+    ):
+        return lay
+    split = tuple(layers // lay.pp + (1 if i < layers % lay.pp else 0) for i in range(lay.pp))
+    return dataclasses.replace(lay, stage_split=split)
+
+
 def train_config(args: argparse.Namespace, chip) -> TrainConfig:
     model = model_of(args)
-    layout = _layout(args)
+    layout = _uneven_stages(_layout(args), model.layers)
     seq = args.seq_len or model.max_seq_len
     replicas = layout.dp * layout.fsdp
     if args.global_batch is not None and args.batch_tokens is not None:
