@@ -115,7 +115,7 @@ def test_does_not_fit_reports_instead_of_failing():
         ({"batch": 1, "context": 10, "tp": 3}, "--tp 3 does not divide 64 attention heads"),
         ({"batch": 3, "context": 10, "dp": 2}, "--batch 3 does not divide over --dp 2"),
         ({"batch": 1, "context": 10, "ep": 2}, "--ep 2 needs a mixture-of-experts model"),
-        ({"batch": 1, "context": 10, "weights": "fp4"}, "--weights fp4 is not one of"),
+        ({"batch": 1, "context": 10, "weights": "int2"}, "unknown dtype 'int2'"),
     ],
 )
 def test_bad_input(kw, match):
@@ -382,3 +382,15 @@ def test_a_parallel_block_decodes_with_one_tensor_parallel_sum_a_layer():
     kw = dict(chip=H100, batch=1, context=2048, tp=8, achievable=True)
     seq, par = est(model=m, **kw), est(model=dataclasses.replace(m, parallel_block=True), **kw)
     assert par.comm_s == pytest.approx(seq.comm_s / 2) and par.weights_s == seq.weights_s
+
+
+def test_fp4_weights_stream_at_half_of_fp8s_bytes_and_fp4_matmuls_need_a_chip_that_has_them():
+    b200 = get_chip("b200")
+    fp4 = est(chip=b200, batch=1, context=1024, weights="fp4", compute="fp4", achievable=True)
+    fp8 = est(chip=b200, batch=1, context=1024, weights="fp8", compute="fp8", fp8_scaling="static", achievable=True)
+    assert fp4.weights_s == pytest.approx(fp8.weights_s / 2)
+    # weight-only fp4 (bf16 matmuls) on a GPU: the 4-bit weight-only kernel's streaming rate, as int4
+    w4 = est(chip=H100, batch=1, context=1024, weights="fp4", achievable=True)
+    assert w4.weights_s == est(chip=H100, batch=1, context=1024, weights="int4", achievable=True).weights_s
+    with pytest.raises(UserError, match="h100 has no fp4 peak in the catalog"):
+        est(chip=H100, batch=1, context=1024, weights="fp4", compute="fp4")

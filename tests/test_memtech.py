@@ -124,7 +124,7 @@ def test_fixed_batch_not_fitting_is_flagged():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(context=0), dict(batch=0), dict(tp=3), dict(tp=0), dict(weights="fp4"), dict(kv="int2"), dict(stacks=0)],
+    [dict(context=0), dict(batch=0), dict(tp=3), dict(tp=0), dict(weights="int3"), dict(kv="int2"), dict(stacks=0)],
 )
 def test_bad_inputs_are_user_errors(kwargs):
     with pytest.raises(UserError):

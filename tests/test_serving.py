@@ -165,7 +165,7 @@ def test_disaggregate_rejects_non_positive_inputs(kwargs):
     [
         dict(context=0),
         dict(context=-5),
-        dict(weights="fp4"),
+        dict(weights="int3"),
         dict(kv="int3"),
         dict(chips=()),
         dict(chips=(0, 8)),

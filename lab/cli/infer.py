@@ -378,9 +378,9 @@ def _register_estimate(isub, common):
     ie.add_argument(
         "--compute",
         type=dtype_arg,
-        choices=("bf16", "fp8", "int8"),
+        choices=("bf16", "fp8", "int8", "fp4"),
         default="bf16",
-        help="matmul dtype (quantised weights still compute in bf16 unless this says otherwise)",
+        help="matmul dtype (quantised weights still compute in bf16 unless this says otherwise; fp4 on Blackwell)",
     )
     ie.add_argument("--tp", type=positive_int("--tp"))
     ie.add_argument("--dp", type=positive_int("--dp"))

@@ -259,7 +259,8 @@ def gemm_ceiling(chip: Chip, dtype: str = "bf16") -> float:
     """The best fraction of ``dtype``'s peak a large GEMM reaches on this chip (module docstring)."""
     if chip.kind == "tpu":
         return {"tpu-v5e": GEMM_CEILING_TPU, "tpu-v7x": GEMM_CEILING_TPU7X}.get(chip.name, GEMM_CEILING_TPU_OTHER)
-    dt = {"fp16": "bf16", "fp32": "bf16"}.get(canonical_dtype(dtype), canonical_dtype(dtype))
+    # a 4-bit float GEMM takes its family's fp8 share where no fp4 figure is measured (an assumption)
+    dt = {"fp16": "bf16", "fp32": "bf16", "fp4": "fp8"}.get(canonical_dtype(dtype), canonical_dtype(dtype))
     return GEMM_CEILING.get((family(chip), dt), GEMM_CEILING_OTHER[chip.kind])
 
 
@@ -336,12 +337,22 @@ def decode_weight_fraction(chip: Chip) -> float:
 # of a skinny quantised GEMM is that of 16-row tiles.
 QUANT_STREAM = {"int8": 1.73 / 2.30, "int4": 1.25 / 2.30}
 QUANT_ROW_TILE = 16.0
+# A 4-bit float weight-only kernel (MXFP4/NVFP4 weights dequantised to bf16, Marlin's FP4 path) is priced as the
+# 4-bit integer one: no measurement of its own (an assumption).
+WEIGHT_ONLY_AS = {"fp4": "int4"}
+
+
+def _weight_only(weights: str, compute: str) -> str | None:
+    """The QUANT_STREAM key of a weight-only quantised GEMM (its weights narrower than the bf16 it computes in)."""
+    w = canonical_dtype(weights)
+    w = WEIGHT_ONLY_AS.get(w, w)
+    return w if w in QUANT_STREAM and canonical_dtype(compute) == "bf16" else None
 
 
 def decode_row_tile(chip: Chip, cfg) -> float:
     """The row tile a decode step's GEMMs pad its batch to (the compute floor): a quantised weight-only kernel's 16 on
     a GPU (QUANT_ROW_TILE), the chip's tile otherwise."""
-    if chip.kind == "gpu" and canonical_dtype(cfg.weights) in QUANT_STREAM and canonical_dtype(cfg.compute) == "bf16":
+    if chip.kind == "gpu" and _weight_only(cfg.weights, cfg.compute):
         return QUANT_ROW_TILE
     return tile(chip)
 
@@ -365,8 +376,9 @@ def decode_weights_time(
     """Streaming weights through the skinny GEMMs of a decode step (decode_weight_fraction); fp8 weights that
     multiply fp8 activations quantised as the step runs take FP8_DECODE_TIME_VS_BF16 of bf16's time on a GPU."""
     fraction = decode_weight_fraction(chip)
-    if chip.kind == "gpu" and canonical_dtype(weights) in QUANT_STREAM and canonical_dtype(compute) == "bf16":
-        fraction *= QUANT_STREAM[canonical_dtype(weights)]
+    quant = _weight_only(weights, compute)
+    if chip.kind == "gpu" and quant:
+        fraction *= QUANT_STREAM[quant]
     fp8_gemm = canonical_dtype(weights) == "fp8" and canonical_dtype(compute) == "fp8"
     if chip.kind == "gpu" and fp8_gemm and fp8_scaling == "dynamic":
         fraction *= dtype_bytes("fp8") / dtype_bytes("bf16") / FP8_DECODE_TIME_VS_BF16

@@ -44,7 +44,7 @@ TYPE_CHECKING = False  # typing is not imported at run time: annotations only
 if TYPE_CHECKING:
     from typing import Any
 
-WEIGHT_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4", "fp32")  # storage: fp16 is bf16's width
+WEIGHT_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4", "fp4", "fp32")  # storage: fp16 is bf16's width
 MOE_WEIGHTS = ("all", "routed")
 SAMPLE_BYTES = 8.0  # greedy sampling over vocab shards: each shard's best logit (fp32) and its index (int32)
 
