@@ -254,8 +254,10 @@ def test_validate_command(capsys):
             "make the degrees multiply to 8",
         ),
         (
-            ["train", "estimate", "--model", "llama3-8b", "--hardware", "h100", "--chips", "10", "--pp", "5"]
-            + ["--pp-schedule", "interleaved", "--interleave", "2"],
+            [
+                *("train", "estimate", "--model", "llama3-8b", "--hardware", "h100", "--chips", "10", "--pp", "5"),
+                *("--pp-schedule", "interleaved", "--interleave", "2"),
+            ],
             "--pp 5 x --interleave 2 does not divide 32 layers; try --pp 4",
         ),
         (["train", "estimate", "--model", "llama9", "--hardware", "h100", "--chips", "8"], "unknown model 'llama9'"),
