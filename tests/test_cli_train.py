@@ -405,3 +405,14 @@ def test_a_pipeline_the_layers_do_not_divide_runs_uneven_stages_priced_at_the_bu
     assert main([*base, "--pp-split", "7,7,6,6,6"]) == 0
     split = json.loads(capsys.readouterr().out)
     assert auto["layout"]["stage_split"] == [7, 7, 6, 6, 6] and auto["step_time_s"] == split["step_time_s"]
+
+
+def test_an_interleaved_pipeline_the_layers_do_not_divide_gives_the_embedding_and_loss_a_slot(capsys):
+    # LLaMA-3 405B: 126 layers over 16 stages x 8 chunks do not divide; with the embedding and the loss, 128 do
+    base = ["train", "estimate", "--model", "llama3-405b", "--hardware", "h100", "--chips", "1024", "--tp", "8"]
+    base += ["--pp", "16", "--pp-schedule", "interleaved", "--interleave", "8", "--seq-len", "8192", "--json"]
+    assert main(base) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert main([*base, "--pp-embedding-slots"]) == 0
+    slots = json.loads(capsys.readouterr().out)
+    assert auto["layout"]["pp_embedding_slots"] is True and auto["step_time_s"] == slots["step_time_s"]

@@ -137,10 +137,14 @@ def _check_layout_flags(args: argparse.Namespace, degrees: dict[str, int]) -> No
 
 
 def _uneven_stages(lay: Layout, layers: int) -> Layout:
-    """A 1F1B or GPipe pipeline whose stages the layers do not divide, as such runs are built (LLaMA 3 405B's 126
-    layers over 16 stages, BLOOM's 70 over 12, DeepSeek-V3's 61 over 16): stages of ceil and floor layers, the
-    busiest pricing the pipeline, shown as the layout's split (``--pp-split`` gives another; an interleaved
-    schedule or ``--pp-embedding-slots`` still needs the layers to divide)."""
+    """A pipeline whose stages the layers do not divide, as such runs are built (LLaMA 3 405B's 126 layers over 16
+    stages, BLOOM's 70 over 12, DeepSeek-V3's 61 over 16). 1F1B or GPipe: stages of ceil and floor layers, the
+    busiest pricing the pipeline, shown as the layout's split (``--pp-split`` gives another). Interleaved: the
+    embedding and the loss take a layer's slot each where that makes the chunks whole (``--pp-embedding-slots``,
+    shown as such); otherwise the check refuses it with the degrees that divide."""
+    chunks = lay.pp * lay.v
+    if lay.v > 1 and not lay.pp_embedding_slots and layers % chunks and not (layers + 2) % chunks:
+        return dataclasses.replace(lay, pp_embedding_slots=True)
     if (
         lay.pp <= 1
         or lay.stage_split

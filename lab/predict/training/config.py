@@ -102,6 +102,8 @@ class Layout:
             parts.append("sp")
         if self.pp > 1:
             parts.append(self.pp_schedule + (f"x{self.interleave}" if self.pp_schedule == "interleaved" else ""))
+            if self.pp_embedding_slots:
+                parts.append("embedding slots")
         if self.stage_split:
             parts.append("split " + "/".join(map(str, self.stage_split)))
         return " ".join(parts) or "single chip"
