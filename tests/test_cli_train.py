@@ -416,3 +416,21 @@ def test_an_interleaved_pipeline_the_layers_do_not_divide_gives_the_embedding_an
     assert main([*base, "--pp-embedding-slots"]) == 0
     slots = json.loads(capsys.readouterr().out)
     assert auto["layout"]["pp_embedding_slots"] is True and auto["step_time_s"] == slots["step_time_s"]
+
+
+def test_fp16_mixed_precision_and_adamw_are_priced_as_their_16_bit_and_adam_equals(capsys):
+    # fp16 matmuls run at the bf16 rate on GPUs that have both; AdamW keeps Adam's master weights and two moments
+    base = ["train", "estimate", "--model", "llama2-7b", "--hardware", "a100", "--chips", "8", "--seq-len", "4096"]
+    runs = {}
+    for extra in ((), ("--dtype", "fp16"), ("--optimizer", "adamw")):
+        assert main([*base, *extra, "--json"]) == 0
+        runs[extra] = json.loads(capsys.readouterr().out)
+    steps = {r["step_time_s"] for r in runs.values()}
+    assert len(steps) == 1 and runs[("--dtype", "fp16")]["dtype"] == "fp16"
+    with pytest.raises(SystemExit) as bad:
+        main([*base, "--optimizer", "lion"])
+    assert bad.value.code == 2
+    assert "'lion' is not an optimizer; valid: adam, sgd, adafactor, adamw" in capsys.readouterr().err
+    tpu = ["train", "estimate", "--model", "llama2-7b", "--hardware", "v5e", "--chips", "8", "--dtype", "fp16"]
+    assert main(tpu) == 2
+    assert "tpu-v5e has no fp16 peak" in capsys.readouterr().err

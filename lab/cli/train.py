@@ -136,6 +136,17 @@ def _check_layout_flags(args: argparse.Namespace, degrees: dict[str, int]) -> No
         raise UserError(f"--attention-kernel {args.attention_kernel} is a fused kernel; drop --no-flash-attention")
 
 
+def _optimizer(text: str) -> str:
+    """An optimizer's name as the estimator knows it: AdamW keeps Adam's master weights and two moments."""
+    name = {"adamw": "adam"}.get(text.strip().lower(), text.strip().lower())
+    if name not in OPTIMIZERS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an optimizer; valid: {', '.join(OPTIMIZERS)}, adamw")
+    return name
+
+
+_optimizer.kind = "optimizer"  # type: ignore[attr-defined]
+
+
 def _uneven_stages(lay: Layout, layers: int) -> Layout:
     """A pipeline whose stages the layers do not divide, as such runs are built (LLaMA 3 405B's 126 layers over 16
     stages, BLOOM's 70 over 12, DeepSeek-V3's 61 over 16). 1F1B or GPipe: stages of ceil and floor layers, the
@@ -503,8 +514,13 @@ def _stack_flags(te) -> None:
         metavar="K",
         help="the book's k saved [B, D] tensors per layer (sets activation memory)",
     )
-    te.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
-    te.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam")
+    te.add_argument("--dtype", choices=("bf16", "fp16", "fp8"), default="bf16")
+    te.add_argument(
+        "--optimizer",
+        type=_optimizer,
+        default="adam",
+        help=f"one of {', '.join(OPTIMIZERS)} (adamw is adam: the same two moments)",
+    )
     te.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=True)
     te.add_argument(
         "--attention-kernel",
