@@ -149,3 +149,25 @@ def test_added_models_have_their_published_sizes(name, params, active):
     assert m.params == pytest.approx(params, rel=0.012)
     if active is not None:
         assert m.active_params == pytest.approx(active, rel=0.03)
+
+
+@pytest.mark.parametrize(
+    ("spelling", "name"),
+    [
+        ("meta-llama/Llama-3.1-8B-Instruct", "llama3-8b"),
+        ("Llama-2-70b-chat-hf", "llama2-70b"),
+        ("mistralai/Mistral-7B-v0.1", "mistral-7b"),
+        ("Qwen/Qwen2.5-72B-Instruct", "qwen2.5-72b"),
+        ("deepseek-ai/DeepSeek-V3", "deepseek-v3"),
+        ("llama-3.3-70b", "llama3-70b"),
+    ],
+)
+def test_a_checkpoints_repository_id_or_variant_names_its_network(spelling, name):
+    assert resolve_model(spelling).name == name
+
+
+def test_a_name_that_differs_in_its_hyphens_alone_is_refused_with_the_model_it_resembles():
+    with pytest.raises(UserError, match=r"unknown model 'llama3_1-70b' \(did you mean llama3-70b\?\)"):
+        get_model("llama3_1-70b")
+    with pytest.raises(UserError, match=r"unknown model 'llama9'; valid"):
+        get_model("llama9")

@@ -393,10 +393,36 @@ def get_model(name: str) -> ModelConfig:
     for m in CATALOG:
         if m.name == key:
             return m
+    close = _resembles(key)
+    if close and ("/" in key or key.endswith(_VARIANTS)):  # a checkpoint's repository id or variant: the same network
+        return get_model(close)
+    hint = f" (did you mean {close}?)" if close else ""
     raise UserError(
-        f"unknown model {name!r}; valid: {', '.join(m.name for m in CATALOG)} "
+        f"unknown model {name!r}{hint}; valid: {', '.join(m.name for m in CATALOG)} "
         f"(or a .toml file, or --layers/--d-model/... flags)"
     )
+
+
+_VARIANTS = ("-hf", "-instruct", "-chat", "-base")  # a checkpoint's variants of one network
+
+
+def _resembles(key: str) -> str | None:
+    """The catalog model a name differs from only in spelling: a Hugging Face repository's organisation, a variant
+    suffix (-hf, -instruct, -chat, -base) and the placement of hyphens and dots (``meta-llama/Llama-3.1-8B-Instruct``
+    is llama3-8b). A repository id or a variant is taken as that model (the same network); a name that differs in its
+    hyphens alone is refused with it named, as a chip's is (a typo may mean another model)."""
+
+    def squash(text: str) -> str:
+        text = text.rsplit("/", 1)[-1].removeprefix("meta-")
+        for suffix in (*_VARIANTS, "-hf"):
+            text = text.removesuffix(suffix)
+        return "".join(ch for ch in text if ch.isalnum())
+
+    want = squash(key)
+    for name in (*(m.name for m in CATALOG), *_ALIASES):
+        if squash(name) == want:
+            return _ALIASES.get(name, name)
+    return None
 
 
 def load_model_file(path: str | os.PathLike) -> ModelConfig:
@@ -469,7 +495,8 @@ def resolve_model(spec: str | None, overrides: dict[str, Any] | None = None) -> 
                 "name a model (--model llama3-8b) or give its dims (--layers --d-model --d-ff --heads --vocab)"
             )
         return model_from_fields(overrides, where="flags")
-    is_file = spec.endswith(".toml") or os.path.sep in spec
+    # a path: a .toml name, or one with a separator that is there (a Hugging Face repository id is a name)
+    is_file = spec.endswith(".toml") or (os.path.sep in spec and Path(spec).exists())
     model = load_model_file(spec) if is_file else get_model(spec)
     if overrides:
         model = ModelConfig(**(dataclasses.asdict(model) | {"name": f"{model.name}+flags"} | overrides))
