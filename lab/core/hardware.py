@@ -113,7 +113,7 @@ class Catalog:
         # A name that differs from one only in its hyphens or by full-width letters is refused, but named
         squashed = _normalise(unicodedata.normalize("NFKC", str(name))).replace("-", "")
         close = [c.name for c in self._chips.values() for n in (c.name, *c.aliases) if n.replace("-", "") == squashed]
-        hint = f" (did you mean {close[0]}?)" if close else ""
+        hint = f" (did you mean {close[0]}?)" if close else _slice_hint(str(name), self)
         raise UserError(f"unknown hardware {name!r}; valid: {', '.join(self._chips)}{hint}")
 
     def get(self, name: str) -> Chip:
@@ -121,6 +121,23 @@ class Catalog:
         if key in self._broken:
             raise UserError(self._broken[key])
         return self._chips[key]
+
+
+# A Cloud TPU accelerator type names a slice, its chip and a size: TensorCores on v4 and v5p (two a chip: v5p-128 is
+# 64 chips), chips on v5e and v6e (Cloud TPU docs, "TPU versions"; v5litepod is v5e's).
+_SLICE_CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v5litepod": 1, "v6e": 1}
+
+
+def _slice_hint(name: str, catalog: Catalog) -> str:
+    """What a slice's name (``v5p-128``) says, for the error that refuses it as a chip."""
+    import re
+
+    m = re.fullmatch(r"(?:tpu-?)?(v4|v5p|v5e|v5litepod|v6e)-(\d+)", name.strip().lower())
+    if not m:
+        return ""
+    chip, size = catalog.resolve(m.group(1)), int(m.group(2))
+    chips = size // _SLICE_CORES_PER_CHIP[m.group(1)]
+    return f" ({name} is a slice: --hardware {chip} --chips {chips})"
 
 
 # What a hardware file may say: bounds far outside every chip built, so that a unit slip (GB for bytes, ms for s)
