@@ -325,6 +325,7 @@ def strategy(command: str, action: argparse.Action, work: Path):
         "folder": bad_paths(work, "folder"),
         "path": bad_paths(work, "in"),
         "lengths": BAD_LENGTHS,
+        "optimizer": TEXT.filter(lambda s: s.strip().lower() not in ("adam", "adamw", "sgd", "adafactor")),
     }
     if kind in by_kind:
         return by_kind[kind]
