@@ -289,3 +289,24 @@ def test_a_cloud_tpu_slice_name_is_refused_with_its_chip_and_count(name, hint):
     # accelerator types count TensorCores on v4 and v5p (two a chip), chips on v5e and v6e
     with pytest.raises(UserError, match=f"{name} is a slice: .*{hint}"):
         get_chip(name)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ('name = "m"\nbase = "mi300x"\ntorus_dims = 2', "torus_dims describes a TPU torus; a mesh has node_size only"),
+        ('name = "g"\nbase = "h100"\npod_shape = [4, 4]', "pod_shape describes a TPU torus; a switch has node_size"),
+        ('name = "t"\nbase = "tpu-v7x"\nnode_size = 8', "node_size describes a switched node; a torus has pod_shape"),
+        ('name = "c"\nbase = "cpu"\ntopology = "mesh"', "a mesh is a GPU node's fabric"),
+    ],
+)
+def test_a_fabric_field_of_another_topology_is_refused(tmp_path, text, match):
+    f = tmp_path / "chip.toml"
+    f.write_text(text + "\n")
+    with pytest.raises(UserError, match=match):
+        load_hardware_file(f)
+
+
+def test_a_slice_of_no_whole_chip_names_its_chip_without_a_count():
+    with pytest.raises(UserError, match=r"v5p-3 names a slice of tpu-v5p, of no whole number of chips"):
+        get_chip("v5p-3")

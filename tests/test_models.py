@@ -167,7 +167,14 @@ def test_a_checkpoints_repository_id_or_variant_names_its_network(spelling, name
 
 
 def test_a_name_that_differs_in_its_hyphens_alone_is_refused_with_the_model_it_resembles():
-    with pytest.raises(UserError, match=r"unknown model 'llama3_1-70b' \(did you mean llama3-70b\?\)"):
-        get_model("llama3_1-70b")
+    with pytest.raises(UserError, match=r"unknown model 'llama370b' \(did you mean llama3-70b\?\)"):
+        get_model("llama370b")
     with pytest.raises(UserError, match=r"unknown model 'llama9'; valid"):
         get_model("llama9")
+
+
+def test_a_repository_id_keeps_its_dots_so_a_size_is_not_taken_for_another():
+    # megatron-17b is no megatron-1.7b, nor llama-3-170b llama3-70b: refused, not priced as the smaller model
+    for spelling in ("nvidia/megatron-17b", "x/llama-3-170b", "x/tinyllama-11b"):
+        with pytest.raises(UserError, match="unknown model"):
+            resolve_model(spelling)

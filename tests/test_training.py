@@ -156,6 +156,8 @@ def test_moe_expert_parallelism():
     [
         ({"tp": 3}, r"--tp 3 does not divide 32 attention heads; try --tp 2"),
         ({"pp": 5}, r"--pp 5 does not divide 32 layers; try --pp 4"),
+        ({"pp": 2, "pp_schedule": "interleaved", "interleave": 3}, r"--pp 2 x --interleave 3 .* try --interleave 2"),
+        ({"pp": 4, "pp_embedding_slots": True}, r"slots \(34\); try --pp 2 with the slots"),
         ({"dp": 3, "batch": 64}, r"global batch 64 sequences does not divide over dp x fsdp = 3; try 63 or 66"),
         ({"dp": 8, "batch": 64, "mb": 16}, r"--microbatch 16 is larger than the 8 sequences"),
         ({"dp": 8, "batch": 64, "mb": 3}, r"--microbatch 3 does not divide the 8 sequences per replica; try 2"),

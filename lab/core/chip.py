@@ -248,6 +248,14 @@ class Chip:
                     f"{where}: pod_shape {list(self.pod_shape)} has {len(self.pod_shape)} axes but torus_dims = "
                     f"{self.torus_dims}; give one size per torus axis, e.g. {[16] * self.torus_dims}"
                 )
+        if self.topology == "mesh" and self.kind != "gpu":
+            raise UserError(f'{where}: a mesh is a GPU node\'s fabric (AMD Infinity Fabric); give topology = "switch"')
+        torus_only = [f for f, v in (("torus_dims", self.torus_dims), ("pod_shape", self.pod_shape)) if v is not None]
+        if self.topology != "torus" and (torus_only or self.wraparound_rule != "never"):
+            what = ", ".join(torus_only or [f"wraparound_rule = {self.wraparound_rule!r}"])
+            raise UserError(f"{where}: {what} describes a TPU torus; a {self.topology} has node_size only: drop it")
+        if self.topology == "torus" and self.node_size is not None:
+            raise UserError(f"{where}: node_size describes a switched node; a torus has pod_shape: drop node_size")
         if not self.peak_flops:
             raise UserError(f"{where}: peak_flops is empty; give at least one dtype, e.g. bf16 = 9.89e14")
         for fname in ("hbm_bytes", "hbm_bandwidth", "link_bandwidth", "scaleout_bandwidth"):

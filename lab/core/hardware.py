@@ -135,9 +135,10 @@ def _slice_hint(name: str, catalog: Catalog) -> str:
     m = re.fullmatch(r"(?:tpu-?)?(v4|v5p|v5e|v5litepod|v6e)-(\d+)", name.strip().lower())
     if not m:
         return ""
-    chip, size = catalog.resolve(m.group(1)), int(m.group(2))
-    chips = size // _SLICE_CORES_PER_CHIP[m.group(1)]
-    return f" ({name} is a slice: --hardware {chip} --chips {chips})"
+    chip, size, per_chip = catalog.resolve(m.group(1)), int(m.group(2)), _SLICE_CORES_PER_CHIP[m.group(1)]
+    if size < per_chip or size % per_chip:
+        return f" ({name} names a slice of {chip}, of no whole number of chips)"
+    return f" ({name} is a slice: --hardware {chip} --chips {size // per_chip})"
 
 
 # What a hardware file may say: bounds far outside every chip built, so that a unit slip (GB for bytes, ms for s)

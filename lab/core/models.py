@@ -416,7 +416,7 @@ def _resembles(key: str) -> str | None:
         text = text.rsplit("/", 1)[-1].removeprefix("meta-")
         for suffix in (*_VARIANTS, "-hf"):
             text = text.removesuffix(suffix)
-        return "".join(ch for ch in text if ch.isalnum())
+        return "".join(ch for ch in text if ch.isalnum() or ch == ".")  # a dot keeps sizes apart (1.7b is not 17b)
 
     want = squash(key)
     for name in (*(m.name for m in CATALOG), *_ALIASES):

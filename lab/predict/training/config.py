@@ -382,18 +382,28 @@ def _check_split(lay: Layout, layers: int) -> None:
 def _check_even_split(lay: Layout, m_layers: int) -> None:
     """Layers spread evenly: pp x interleave divides them (with the embedding and loss slots when asked)."""
     slots = m_layers + (2 if lay.pp_embedding_slots and lay.pp > 1 else 0)
+    stages = f"--pp {lay.pp}" + (f" x --interleave {lay.v}" if lay.v > 1 else "")
     if lay.pp_embedding_slots and lay.pp > 1 and slots % (lay.pp * lay.v):
         raise UserError(
-            f"--pp {lay.pp}" + (f" x --interleave {lay.v}" if lay.v > 1 else "") + f" does not divide {m_layers} "
-            f"layers plus the embedding and loss slots ({slots})"
+            f"{stages} does not divide {m_layers} layers plus the embedding and loss slots ({slots}); "
+            + _pipeline_hint(lay, slots, "with the slots")
         )
     if not lay.pp_embedding_slots and m_layers % (lay.pp * lay.v):
-        opts = [d for d in _divisors(m_layers) if d % lay.v == 0 or lay.v == 1]
         slots_fit = (m_layers + 2) % (lay.pp * lay.v) == 0
         raise UserError(
-            f"--pp {lay.pp}"
-            + (f" x --interleave {lay.v}" if lay.v > 1 else "")
-            + f" does not divide {m_layers} layers; try --pp "
-            f"{_nearest(lay.pp, [d // lay.v for d in opts if d // lay.v >= 1] or [1])}"
+            f"{stages} does not divide {m_layers} layers; {_pipeline_hint(lay, m_layers, '')}"
             + (", or --pp-embedding-slots (the embedding and the loss take a slot each)" if slots_fit else "")
         )
+
+
+def _pipeline_hint(lay: Layout, units: int, why: str) -> str:
+    """What does divide ``units`` layers (or slots) into ``pp x interleave`` chunks: the nearest pipeline degree
+    (2 or more) at this interleave, else the nearest interleave at this degree, else no interleave."""
+    pps = [d // lay.v for d in _divisors(units) if d % lay.v == 0 and d // lay.v >= 2]
+    if pps:
+        return f"try --pp {_nearest(lay.pp, pps)}" + (f" {why}" if why else "")
+    if lay.v > 1 and units % lay.pp == 0:
+        vs = [v for v in _divisors(units // lay.pp) if v >= 2]
+        if vs:
+            return f"try --interleave {_nearest(lay.v, vs)}" + (f" {why}" if why else "")
+    return "try --pp-schedule 1f1b (stages of uneven layers)" if lay.v > 1 else "drop --pp-embedding-slots"
