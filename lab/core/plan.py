@@ -368,7 +368,7 @@ class Plan:
         if missing:
             raise UserError(
                 f"model {m.name!r} has {', '.join(missing)}; the lab's Transformer builds LLaMA-style models only "
-                "(SwiGLU, RoPE, RMSNorm, untied, no biases, dense)"
+                "(SwiGLU, RoPE, RMSNorm, untied, no biases, one block after the other)"
             )
         if m.head_dim % 2:
             raise UserError(f"model {m.name!r}: head-dim={m.head_dim} must be even for rotary embeddings")
