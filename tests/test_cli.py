@@ -388,3 +388,20 @@ def test_every_flag_of_every_command_says_what_it_is_and_its_default():
 
     walk(build_parser([]), [])
     assert not problems, problems
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["collective", "all-reduce", "--hardware", "h100", "--bytes", "-1e6", "--axis-size", "8"], "'-1e6'"),
+        (["train", "estimate", "--model", "llama3-8b", "--hardware", "h100", "--pp-split", "-1,9"], "'-1'"),
+    ],
+)
+def test_a_negative_number_in_any_form_is_refused_as_the_flags_value(argv, needle, capsys):
+    # argparse took -1e6 and -1,9 for flags ("expected one argument"), naming neither the value nor a valid one
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own refusals exit; the commands' return 2
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and "expected one argument" not in err and len(err.splitlines()) == 1

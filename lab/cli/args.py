@@ -79,6 +79,9 @@ def _remember_catalog_lookups() -> None:
     gettext.find = remembered
 
 
+NEGATIVE_NUMBER = re.compile(r"^-(\d[\d,]*|\d*\.\d+)([.\d]*)([eE][+-]?\d+)?$")
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, but a usage mistake is one line and exit code 2 (and its help laid out without ``shutil``)."""
 
@@ -86,6 +89,10 @@ class Parser(argparse.ArgumentParser):
         _remember_catalog_lookups()
         kwargs.setdefault("formatter_class", _Formatter)
         super().__init__(*args, **kwargs)
+        # A negative number in any form is a flag's value, to be refused by its type with the value named (argparse
+        # knows only -1 and -.5, and took --bytes -1e6 or --pp-split -1,17 for a missing value): no flag of the
+        # lab's starts with a digit.
+        self._negative_number_matcher = NEGATIVE_NUMBER
 
     def error(self, message: str) -> NoReturn:
         hint = ""
