@@ -310,3 +310,11 @@ def test_a_fabric_field_of_another_topology_is_refused(tmp_path, text, match):
 def test_a_slice_of_no_whole_chip_names_its_chip_without_a_count():
     with pytest.raises(UserError, match=r"v5p-3 names a slice of tpu-v5p, of no whole number of chips"):
         get_chip("v5p-3")
+
+
+def test_a_file_chip_named_as_another_chips_alias_is_refused(tmp_path):
+    # it would take the alias over silently: `v7x` would price an H100 copy
+    f = tmp_path / "v7x.toml"
+    f.write_text('[chip]\nname = "v7x"\nbase = "h100"\n')
+    with pytest.raises(UserError, match="name 'v7x' is an alias of tpu-v7x"):
+        load_hardware_file(f)

@@ -71,7 +71,13 @@ class Catalog:
 
     def check_aliases(self, chip: Chip, where: str) -> None:
         """A chip's aliases must reach it: one that is another chip's name or alias would be shadowed (names
-        resolve first, then the catalog's aliases in order) and silently dropped, so it is refused here."""
+        resolve first, then the catalog's aliases in order) and silently dropped, so it is refused here; and a new
+        chip's name must not be another chip's alias, which it would silently take over."""
+        taken = next((c.name for c in self._chips.values() if c.name != chip.name and chip.name in c.aliases), None)
+        if taken is not None:
+            raise UserError(
+                f"{where}: name {chip.name!r} is an alias of {taken}; give the chip a name no other chip answers to"
+            )
         for alias in chip.aliases:
             key = _normalise(alias)
             owner = next(
