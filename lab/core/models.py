@@ -14,6 +14,8 @@ Conventions (named in every result, since sources differ):
 
 KV-cache bytes per token: ``2 * L * K * H * bytes`` (inference.md).
 """
+# Over 500 lines on purpose: the model config and its accounting (parameters, FLOPs, KV bytes), and the catalog's
+# names: the conventions are named once, for the estimators and the kernels alike.
 
 from __future__ import annotations
 
