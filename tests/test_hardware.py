@@ -283,7 +283,12 @@ def test_a_mesh_needs_a_node_size_and_is_no_tpu_fabric(tmp_path):
 
 @pytest.mark.parametrize(
     ("name", "hint"),
-    [("v5p-128", "--hardware tpu-v5p --chips 64"), ("v4-8", "--hardware tpu-v4 --chips 4"), ("v6e-256", "--chips 256")],
+    [
+        ("v5p-128", "--hardware tpu-v5p --chips 64"),
+        ("v4-8", "--hardware tpu-v4 --chips 4"),
+        ("v6e-256", "--chips 256"),
+        ("tpu7x-128", "--hardware tpu-v7x --chips 64"),
+    ],
 )
 def test_a_cloud_tpu_slice_name_is_refused_with_its_chip_and_count(name, hint):
     # accelerator types count TensorCores on v4 and v5p (two a chip), chips on v5e and v6e

@@ -129,16 +129,17 @@ class Catalog:
         return self._chips[key]
 
 
-# A Cloud TPU accelerator type names a slice, its chip and a size: TensorCores on v4 and v5p (two a chip: v5p-128 is
-# 64 chips), chips on v5e and v6e (Cloud TPU docs, "TPU versions"; v5litepod is v5e's).
-_SLICE_CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v5litepod": 1, "v6e": 1}
+# A Cloud TPU accelerator type names a slice, its chip and a size: TensorCores on v4, v5p and TPU7x (two a chip:
+# v5p-128 is 64 chips; tpu7x-128 is a 4x4x4 slice of 64, AI-Hypercomputer accelerator-microbenchmarks' configs), chips
+# on v5e and v6e (Cloud TPU docs, "TPU versions"; v5litepod is v5e's).
+_SLICE_CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v5litepod": 1, "v6e": 1, "tpu7x": 2, "v7x": 2}
 
 
 def _slice_hint(name: str, catalog: Catalog) -> str:
     """What a slice's name (``v5p-128``) says, for the error that refuses it as a chip."""
     import re
 
-    m = re.fullmatch(r"(?:tpu-?)?(v4|v5p|v5e|v5litepod|v6e)-(\d+)", name.strip().lower())
+    m = re.fullmatch(r"(?:tpu-?)?(v4|v5p|v5e|v5litepod|v6e|tpu7x|v7x)-(\d+)", name.strip().lower())
     if not m:
         return ""
     chip, size, per_chip = catalog.resolve(m.group(1)), int(m.group(2)), _SLICE_CORES_PER_CHIP[m.group(1)]
