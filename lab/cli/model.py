@@ -21,6 +21,12 @@ if TYPE_CHECKING:
     from typing import Any
 
 
+def _first_clause(source: str, width: int = 72) -> str:
+    """A source as the list shows it: up to its first semicolon or colon, at most ``width`` characters."""
+    short = source.split(";", 1)[0].split(": ", 1)[0]
+    return short if len(short) <= width else short[: width - 3] + "..."
+
+
 def cmd_model_list(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     rows = [
         [
@@ -33,11 +39,12 @@ def cmd_model_list(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             m.heads,
             m.kv_heads,
             m.vocab,
-            m.source,
+            _first_clause(m.source),
         ]
         for m in CATALOG
     ]
     text = render(["name", "params", "active", "L", "D", "F", "N", "K", "V", "source"], rows)
+    text += "\n`shardlab model show NAME` gives a model's whole source and what its sizes leave out"
     return {"models": [m.to_dict() for m in CATALOG]}, text
 
 
