@@ -416,8 +416,8 @@ def _resembles(key: str) -> str | None:
 
     def squash(text: str) -> str:
         text = text.rsplit("/", 1)[-1].removeprefix("meta-")
-        for suffix in (*_VARIANTS, "-hf"):
-            text = text.removesuffix(suffix)
+        while text.endswith(_VARIANTS):  # -chat-hf, -instruct-hf: every variant suffix, in any order
+            text = text.removesuffix(next(v for v in _VARIANTS if text.endswith(v)))
         return "".join(ch for ch in text if ch.isalnum() or ch == ".")  # a dot keeps sizes apart (1.7b is not 17b)
 
     want = squash(key)
