@@ -165,6 +165,13 @@ def test_one_case_shows_its_interval_and_an_unexpressible_one_is_refused(capsys)
     assert "--case 'nope' is no published run; valid: PT01" in capsys.readouterr().err
 
 
+def test_one_case_names_the_network_the_run_trained_not_the_catalog_entry_it_overrides(capsys):
+    # PT14 is FlashAttention's GPT-3 1.3B: the catalog's gpt3-175b with its own dimensions and name
+    assert main(["validate", "--case", "PT14"]) == 0
+    head = capsys.readouterr().out.splitlines()[2]
+    assert "gpt3-1.3b on 8 a100-80gb" in head and "175b" not in head
+
+
 def test_students_t_quantiles_narrow_towards_the_normal():
     assert iv.t90(1) == 3.078 and iv.t90(5) == 1.476 and iv.t90(11) == 1.372  # between entries: the wider
     assert iv.t90(500) == iv.Z80

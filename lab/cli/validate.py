@@ -100,7 +100,7 @@ def _validate_case(case: str) -> tuple[dict[str, Any], str]:
     inside = iv.lo <= 1 / (1 + row.error) <= iv.hi
     lean = ", ".join(f"{n} x{f:.3f}" for n, f in iv.leaning_on) or "none"
     rows = [
-        ["run", f"{run.case_id} ({run.split}): {run.group}, {run.model} on {run.chips} {run.chip}"],
+        ["run", f"{run.case_id} ({run.split}): {run.group}, {run.label} on {run.chips} {run.chip}"],
         ["source", run.source],
         ["measured", f"{run.measured:.4g} {run.unit}" + (f"  ({run.quote})" if run.quote else "")],
         ["predicted", f"{row.predicted:.4g} {run.unit}: {row.detail}"],

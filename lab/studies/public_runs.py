@@ -125,6 +125,11 @@ class PublicRun:
         return f"{family} {self.kind}"
 
     @property
+    def label(self) -> str:
+        """The network's name as the run states it (a catalog model, or the name its overrides give)."""
+        return str(self.overrides.get("name", self.model))
+
+    @property
     def source_name(self) -> str:
         """One short name a source (its ``source_key``; the development set's by the citation it starts with)."""
         if self.source_key:

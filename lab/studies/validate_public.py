@@ -403,7 +403,7 @@ class PublicValidation:
             [
                 r.run.case_id,
                 r.run.group,
-                f"{r.run.overrides.get('name', r.run.model)} on {r.run.chips} {r.run.chip}",
+                f"{r.run.label} on {r.run.chips} {r.run.chip}",
                 r.run.unit,
                 _num(r.run.measured, r.run.unit),
                 _num(r.predicted, r.run.unit),
