@@ -394,3 +394,16 @@ def test_fp4_weights_stream_at_half_of_fp8s_bytes_and_fp4_matmuls_need_a_chip_th
     assert w4.weights_s == est(chip=H100, batch=1, context=1024, weights="int4", achievable=True).weights_s
     with pytest.raises(UserError, match="h100 has no fp4 peak in the catalog"):
         est(chip=H100, batch=1, context=1024, weights="fp4", compute="fp4")
+
+
+def test_a_sliding_window_caps_what_a_decode_step_reads_and_holds():
+    mistral = get_model("mistral-7b")  # every layer windowed at 4096
+    kw = dict(model=mistral, chip=H100, batch=8, achievable=True)
+    at_window, past = est(context=4096, **kw), est(context=32768, **kw)
+    assert past.kv_s == pytest.approx(at_window.kv_s) and past.kv_bytes == pytest.approx(at_window.kv_bytes)
+    # the same dims without the window read eight times the cache at 32k
+    import dataclasses
+
+    whole = est(context=32768, **(kw | {"model": dataclasses.replace(mistral, sliding_window=0)}))
+    assert whole.kv_bytes == pytest.approx(8 * past.kv_bytes)
+    assert whole.kv_s > 4 * past.kv_s

@@ -178,3 +178,60 @@ def test_a_repository_id_keeps_its_dots_so_a_size_is_not_taken_for_another():
     for spelling in ("nvidia/megatron-17b", "x/llama-3-170b", "x/tinyllama-11b"):
         with pytest.raises(UserError, match="unknown model"):
             resolve_model(spelling)
+
+
+def test_gpt_oss_has_its_model_cards_totals():
+    # OpenAI's model card (arXiv:2508.10925): 116.8B and 20.9B in all; 5.1B and 3.6B active, a count that leaves out
+    # the input embedding table (a lookup, not a matmul), which the catalog's active_params keeps
+    for name, total, active in (("gpt-oss-120b", 116.8e9, 5.13e9), ("gpt-oss-20b", 20.9e9, 3.61e9)):
+        m = get_model(name)
+        assert m.params == pytest.approx(total, rel=0.002)
+        assert m.active_params - m.vocab * m.d_model == pytest.approx(active, rel=0.01)
+        assert (m.sliding_window, m.window_layers, m.global_layers) == (128, m.layers // 2, m.layers // 2)
+
+
+def _brute_keys(model, positions):
+    """Keys the queries at ``positions`` attend to, summed over the layers, counted one query and layer at a time."""
+    whole = model.global_layers if model.sliding_window else model.layers
+    return sum(whole * p + model.window_layers * min(p, model.sliding_window) for p in positions)
+
+
+@pytest.mark.parametrize(
+    ("start", "count"), [(0, 1), (0, 5000), (100, 1), (4095, 1), (4096, 1), (3000, 2000), (9000, 7)]
+)
+def test_a_window_caps_the_keys_each_query_attends_to(start, count):
+    import dataclasses
+
+    m = dataclasses.replace(get_model("llama3-8b"), sliding_window=4096, global_layers=8)
+    assert m.window_layers == 24
+    assert m.attended_span(start, count) == pytest.approx(_brute_keys(m, range(start + 1, start + count + 1)))
+    plain = get_model("llama3-8b")  # no window: every layer attends to the whole prefix
+    assert plain.attended_span(start, count) == _brute_keys(plain, range(start + 1, start + count + 1))
+
+
+def test_a_window_stops_the_cache_growing_and_halves_little_below_it():
+    mistral, gemma = get_model("mistral-7b"), get_model("gemma2-9b")
+    per_token = mistral.kv_bytes_per_token("bf16")
+    assert mistral.kv_bytes(1000) == per_token * 1000  # inside the window: every position, as before
+    assert mistral.kv_bytes(32768) == mistral.kv_bytes(4096) == per_token * 4096
+    # Gemma 2: 21 of 42 layers keep every position, 21 the last 4096
+    assert gemma.kv_bytes(8192) == pytest.approx(gemma.kv_bytes_per_token("bf16") * (8192 + 4096) / 2)
+    # causal prefill FLOPs: the mean query of an 8192-token sequence sees min(i, 4096) keys, 3072 on average
+    mean_keys = _brute_keys(mistral, range(1, 8193)) / 8192 / mistral.layers
+    per_key = 2.0 * (mistral.q_dim + mistral.v_dim) * mistral.layers
+    assert mistral.attention_flops_per_token(8192) == pytest.approx(per_key * mean_keys, rel=1e-3)
+    # shorter than the window: what LLaMA 3 8B's attention costs (the same 32 layers of 32 heads of 128)
+    assert mistral.attention_flops_per_token(2048) == get_model("llama3-8b").attention_flops_per_token(2048)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"global_layers": 4}, "global-layers=4 are the layers a sliding window leaves whole, and the model has no"),
+        ({"sliding_window": 512, "global_layers": 32}, "global-layers=32 leaves no windowed layer of 32; use at most"),
+        ({"sliding_window": -1}, "sliding-window must be an integer >= 0, got -1"),
+    ],
+)
+def test_a_window_that_cannot_be_is_refused_by_name(overrides, match):
+    with pytest.raises(UserError, match=match):
+        resolve_model("llama3-8b", overrides)

@@ -336,3 +336,11 @@ def test_a_model_the_lab_cannot_build_is_refused_by_name_and_priced_by_the_estim
     m = dataclasses.replace(get_model("gpt-neox-20b"), layers=2)
     cfg = TrainConfig(model=m, chip=get_chip("h100"), layout=Layout(tp=2), seq_len=2048, global_batch=8, microbatch=1)
     assert estimate(cfg).step_time_s > 0
+
+
+def test_a_windowed_model_is_refused_by_the_lab_transformer_with_its_window(tmp_path):
+    # Mistral 7B v0.1 is LLaMA-shaped but for its 4096-token window, which the lab's attention does not mask
+    body = TRAIN.replace('dtype = "float32"', 'dtype = "float32"\nmodel = "mistral-7b"')
+    body = body[: body.index("[model]")] + "[model]\nlayers = 2\n\n" + body[body.index("[rules]") :]
+    with pytest.raises(UserError, match="a 4096-token sliding attention window"):
+        load_experiment(_file(tmp_path, body))

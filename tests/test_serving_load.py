@@ -397,3 +397,24 @@ def test_a_bad_serve_table_names_the_key_and_the_file(tmp_path, table, trace, ne
     with pytest.raises(UserError, match=needle) as info:
         load_experiment(_serve_experiment(tmp_path, table, trace))
     assert "s.toml:" in str(info.value)
+
+
+WINDOWED = dataclasses.replace(CFG, model=dataclasses.replace(get_model("mistral-7b"), sliding_window=512))
+
+
+@pytest.mark.parametrize(("batch", "context"), [(1, 128), (32, 1000), (200, 3000)])
+def test_a_windowed_models_decode_step_costs_what_the_estimator_says(batch, context):
+    step = Step(tuple(Work(Seq(Request(i, 0.0, context, 9)), context - 1, 1, True) for i in range(batch)))
+    expected = decode_step(dataclasses.replace(WINDOWED, batch=batch, context=context))["step_s"]
+    assert StepPricer(WINDOWED).step_s(step) == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_windowed_models_steady_runs_give_the_step_by_step_result_as_sequences_cross_the_window():
+    pool = pool_for(WINDOWED)
+    reqs = poisson_requests(200, 20.0, Lengths(100, 900), Lengths(10, 400), seed=5)  # prompts either side of 512
+    a = summarize(drive(reqs, pool, StepPricer(WINDOWED)))
+    b = summarize(drive(reqs, pool, _counting_steps(StepPricer(WINDOWED))))
+    assert a["steps"] == b["steps"]
+    for key in ("ttft_s", "tpot_s", "e2e_s"):
+        assert a[key]["p50"] == pytest.approx(b[key]["p50"], rel=1e-9)
+        assert a[key]["p99"] == pytest.approx(b[key]["p99"], rel=1e-9)

@@ -663,3 +663,25 @@ def test_a_parallel_block_sums_half_the_tensor_parallel_outputs():
     assert parts["parallel"]["compute_s"] == parts["llama3-70b"]["compute_s"]
     # the per-layer sums halve; the vocabulary-parallel ones once a microbatch stay
     assert parts["llama3-70b"]["comm_tp_s"] / 2 < parts["parallel"]["comm_tp_s"] < parts["llama3-70b"]["comm_tp_s"]
+
+
+def _attention_op(c):
+    return next(o for o in estimate(c).to_dict()["ops"] if o["name"] == "attention/scores")
+
+
+def test_a_sliding_window_skips_the_score_blocks_past_it_in_a_fused_kernel_only():
+    mistral = get_model("mistral-7b")  # every layer windowed at 4096; LLaMA 3 8B's attention widths
+    whole = dataclasses.replace(mistral, sliding_window=0)
+
+    def pair(seq, **kw):
+        return [_attention_op(dataclasses.replace(cfg(seq=seq, batch=8), model=m, **kw)) for m in (mistral, whole)]
+
+    short = pair(2048)  # inside the window: the same kernel, the same price
+    assert short[0]["flops"] == short[1]["flops"] and short[0]["time_s"] == short[1]["time_s"]
+    win, full = pair(32768)
+    # a causal query sees min(i, 4096) keys: 4096 - 4096^2 / (2 x 32768) = 3840 on average, not 16384
+    assert win["flops"] == pytest.approx(full["flops"] * 3840 / 16384)
+    # FlashAttention-2 on the window's 4096-token spans runs below its rate on 32k (efficiency.ATTENTION_LENGTH)
+    assert full["time_s"] * 3840 / 16384 < win["time_s"] < full["time_s"]
+    unfused = pair(32768, flash_attention=False)  # every score computed, the window masked: no saving
+    assert unfused[0]["flops"] == unfused[1]["flops"]

@@ -48,6 +48,24 @@ def cmd_model_list(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return {"models": [m.to_dict() for m in CATALOG]}, text
 
 
+def _window_rows(m, kv: str) -> list[list[str]]:
+    """A sliding window's row: how many layers it holds to how many positions, and a long context's cache."""
+    if not m.window_layers:
+        return []
+    at = max(m.max_seq_len, m.sliding_window)
+    return [
+        [
+            "sliding window",
+            f"{m.sliding_window} tokens on {m.window_layers} of {m.layers} layers ({m.global_layers} attend to "
+            f"everything); one sequence's cache at {at:,} tokens: {fmt_bytes(m.kv_bytes(at, kv))}",
+        ]
+    ]
+
+
+def _kv_note(m) -> str:
+    return " (every layer; a windowed one stops growing at its window)" if m.window_layers else ""
+
+
 def cmd_model_show(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     m = model_of(args)
     kv = canonical_dtype(args.kv_dtype)
@@ -68,8 +86,9 @@ def cmd_model_show(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             + (" (parallel block)" if m.parallel_block else ""),
         ],
         ["heads / kv_heads / head_dim", f"{m.heads} / {m.kv_heads} / {m.head_dim}"],
+        *_window_rows(m, kv),
         ["vocab", f"{m.vocab}" + (" (tied)" if m.tied_embeddings else "")],
-        [f"KV cache per token ({kv})", fmt_bytes(m.kv_bytes_per_token(kv))],
+        [f"KV cache per token ({kv})", fmt_bytes(m.kv_bytes_per_token(kv)) + _kv_note(m)],
         [
             "training FLOPs per token",
             f"{fmt_count(d['flops_per_token'])} ({d['flops_convention']}"

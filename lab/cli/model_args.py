@@ -43,6 +43,8 @@ _ZERO_MEANS_NONE_HELP = {
     "q_lora_rank": "latent attention: the query latent width (default 0: a full-rank query)",
     "rope_head_dim": "latent attention: the decoupled RoPE width per head (--head-dim is without it)",
     "v_head_dim": "latent attention: the value head width (default --head-dim)",
+    "sliding_window": "a windowed layer attends to (and caches) the last N positions only (Mistral 7B v0.1, Gemma 2)",
+    "global_layers": "with --sliding-window: the layers that still attend to the whole context (default 0: none)",
 }
 
 

@@ -180,6 +180,7 @@ def unsupported_features(m: ModelConfig) -> list[str]:
             (f"norm={m.norm}", m.norm != "rmsnorm"),
             ("biases", m.biases),
             ("a parallel attention and MLP block", m.parallel_block),
+            (f"a {m.sliding_window}-token sliding attention window", bool(m.window_layers)),
         )
         if bad
     ]

@@ -59,6 +59,8 @@ ZERO_MEANS_NONE = (
     "q_lora_rank",
     "rope_head_dim",
     "v_head_dim",
+    "sliding_window",
+    "global_layers",
 )
 
 
@@ -85,6 +87,11 @@ class ModelConfig:
         q_lora_rank: MLA's query latent width (0: a full-rank query projection).
         rope_head_dim: MLA's decoupled RoPE width per query head (and of the one shared RoPE key).
         v_head_dim: MLA's value head width (0: ``head_dim``).
+        sliding_window: a windowed layer's query attends to the last ``sliding_window`` positions only, and its KV
+            cache keeps no more (Mistral 7B v0.1, Gemma 2 and 3, gpt-oss); 0: every layer attends to the whole context.
+        global_layers: with a window, the layers that still attend to the whole context (Gemma 2 and gpt-oss
+            alternate: half; Gemma 3: one in six); 0: every layer is windowed. Counted, not placed: the totals
+            (FLOPs, cache bytes) do not depend on which layers they are.
         parallel_block: attention and the MLP read the same input and their outputs are summed into the residual
             at once (GPT-J, GPT-NeoX, Falcon, PaLM): under tensor parallelism a layer sums one partial output, not
             two (:attr:`tp_reductions_per_layer`). The lab's Transformer runs the sequential block only.
@@ -117,6 +124,8 @@ class ModelConfig:
     q_lora_rank: int = 0
     rope_head_dim: int = 0
     v_head_dim: int = 0
+    sliding_window: int = 0
+    global_layers: int = 0
     parallel_block: bool = False
     learned_positions: bool = False
     biases: bool = False
@@ -170,6 +179,16 @@ class ModelConfig:
                 f"{where}: head-dim={self.head_dim} must be even for rotary embedding (it turns pairs of dims); use "
                 f"{self.head_dim + 1}"
             )
+        if self.global_layers and not self.sliding_window:
+            raise UserError(
+                f"{where}: global-layers={self.global_layers} are the layers a sliding window leaves whole, and the "
+                "model has no window; set --sliding-window N, or drop it"
+            )
+        if self.sliding_window and self.global_layers >= self.layers:
+            raise UserError(
+                f"{where}: global-layers={self.global_layers} leaves no windowed layer of {self.layers}; "
+                f"use at most {self.layers - 1}, or drop --sliding-window"
+            )
         if self.dense_layers >= self.layers:
             raise UserError(
                 f"{where}: dense-layers={self.dense_layers} leaves no expert layer of {self.layers}; "
@@ -195,6 +214,37 @@ class ModelConfig:
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def window_layers(self) -> int:
+        """Layers that attend to the last ``sliding_window`` positions only (0 without a window)."""
+        return self.layers - self.global_layers if self.sliding_window else 0
+
+    def attended(self, context: float, causal: bool = False) -> float:
+        """Keys one query attends to, summed over the layers, at ``context`` tokens: every cached position of a
+        full-attention layer and at most ``sliding_window`` of a windowed one. ``causal``: the mean over a causal
+        sequence's queries (half the context; a windowed layer's ``W - W^2 / 2S`` once the sequence passes W).
+        Without ``causal`` it is also the positions the layers' KV caches keep (:meth:`kv_bytes`)."""
+        full = context / 2 if causal else context
+        n = self.window_layers
+        if not n:
+            return self.layers * full
+        w = self.sliding_window
+        beyond = w - w * w / (2.0 * context) if causal else float(w)  # past the window: at most W keys a query
+        windowed = full if context <= w else beyond
+        return (self.layers - n) * full + n * windowed
+
+    def attended_span(self, start: int, count: int) -> float:
+        """Keys the queries at positions ``start + 1 .. start + count`` attend to (each its own causal prefix),
+        summed over the queries and the layers: a chunk of a prompt, or one decode step's token (count 1)."""
+        full = count * start + count * (count + 1) / 2
+        n = self.window_layers
+        if not n:
+            return self.layers * full
+        w, end = self.sliding_window, start + count
+        lo, hi = min(start, w), min(end, w)
+        windowed = (hi * (hi + 1) - lo * (lo + 1)) / 2 + (end - max(start, w)) * w * (end > w)
+        return (self.layers - n) * full + n * windowed
 
     @property
     def q_dim(self) -> int:
@@ -326,9 +376,12 @@ class ModelConfig:
             f += 2 * self.d_model * self.vocab
         return float(f)
 
-    def attention_flops_per_token(self, seq_len: int, causal: bool = True) -> float:
+    def attention_flops_per_token(self, seq_len: int, causal: bool = True, windowed: bool = True) -> float:
         """Forward attention-score FLOPs per token: QK^T and AV over ``seq_len`` keys (4 S N H per layer; with MLA
-        2 S N (H + R) + 2 S N Hv)."""
+        2 S N (H + R) + 2 S N Hv), a windowed layer's over at most ``sliding_window`` (:meth:`attended`); not
+        ``windowed``: every score computed and the window masked, as unfused attention does."""
+        if self.window_layers and windowed:
+            return 2.0 * (self.q_dim + self.v_dim) * self.attended(seq_len, causal)
         f = self.layers * 2.0 * seq_len * (self.q_dim + self.v_dim)
         return f / 2 if causal else f
 
@@ -356,8 +409,15 @@ class ModelConfig:
         return f
 
     def kv_bytes_per_token(self, dtype: str = "bf16") -> float:
-        """K and V for every layer: 2 L K H x bytes (MLA: its latent and RoPE key, L (C + R) x bytes)."""
+        """K and V for every layer: 2 L K H x bytes (MLA: its latent and RoPE key, L (C + R) x bytes). A cache that
+        keeps every position on every layer (a paged pool's pages); :meth:`kv_bytes` is what a window leaves."""
         return float(self.layers * self.kv_cache_width) * dtype_bytes(dtype)
+
+    def kv_bytes(self, context: float, dtype: str = "bf16") -> float:
+        """One sequence's KV cache at ``context`` tokens: a windowed layer keeps its last ``sliding_window`` only."""
+        if not self.window_layers:
+            return self.kv_bytes_per_token(dtype) * context
+        return self.attended(context) * self.kv_cache_width * dtype_bytes(dtype)
 
     def to_dict(self, seq_len: int | None = None, kv_dtype: str = "bf16") -> dict[str, Any]:
         d = dataclasses.asdict(self)

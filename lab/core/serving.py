@@ -308,9 +308,11 @@ class Scheduler:
         head = self.waiting[0]
         return -(-min(head.known - head.computed, budget) // self.pool.page_size) > len(self.free_pages)
 
-    def steady_shape(self) -> tuple[int, int]:
-        """(decoding sequences, positions their next step reads): what prices a run of steady steps."""
-        return len(self.running), sum(s.known for s in self.running)
+    def steady_shape(self) -> tuple[int, int, tuple[int, ...]]:
+        """(decoding sequences, positions their next step reads, each sequence's): what prices a run of steady
+        steps (the sum where every layer reads every position; each sequence's where a window caps some)."""
+        each = tuple(s.known for s in self.running)
+        return len(each), sum(each), each
 
     def advance(self, k: int, now: float) -> tuple[list[Seq], float]:
         """Apply ``k`` steady decode steps (see :meth:`steady_steps`) ending at ``now``: the finished sequences, and

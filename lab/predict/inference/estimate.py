@@ -294,7 +294,8 @@ def kv_shards(m: ModelConfig, tp: int, batch: float) -> float:
 
 
 def kv_bytes_per_sequence(m: ModelConfig, context: int, kv: str) -> float:
-    return m.kv_bytes_per_token(kv) * context
+    """One sequence's cache at ``context`` tokens (a windowed layer's last ``sliding_window`` only)."""
+    return m.kv_bytes(context, kv)
 
 
 def _comm(chip: Chip, kind: str, nbytes: float, group: int, achievable: bool) -> tuple[float, bool]:
@@ -391,7 +392,7 @@ def prefill_terms(cfg: InferConfig) -> dict[str, float]:
     # the logits of each prompt's last position only: sampling reads nothing else, and engines make nothing else
     logits = 2.0 * m.d_model * m.vocab * cfg.batch / cfg.chips if p else 0.0
     mm = m.matmul_flops_per_token(include_logits=False) * tokens / cfg.chips + logits
-    att = m.attention_flops_per_token(p, causal=cfg.flash_attention) * tokens / cfg.chips
+    att = m.attention_flops_per_token(p, causal=cfg.flash_attention, windowed=cfg.flash_attention) * tokens / cfg.chips
     if cfg.pallas_blocks is not None:
         att = prefill_attention_flops(cfg)
     wbytes = param_bytes_per_chip(m, cfg.tp, cfg.ep, cfg.weights)
@@ -448,7 +449,7 @@ def estimate_inference(cfg: InferConfig) -> InferEstimate:
     kv_chip = kv_seq * cfg.replica_batch / (kv_shards(m, cfg.tp, cfg.replica_batch / cfg.ep) * cfg.ep)
     per_replica = max_replica_batch(m, chip, cfg.tp, cfg.ep, cfg.context, cfg.weights, cfg.kv)
     total_params = m.params * dtype_bytes(cfg.weights)
-    total_kv = m.kv_bytes_per_token(cfg.kv) * cfg.context * cfg.batch
+    total_kv = kv_seq * cfg.batch
     min_chips = max(1, math.ceil((total_params + total_kv) / chip.hbm_bytes))
     w_ici = chip.ici_bidirectional if chip.topology == "torus" else chip.link_bandwidth
     # inference.md: TP stays memory-bound-friendly while Y < F / (B beta), beta = W_hbm / W_ici.

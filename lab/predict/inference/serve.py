@@ -86,11 +86,16 @@ class StepPricer:
 
     def step_s(self, step: Step) -> float:
         tokens = reads = pairs = samples = 0
+        m = self.cfg.model
         for _, start, count, sampled in step.work:
             tokens += count
+            samples += sampled
+            if m.window_layers:  # a windowed layer reads, and attends to, its last sliding_window positions only
+                reads += m.attended(start + count) / m.layers
+                pairs += m.attended_span(start, count) / m.layers
+                continue
             reads += start + count
             pairs += count * start + count * (count + 1) // 2
-            samples += sampled
         if not tokens:
             return 0.0
         spf, weights_s, comm_s, kv_spb = self._terms(tokens, len(step.work))
@@ -100,19 +105,22 @@ class StepPricer:
     def __call__(self, plan: Sequence[Step]) -> tuple[float, None]:
         return max(self.step_s(s) for s in plan), None
 
-    def steady(self, shapes: Sequence[tuple[int, int]], k: int) -> list[float]:
+    def steady(self, shapes: Sequence[tuple[int, int, tuple[int, ...]]], k: int) -> list[float]:
         """Seconds of each of ``k`` decode-only steps (lab.core.serving.drive): per replica, ``b`` sequences whose
         first step reads ``reads`` positions, each later step ``b`` more; the slowest replica's, step by step.
         The same sum :meth:`step_s` makes of those steps' work."""
         out = [0.0] * k
-        for b, reads in shapes:
+        for b, reads, each in shapes:
             if not b:
                 continue
             spf, weights_s, comm_s, kv_spb = self._terms(b, b)
             rows = b * (self.mm_per_token + self.logits_per_row)
             kv = self.kv_per_token * kv_spb
+            m = self.cfg.model
             for j in range(k):
                 at = reads + j * b  # positions read, and (query, position) pairs: one query per sequence
+                if m.window_layers:  # a windowed layer reads its last sliding_window positions only
+                    at = sum(m.attended(p + j) for p in each) / m.layers
                 t = self.fixed + max(weights_s, (rows + at * self.att_per_pair) * spf) + at * kv + comm_s
                 if t > out[j]:
                     out[j] = t

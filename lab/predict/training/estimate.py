@@ -39,6 +39,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from lab.predict import efficiency as eff
+from lab.predict.training import attention_kernels as kernels
 from lab.predict.training.attention_kernels import BACKWARD_FLOPS, pallas_attention
 from lab.predict.training.comm import calls_per_step, collectives
 from lab.predict.training.config import (
@@ -272,14 +273,14 @@ def _compute_ops(cfg: TrainConfig) -> list[tuple[str, str, float, float, float, 
     if cfg.pallas_blocks is not None:  # the lab's Pallas kernel: priced from its block pairs
         ops.append(pallas_attention(cfg, q, kv, h, s_local, _wide(cfg.dtype)))
         return _rest_of_layer(cfg, tokens, q, kv, ops, mm, mem)
-    causal_skip = 0.5 if (cfg.flash_attention and cfg.causal) else 1.0
+    # The share of the score matrix computed: a fused kernel skips the blocks the causal mask and a sliding window
+    # leave out (the layers' mean, ModelConfig.attended); the unfused path computes every score and masks them.
+    visited = m.attended(cfg.seq_len, cfg.causal) / (m.layers * cfg.seq_len) if cfg.flash_attention else 1.0
     # fp8 recipes (Transformer Engine and the like) keep attention and the output layer in bf16.
-    bmm = 2 * eff.matmul_time(chip, s_local, h, cfg.seq_len, _wide(dt), cfg.microbatch * q) * causal_skip
-    bmm_flops = 2 * 2.0 * cfg.microbatch * q * s_local * h * cfg.seq_len * causal_skip  # QK^T and AV
-    # the kernel sees this chip's query block against keys as long (a ring's chunks under context parallelism)
-    kernel = eff.attention_efficiency(chip, cfg.attention_kernel, s_local) if cfg.flash_attention else None
-    if kernel is not None:  # a measured fused kernel: its rate over forward and backward (3.5 x the forward FLOPs)
-        fwd = bmm_flops / (kernel * chip.flops(_wide(dt)))
+    bmm = 2 * eff.matmul_time(chip, s_local, h, cfg.seq_len, _wide(dt), cfg.microbatch * q) * visited
+    bmm_flops = 2 * 2.0 * cfg.microbatch * q * s_local * h * cfg.seq_len * visited  # QK^T and AV
+    if cfg.flash_attention and kernels.measured_kernel(cfg, s_local):
+        fwd = kernels.fused_attention_time(cfg, s_local, bmm_flops, _wide(dt))
         ops.append(("attention", "attention", fwd, 2.5 * fwd, bmm_flops, 0.0))
     elif cfg.flash_attention:
         ops.append(("attention", "attention", bmm, 2.5 * bmm, bmm_flops, 0.0))
