@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 
 from lab.cli.args import (
@@ -31,7 +30,7 @@ from lab.core.table import render
 from lab.core.units import fmt_count, fmt_seconds, fmt_share
 from lab.predict.intervals import for_training
 from lab.predict.intervals import text as interval_text
-from lab.predict.training.config import ELEMENTWISE
+from lab.predict.training.config import ELEMENTWISE, uneven_stages
 from lab.predict.training.estimate import OPTIMIZERS, SCHEDULES, Layout, TrainConfig, estimate
 from lab.predict.training.remat import ALL as REMAT_ALL
 
@@ -147,31 +146,9 @@ def _optimizer(text: str) -> str:
 _optimizer.kind = "optimizer"  # type: ignore[attr-defined]
 
 
-def _uneven_stages(lay: Layout, layers: int) -> Layout:
-    """A pipeline whose stages the layers do not divide, as such runs are built (LLaMA 3 405B's 126 layers over 16
-    stages, BLOOM's 70 over 12, DeepSeek-V3's 61 over 16). 1F1B or GPipe: stages of ceil and floor layers, the
-    busiest pricing the pipeline, shown as the layout's split (``--pp-split`` gives another). Interleaved: the
-    embedding and the loss take a layer's slot each where that makes the chunks whole (``--pp-embedding-slots``,
-    shown as such); otherwise the check refuses it with the degrees that divide."""
-    chunks = lay.pp * lay.v
-    if lay.v > 1 and not lay.pp_embedding_slots and layers % chunks and not (layers + 2) % chunks:
-        return dataclasses.replace(lay, pp_embedding_slots=True)
-    if (
-        lay.pp <= 1
-        or lay.stage_split
-        or lay.pp_embedding_slots
-        or lay.v > 1
-        or not lay.pp < layers
-        or not layers % lay.pp
-    ):
-        return lay
-    split = tuple(layers // lay.pp + (1 if i < layers % lay.pp else 0) for i in range(lay.pp))
-    return dataclasses.replace(lay, stage_split=split)
-
-
 def train_config(args: argparse.Namespace, chip) -> TrainConfig:
     model = model_of(args)
-    layout = _uneven_stages(_layout(args), model.layers)
+    layout = uneven_stages(_layout(args), model.layers)
     seq = args.seq_len or model.max_seq_len
     replicas = layout.dp * layout.fsdp
     if args.global_batch is not None and args.batch_tokens is not None:

@@ -3,6 +3,7 @@ and the checks that refuse a job that cannot run, naming the bad value and a nea
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -379,6 +380,34 @@ def _check_split(lay: Layout, layers: int) -> None:
         raise UserError("--pp-split takes the gpipe or 1f1b schedule, without --pp-embedding-slots (the split says it)")
 
 
+def _slots_make_whole(lay: Layout, layers: int) -> bool:
+    """The embedding and the loss taking a layer's slot each make the chunks whole where the layers alone do not."""
+    chunks = lay.pp * lay.v
+    return bool(layers % chunks) and not (layers + 2) % chunks
+
+
+def uneven_stages(lay: Layout, layers: int) -> Layout:
+    """A pipeline whose stages the layers do not divide, as such runs are built (LLaMA 3 405B's 126 layers over 16
+    stages, BLOOM's 70 over 12, DeepSeek-V3's 61 over 16): the command line's default, where a Plan and this
+    module's API refuse it (:func:`check_config`). 1F1B or GPipe: stages of ceil and floor layers, the busiest
+    pricing the pipeline, shown as the layout's split (``--pp-split`` gives another). Interleaved: the embedding and
+    the loss take a layer's slot each where that makes the chunks whole (``--pp-embedding-slots``, shown as such);
+    otherwise the check refuses it with the degrees that divide."""
+    if lay.v > 1 and not lay.pp_embedding_slots and _slots_make_whole(lay, layers):
+        return dataclasses.replace(lay, pp_embedding_slots=True)
+    if (
+        lay.pp <= 1
+        or lay.stage_split
+        or lay.pp_embedding_slots
+        or lay.v > 1
+        or not lay.pp < layers
+        or not layers % lay.pp
+    ):
+        return lay
+    split = tuple(layers // lay.pp + (1 if i < layers % lay.pp else 0) for i in range(lay.pp))
+    return dataclasses.replace(lay, stage_split=split)
+
+
 def _check_even_split(lay: Layout, m_layers: int) -> None:
     """Layers spread evenly: pp x interleave divides them (with the embedding and loss slots when asked)."""
     slots = m_layers + (2 if lay.pp_embedding_slots and lay.pp > 1 else 0)
@@ -389,10 +418,13 @@ def _check_even_split(lay: Layout, m_layers: int) -> None:
             + _pipeline_hint(lay, slots, "with the slots")
         )
     if not lay.pp_embedding_slots and m_layers % (lay.pp * lay.v):
-        slots_fit = (m_layers + 2) % (lay.pp * lay.v) == 0
         raise UserError(
             f"{stages} does not divide {m_layers} layers; {_pipeline_hint(lay, m_layers, '')}"
-            + (", or --pp-embedding-slots (the embedding and the loss take a slot each)" if slots_fit else "")
+            + (
+                ", or --pp-embedding-slots (the embedding and the loss take a slot each)"
+                if _slots_make_whole(lay, m_layers)
+                else ""
+            )
         )
 
 
