@@ -160,6 +160,9 @@ def test_added_models_have_their_published_sizes(name, params, active):
         ("Qwen/Qwen2.5-72B-Instruct", "qwen2.5-72b"),
         ("deepseek-ai/DeepSeek-V3", "deepseek-v3"),
         ("llama-3.3-70b", "llama3-70b"),
+        ("gemma-2-9b-it", "gemma2-9b"),  # Gemma's instruction-tuned suffix
+        ("mistralai/Mistral-7B-Instruct-v0.3", "mistral-7b-v0.3"),  # a variant before the version
+        ("Mistral-7B-Instruct-v0.2", "mistral-7b-v0.2"),
     ],
 )
 def test_a_checkpoints_repository_id_or_variant_names_its_network(spelling, name):
@@ -178,6 +181,13 @@ def test_a_repository_id_keeps_its_dots_so_a_size_is_not_taken_for_another():
     for spelling in ("nvidia/megatron-17b", "x/llama-3-170b", "x/tinyllama-11b"):
         with pytest.raises(UserError, match="unknown model"):
             resolve_model(spelling)
+
+
+def test_mistral_7b_keeps_its_window_in_v0_1_only_and_v0_3_its_larger_vocabulary():
+    v1, v2, v3 = (get_model(n) for n in ("mistral-7b", "mistral-7b-v0.2", "mistral-7b-v0.3"))
+    assert (v1.sliding_window, v2.sliding_window, v3.sliding_window) == (4096, 0, 0)
+    assert v3.params - v2.params == 2 * (32768 - 32000) * 4096  # untied input and output tables grow alike
+    assert v2.params == pytest.approx(7.24e9, rel=0.002)  # Mistral's 7.3B, as v0.1
 
 
 def test_gpt_oss_has_its_model_cards_totals():

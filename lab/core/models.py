@@ -456,7 +456,7 @@ def get_model(name: str) -> ModelConfig:
         if m.name == key:
             return m
     close = _resembles(key)
-    if close and ("/" in key or key.endswith(_VARIANTS)):  # a checkpoint's repository id or variant: the same network
+    if close and ("/" in key or _variant(key)):  # a checkpoint's repository id or variant: the same network
         return get_model(close)
     hint = f" (did you mean {close}?)" if close else ""
     raise UserError(
@@ -465,17 +465,25 @@ def get_model(name: str) -> ModelConfig:
     )
 
 
-_VARIANTS = ("-hf", "-instruct", "-chat", "-base")  # a checkpoint's variants of one network
+_VARIANTS = ("-hf", "-instruct", "-chat", "-base", "-it")  # a checkpoint's variants of one network (-it: Gemma's)
+
+
+def _variant(key: str) -> bool:
+    """A variant suffix, at the end or before a version (``mistral-7b-instruct-v0.3``)."""
+    return key.endswith(_VARIANTS) or any(v + "-" in key for v in _VARIANTS)
 
 
 def _resembles(key: str) -> str | None:
     """The catalog model a name differs from only in spelling: a Hugging Face repository's organisation, a variant
-    suffix (-hf, -instruct, -chat, -base) and the placement of hyphens and dots (``meta-llama/Llama-3.1-8B-Instruct``
+    suffix (-hf, -instruct, -chat, -base, -it; also before a version, ``-instruct-v0.3``) and the placement of
+    hyphens and dots (``meta-llama/Llama-3.1-8B-Instruct``
     is llama3-8b). A repository id or a variant is taken as that model (the same network); a name that differs in its
     hyphens alone is refused with it named, as a chip's is (a typo may mean another model)."""
 
     def squash(text: str) -> str:
         text = text.rsplit("/", 1)[-1].removeprefix("meta-")
+        for v in _VARIANTS:  # a variant before a version: Mistral-7B-Instruct-v0.3 is Mistral-7B-v0.3
+            text = text.replace(v + "-", "-")
         while text.endswith(_VARIANTS):  # -chat-hf, -instruct-hf: every variant suffix, in any order
             text = text.removesuffix(next(v for v in _VARIANTS if text.endswith(v)))
         return "".join(ch for ch in text if ch.isalnum() or ch == ".")  # a dot keeps sizes apart (1.7b is not 17b)
