@@ -357,8 +357,14 @@ def test_a_size_no_dim_of_the_expression_names_is_refused(capsys):
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
-        (["--fsdp", "8", "--zero", "1"], "--zero 1 shards the state over the data-parallel replicas; with --dp 1"),
-        (["--tp", "8", "--zero", "3"], "--zero 3 shards the state over the data-parallel replicas; with --dp 1"),
+        (
+            ["--fsdp", "8", "--zero", "1"],
+            "--zero 1 shards the state over the data-parallel replicas (and the context shards)",
+        ),
+        (
+            ["--tp", "8", "--zero", "3"],
+            "--zero 3 shards the state over the data-parallel replicas (and the context shards); with --dp 1",
+        ),
         (["--dp", "8", "--attention-kernel", "fa3", "--hardware", "v5p"], "fa3 is a GPU kernel; tpu-v5p is a tpu"),
     ],
 )

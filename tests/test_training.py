@@ -685,3 +685,24 @@ def test_a_sliding_window_skips_the_score_blocks_past_it_in_a_fused_kernel_only(
     assert full["time_s"] * 3840 / 16384 < win["time_s"] < full["time_s"]
     unfused = pair(32768, flash_attention=False)  # every score computed, the window masked: no saving
     assert unfused[0]["flops"] == unfused[1]["flops"]
+
+
+def test_context_shards_reduce_their_gradients_and_shard_zero_with_the_data_parallel_ranks():
+    # Megatron-Core's data-parallel group with context parallelism; torchtitan's FSDP over dp_shard x cp
+    from lab.predict.training.comm import collectives, layout_group
+    from lab.predict.training.memory import memory_per_chip as mem
+
+    ring = cfg(seq=65536, batch=8, cp=8)  # one replica: before, nothing summed the eight shards' gradients
+    dp = [c for c in collectives(ring) if c.role == "dp"]
+    assert len(dp) == 1 and dp[0].kind == "all-reduce" and layout_group(ring.layout, "dp")[:2] == (8, 1)
+    apart = dataclasses.replace(ring, layout=Layout(cp=8, cp_in_dp=False))  # the lab's Transformer: summed apart
+    assert not [c for c in collectives(apart) if c.role == "dp"]
+    # ZeRO-1 over dp 2 x cp 4: the optimizer state split eight ways, not two
+    zero = dataclasses.replace(cfg(seq=32768, batch=8, dp=2, cp=4, zero=1))
+    over_dp = dataclasses.replace(zero, layout=dataclasses.replace(zero.layout, cp_in_dp=False))
+    assert mem(zero).optimizer == pytest.approx(mem(over_dp).optimizer / 4)
+    assert layout_group(zero.layout, "dp")[:2] == (8, 1)  # contiguous: cp inside dp, tp 1
+    # FSDP 2 x cp 4 shards the weights eight ways, over the eight chips next to each other
+    fsdp = cfg(seq=32768, batch=8, fsdp=2, cp=4, tp=2)
+    assert fsdp.layout.fsdp_eff == 8 and layout_group(fsdp.layout, "fsdp")[:2] == (8, 2)
+    assert fsdp.layout.dp_eff == 1  # nothing left to all-reduce: the shards' reduce-scatter did it

@@ -126,10 +126,10 @@ def _check_layout_flags(args: argparse.Namespace, degrees: dict[str, int]) -> No
         raise UserError(
             "--sequence-parallel splits the tensor-parallel group's sequence; add --tp N (N > 1), or drop it"
         )
-    if args.zero and degrees["dp"] == 1:
+    if args.zero and degrees["dp"] == 1 and degrees["cp"] == 1:
         raise UserError(
-            f"--zero {args.zero} shards the state over the data-parallel replicas; with --dp 1 there are none to "
-            "shard it over; add --dp N (N > 1), or drop --zero"
+            f"--zero {args.zero} shards the state over the data-parallel replicas (and the context shards); with "
+            "--dp 1 and no --cp there are none to shard it over; add --dp N (N > 1), or drop --zero"
         )
     if args.attention_kernel != "fa2" and not args.flash_attention:
         raise UserError(f"--attention-kernel {args.attention_kernel} is a fused kernel; drop --no-flash-attention")

@@ -77,6 +77,7 @@ def train_config(plan: Plan, chip: Chip) -> TrainConfig:
         interleave=opts.interleave,
         stage_split=opts.stage_split,
         cross_node=slow,
+        cp_in_dp=not opts.spmd_context,  # the lab's Transformer sums the context shards' gradients apart
     )
     batch, replicas = plan.sizes["batch"], deg["dp"] * deg["fsdp"]
     assert plan.model is not None

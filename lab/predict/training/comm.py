@@ -92,17 +92,19 @@ def layout_group(lay: Layout, role: str) -> tuple[int, int, bool]:
         return lay.cp, lay.tp, cross
     if role == "ep":
         return lay.ep, lay.tp * lay.cp, cross
-    if role == "fsdp":
-        return lay.fsdp_eff, lay.tp * lay.cp, cross
+    if role == "fsdp":  # the context shards inside it where they share its weights (Layout.cp_in_fsdp)
+        return lay.fsdp_eff, lay.tp * (1 if lay.cp_in_fsdp else lay.cp), cross
     if role == "batch":
         return lay.dp * lay.fsdp, lay.tp * lay.cp, cross
+    # the data-parallel reduction, the context shards inside it where they join it (Layout.cp_in_dp_group)
+    cp = 1 if lay.cp_in_dp_group else lay.cp
     if role == "dp":
-        return lay.dp_eff, lay.tp * lay.cp * lay.fsdp, cross
+        return lay.dp_eff, lay.tp * cp * lay.fsdp, cross
     if role == "edp":  # the replicas holding the same experts: the DP group less the expert ranks carved out of it
         cross = "dp" in lay.cross_node
         if experts_from_dp(lay):
-            return lay.dp_eff // lay.ep, lay.tp * lay.cp * lay.fsdp * lay.ep, cross
-        return lay.dp_eff, lay.tp * lay.cp * lay.fsdp, cross
+            return lay.dp_eff // lay.ep, lay.tp * cp * lay.fsdp * lay.ep, cross
+        return lay.dp_eff, lay.tp * cp * lay.fsdp, cross
     if role == "pp":
         return lay.pp, lay.tp * lay.cp * lay.fsdp * lay.dp, cross
     raise KeyError(role)
@@ -423,9 +425,10 @@ def _ep_cp_pp(cfg: TrainConfig) -> list[Comm]:
         what = "CP: K and V gathered over the context shards, forward and again backward"
         out.append(Comm("cp", "all-gather", kv, 4, "layer", what))
         out.append(Comm("cp", "all-reduce", 2 * kv, 1, "layer", "CP: the K and V gradients over the context shards"))
-        what = "the weight gradients (and the loss) over the context shards"
-        grads, dt = _reduced_grads(cfg) + LOSS_BYTES, _dtype(cfg.grad_reduce_bytes)
-        out.append(Comm("cp", "all-reduce", grads, 1, "step", what, "backward", dt))
+        if not lay.cp_in_dp:  # else the data-parallel reduction spans the context shards (Layout.cp_in_dp)
+            what = "the weight gradients (and the loss) over the context shards"
+            grads, dt = _reduced_grads(cfg) + LOSS_BYTES, _dtype(cfg.grad_reduce_bytes)
+            out.append(Comm("cp", "all-reduce", grads, 1, "step", what, "backward", dt))
     elif lay.cp > 1:  # KV chunks around the ring: once forward, twice backward
         kv_bytes = ring_kv_block_bytes(tokens, max(m.kv_heads / lay.tp, 1.0), m.head_dim, 2.0)
         passes = ring_passes(lay.cp, directions=3)

@@ -58,6 +58,13 @@ class Layout:
     # instances) keeps the states of each group, gathers the updated weights inside it and all-reduces gradients
     # across groups.
     zero_shard: int = 0
+    # Context-parallel ranks hold the same weights (each a share of a sequence's tokens), so their gradients are
+    # reduced, and ZeRO's or FSDP's state sharded, with the data-parallel ranks': one group over dp x cp
+    # (Megatron-Core's data-parallel group with context parallelism, parallel_state's _DATA_PARALLEL_GROUP_WITH_CP,
+    # which its DDP and distributed optimizer use; torchtitan's FSDP over its dp_shard x cp mesh). False: the context
+    # shards sum their gradients apart and the state is sharded over dp alone, as the lab's Transformer compiles
+    # (TrainConfig.spmd_context).
+    cp_in_dp: bool = True
 
     @property
     def chips(self) -> int:
@@ -69,19 +76,34 @@ class Layout:
         return {k: getattr(self, k) for k in DEGREES} | {"sequence_parallel": self.sequence_parallel}
 
     @property
+    def cp_in_fsdp(self) -> bool:
+        """The context shards join FSDP's shard group (``cp_in_dp``, with weights sharded over fsdp or ZeRO-3)."""
+        return self.cp_in_dp and self.cp > 1 and (self.fsdp > 1 or self.zero == 3)
+
+    @property
+    def cp_in_dp_group(self) -> bool:
+        """The context shards join the data-parallel reduction (``cp_in_dp``, no FSDP sharding to join)."""
+        return self.cp_in_dp and self.cp > 1 and not self.cp_in_fsdp
+
+    @property
     def fsdp_eff(self) -> int:
-        """Weight-sharding degree: fsdp, times dp under ZeRO-3."""
-        return self.fsdp * (self.dp if self.zero == 3 else 1)
+        """Weight-sharding degree: fsdp, times dp under ZeRO-3, times the context shards (``cp_in_fsdp``)."""
+        return self.fsdp * (self.dp if self.zero == 3 else 1) * (self.cp if self.cp_in_fsdp else 1)
 
     @property
     def dp_eff(self) -> int:
-        """Replicas that all-reduce gradients once per step."""
-        return 1 if self.zero == 3 else self.dp
+        """Replicas that all-reduce gradients once per step (with the context shards, ``cp_in_dp_group``)."""
+        return 1 if self.zero == 3 else self.dp * (self.cp if self.cp_in_dp_group else 1)
 
     @property
     def zero_group(self) -> int:
         """DP ranks one copy of the ZeRO-sharded state spans (zero_shard, or the whole DP group)."""
-        return self.zero_shard or self.dp
+        return self.zero_shard or self.dp * (self.cp if self.cp_in_dp_group else 1)
+
+    @property
+    def zero_shards(self) -> int:
+        """Shards ZeRO's state (zero >= 1) is split over: its group's, times FSDP's (the context shards in one)."""
+        return self.zero_group * self.fsdp * (self.cp if self.cp_in_fsdp else 1)
 
     @property
     def v(self) -> int:

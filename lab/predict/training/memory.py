@@ -188,7 +188,7 @@ def state_bytes(
     layer = layer_params_local(m, lay) if layer is None else layer
     local = local_params(m, lay, layer, ends_on_every_stage)
     f = lay.fsdp_eff
-    zero_group = lay.zero_group * lay.fsdp
+    zero_group = lay.zero_shards
     params = local * weight_bytes / f
     gathered = 2 * layer * weight_bytes if f > 1 else 0.0
     grads = local * GRAD_BYTES / (zero_group if lay.zero >= 2 else f)

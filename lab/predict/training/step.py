@@ -176,8 +176,8 @@ def dp_times(
                 tail = max(tail, last)
                 dp_bytes += c.bytes if c.role == "dp" else 0.0
     gather = 0.0
-    if lay.zero >= 1 and lay.dp > 1 and grads:
-        if lay.zero_group >= lay.dp:  # the all-reduce's AllGather half moves out of the backward
+    if lay.zero >= 1 and lay.dp_eff > 1 and grads:
+        if lay.zero_group >= lay.dp_eff:  # the all-reduce's AllGather half moves out of the backward
             gather = grads / 2
             grads -= gather
             tail = min(tail, grads)
@@ -203,7 +203,7 @@ def layout_terms(
 ) -> LayoutTerms:
     """The layout's terms, with its DP reduction, loss mean, last bucket and ZeRO gather (:func:`dp_times`) priced
     (``local``: the layout's ``training.memory.local_params``, when at hand; ``overlap``: TrainConfig.dp_overlap)."""
-    shard = lay.zero_group * lay.fsdp if lay.zero >= 1 else lay.fsdp_eff
+    shard = lay.zero_shards if lay.zero >= 1 else lay.fsdp_eff
     local = local_params(model, lay) if local is None else local
     update = eff.memory_time(chip, local / shard * UPDATE_BYTES[optimizer])
     slots = lay.pp > 1 and lay.pp_embedding_slots
