@@ -174,13 +174,16 @@ def test_a_trace_file_is_read_in_arrival_order_and_bad_lines_are_named(tmp_path)
 LLAMA = get_model("llama3-8b")
 H100 = get_chip("h100")
 CFG = InferConfig(model=LLAMA, chip=H100, batch=1, context=4096, achievable=True)
+# a 512-token sliding window on every layer: sequences past it read, and attend to, 512 positions a layer
+WINDOWED = dataclasses.replace(CFG, model=dataclasses.replace(get_model("mistral-7b"), sliding_window=512))
 
 
+@pytest.mark.parametrize("cfg", [CFG, WINDOWED], ids=["whole", "windowed"])
 @pytest.mark.parametrize(("batch", "context"), [(1, 128), (32, 1000), (200, 3000)])
-def test_a_step_of_decodes_costs_what_the_estimator_says_for_that_batch(batch, context):
+def test_a_step_of_decodes_costs_what_the_estimator_says_for_that_batch(cfg, batch, context):
     step = Step(tuple(Work(Seq(Request(i, 0.0, context, 9)), context - 1, 1, True) for i in range(batch)))
-    expected = decode_step(dataclasses.replace(CFG, batch=batch, context=context))["step_s"]
-    assert StepPricer(CFG).step_s(step) == pytest.approx(expected, rel=1e-12)
+    expected = decode_step(dataclasses.replace(cfg, batch=batch, context=context))["step_s"]
+    assert StepPricer(cfg).step_s(step) == pytest.approx(expected, rel=1e-12)
 
 
 def test_a_prefill_chunk_costs_more_than_the_decodes_it_joins():
@@ -397,16 +400,6 @@ def test_a_bad_serve_table_names_the_key_and_the_file(tmp_path, table, trace, ne
     with pytest.raises(UserError, match=needle) as info:
         load_experiment(_serve_experiment(tmp_path, table, trace))
     assert "s.toml:" in str(info.value)
-
-
-WINDOWED = dataclasses.replace(CFG, model=dataclasses.replace(get_model("mistral-7b"), sliding_window=512))
-
-
-@pytest.mark.parametrize(("batch", "context"), [(1, 128), (32, 1000), (200, 3000)])
-def test_a_windowed_models_decode_step_costs_what_the_estimator_says(batch, context):
-    step = Step(tuple(Work(Seq(Request(i, 0.0, context, 9)), context - 1, 1, True) for i in range(batch)))
-    expected = decode_step(dataclasses.replace(WINDOWED, batch=batch, context=context))["step_s"]
-    assert StepPricer(WINDOWED).step_s(step) == pytest.approx(expected, rel=1e-12)
 
 
 def test_a_windowed_models_steady_runs_give_the_step_by_step_result_as_sequences_cross_the_window():
