@@ -476,9 +476,9 @@ def _variant(key: str) -> bool:
 def _resembles(key: str) -> str | None:
     """The catalog model a name differs from only in spelling: a Hugging Face repository's organisation, a variant
     suffix (-hf, -instruct, -chat, -base, -it; also before a version, ``-instruct-v0.3``) and the placement of
-    hyphens and dots (``meta-llama/Llama-3.1-8B-Instruct``
-    is llama3-8b). A repository id or a variant is taken as that model (the same network); a name that differs in its
-    hyphens alone is refused with it named, as a chip's is (a typo may mean another model)."""
+    hyphens and dots (``meta-llama/Llama-3.1-8B-Instruct`` is llama3-8b). A repository id or a variant is taken as
+    that model (the same network); a name that differs in its hyphens alone is refused with it named, as a chip's is
+    (a typo may mean another model)."""
 
     def squash(text: str) -> str:
         text = text.rsplit("/", 1)[-1].removeprefix("meta-")
