@@ -211,6 +211,10 @@ def test_zero_over_a_node_keeps_more_state_and_gathers_the_weights_inside_it():
     assert whole.breakdown["dp_reduction_s"] != node.breakdown["dp_reduction_s"]
     with pytest.raises(UserError, match=r"--zero-shard 7 must divide --dp 64"):
         estimate(_job(layout=Layout(dp=64, zero=1, zero_shard=7)))
+    # with context parallelism the state spans dp x cp ranks, so a shard may be any divisor of the product
+    assert estimate(_job(layout=Layout(dp=16, cp=4, zero=1, zero_shard=8))).memory.optimizer > 0
+    with pytest.raises(UserError, match=r"--zero-shard 3 must divide --dp 16 x --cp 4 = 64"):
+        estimate(_job(layout=Layout(dp=16, cp=4, zero=1, zero_shard=3)))
     with pytest.raises(UserError, match=r"--zero-shard shards ZeRO-1 or -2's state"):
         estimate(_job(layout=Layout(dp=64, zero_shard=8)))
 

@@ -238,8 +238,9 @@ def test_a_window_stops_the_cache_growing_and_halves_little_below_it():
     ("overrides", "match"),
     [
         ({"global_layers": 4}, "global-layers=4 are the layers a sliding window leaves whole, and the model has no"),
-        ({"sliding_window": 512, "global_layers": 32}, "global-layers=32 leaves no windowed layer of 32; use at most"),
-        ({"sliding_window": -1}, "sliding-window must be an integer >= 0, got -1"),
+        ({"sliding_window": 512, "global_layers": 32}, "global-layers=32 leaves no windowed layer of 32; use --global"),
+        ({"sliding_window": -1}, r"sliding-window must be an integer from 0 to 2\*\*30, got -1"),
+        ({"sliding_window": 2**40}, r"sliding-window must be an integer from 0 to 2\*\*30, got 1099511627776"),
     ],
 )
 def test_a_window_that_cannot_be_is_refused_by_name(overrides, match):

@@ -22,6 +22,10 @@ def test_parse_model_fields():
         "tied_embeddings": True,
     }
     assert parse_model("base=llama3-8b,layers=1") == {"base": "llama3-8b", "layers": 1}
+    # a field whose 0 means none (no window, no shared experts) takes 0; a size does not
+    assert parse_model("sliding_window=0,global_layers=0") == {"sliding_window": 0, "global_layers": 0}
+    with pytest.raises(UserError, match="sliding_window='-1' is not a whole number >= 0"):
+        parse_model("sliding_window=-1")
 
 
 @pytest.mark.parametrize(

@@ -342,5 +342,6 @@ def test_a_windowed_model_is_refused_by_the_lab_transformer_with_its_window(tmp_
     # Mistral 7B v0.1 is LLaMA-shaped but for its 4096-token window, which the lab's attention does not mask
     body = TRAIN.replace('dtype = "float32"', 'dtype = "float32"\nmodel = "mistral-7b"')
     body = body[: body.index("[model]")] + "[model]\nlayers = 2\n\n" + body[body.index("[rules]") :]
-    with pytest.raises(UserError, match="a 4096-token sliding attention window"):
+    with pytest.raises(UserError, match="a 4096-token sliding attention window") as e:
         load_experiment(_file(tmp_path, body))
+    assert "sliding_window = 0 in [model] runs it with full attention" in str(e.value)  # and the way out

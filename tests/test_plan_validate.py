@@ -71,6 +71,14 @@ def test_calls_without_a_run_on_this_host_are_refused(capsys, extra, needle):
     assert out == "" and len(err.strip().splitlines()) == 1 and needle in err, err
 
 
+def test_a_model_the_lab_cannot_run_is_refused_by_what_it_lacks_before_any_layout_runs(capsys):
+    # a 64-token window: the planner prices it, the lab's Transformer does not build it
+    assert main([*SMALL, "--hardware", "cpu", "--sliding-window", "64", "--validate", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert "does not build what llama3-8b+flags has (a 64-token sliding attention window); drop --validate" in err
+
+
 @pytest.mark.slow  # 18 s of libtpu from a fresh clone; the next test validates with --target by default
 def test_the_best_layouts_cross_compiled_for_a_tpu(capsys):
     assert main([*SMALL, "--hardware", "tpu-v5e", "--validate", "2", "--target", "v5e:2x4", "--json"]) == 0

@@ -706,3 +706,16 @@ def test_context_shards_reduce_their_gradients_and_shard_zero_with_the_data_para
     fsdp = cfg(seq=32768, batch=8, fsdp=2, cp=4, tp=2)
     assert fsdp.layout.fsdp_eff == 8 and layout_group(fsdp.layout, "fsdp")[:2] == (8, 2)
     assert fsdp.layout.dp_eff == 1  # nothing left to all-reduce: the shards' reduce-scatter did it
+
+
+def test_a_windowed_layers_ring_passes_reach_back_only_as_far_as_its_window():
+    from lab.predict.training.comm import collectives
+
+    def passes(window):
+        m = dataclasses.replace(get_model("llama3-8b"), sliding_window=window)
+        c = dataclasses.replace(cfg(seq=32768, batch=8, cp=8), model=m)
+        return next(x.calls for x in collectives(c) if x.role == "cp")
+
+    # 4096 tokens a shard: a 1024-token window needs the shard before it (3 passes: forward once, backward twice);
+    # a 10,000-token window the three before it; no window, all seven (21)
+    assert (passes(1024), passes(10_000), passes(0)) == (3, 9, 21)

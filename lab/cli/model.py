@@ -56,7 +56,8 @@ def _window_rows(m, kv: str) -> list[list[str]]:
     return [
         [
             "sliding window",
-            f"{m.sliding_window} tokens on {m.window_layers} of {m.layers} layers ({m.global_layers} attend to "
+            f"{m.sliding_window} token{'s' if m.sliding_window > 1 else ''} on {m.window_layers} of {m.layers} "
+            f"layers ({m.global_layers} attend to "
             f"everything); one sequence's cache at {at:,} tokens: {fmt_bytes(m.kv_bytes(at, kv))}",
         ]
     ]

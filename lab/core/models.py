@@ -157,7 +157,7 @@ class ModelConfig:
         for f in ZERO_MEANS_NONE:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_DIM:
-                raise UserError(f"{where}: {f.replace('_', '-')} must be an integer >= 0, got {v!r}")
+                raise UserError(f"{where}: {f.replace('_', '-')} must be an integer from 0 to 2**30, got {v!r}")
         if (self.shared_experts or self.dense_layers or self.dense_d_ff) and self.experts == 1:
             raise UserError(f"{where}: shared experts and dense layers belong to a mixture of experts; set --experts")
         if (self.q_lora_rank or self.rope_head_dim or self.v_head_dim) and not self.kv_lora_rank:
@@ -182,12 +182,12 @@ class ModelConfig:
         if self.global_layers and not self.sliding_window:
             raise UserError(
                 f"{where}: global-layers={self.global_layers} are the layers a sliding window leaves whole, and the "
-                "model has no window; set --sliding-window N, or drop it"
+                "model has no window; set --sliding-window N, or --global-layers 0"
             )
         if self.sliding_window and self.global_layers >= self.layers:
             raise UserError(
                 f"{where}: global-layers={self.global_layers} leaves no windowed layer of {self.layers}; "
-                f"use at most {self.layers - 1}, or drop --sliding-window"
+                f"use --global-layers {self.layers - 1} at most, or --sliding-window 0 --global-layers 0"
             )
         if self.dense_layers >= self.layers:
             raise UserError(

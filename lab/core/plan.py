@@ -368,7 +368,8 @@ class Plan:
         if missing:
             raise UserError(
                 f"model {m.name!r} has {', '.join(missing)}; the lab's Transformer builds LLaMA-style models only "
-                "(SwiGLU, RoPE, RMSNorm, untied, no biases, one block after the other)"
+                "(SwiGLU, RoPE, RMSNorm, untied, no biases, one block after the other, full attention)"
+                + ("; sliding_window = 0 in [model] runs it with full attention" if m.window_layers else "")
             )
         if m.head_dim % 2:
             raise UserError(f"model {m.name!r}: head-dim={m.head_dim} must be even for rotary embeddings")

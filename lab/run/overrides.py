@@ -41,8 +41,12 @@ def parse_model(text: str) -> dict[str, Any]:
         elif v.lower() in ("true", "false"):
             out[key] = v.lower() == "true"
         else:
-            if not v.isdigit() or int(v) <= 0:
-                raise UserError(f"--model {text!r}: {key}={v!r} is not a positive whole number (or true/false)")
+            from lab.core.models import ZERO_MEANS_NONE
+
+            zero_ok = key in ZERO_MEANS_NONE  # 0: none (no window, no experts' details)
+            if not v.isdigit() or int(v) < (0 if zero_ok else 1):
+                kind = "whole number >= 0" if zero_ok else "positive whole number"
+                raise UserError(f"--model {text!r}: {key}={v!r} is not a {kind} (or true/false)")
             out[key] = int(v)
     return out
 

@@ -121,6 +121,14 @@ def layout_label(est) -> str:
 def candidates(result, k: int, model, dtype: str, hardware: str) -> list[tuple[Any, Plan]]:
     """The planner's K best layouts that the lab runs, best first, each with its Plan; a UserError when it found
     none. A layout whose Plan the lab's Transformer refuses (:meth:`Plan.validate`) is passed over."""
+    from lab.core.arrays import unsupported_features
+
+    missing = unsupported_features(model)
+    if missing:
+        raise UserError(
+            f"--validate runs the lab's Transformer, which does not build what {model.name} has "
+            f"({', '.join(missing)}); drop --validate (the planner prices it), or give a LLaMA-style model"
+        )
     chosen = []
     for est in result.top:
         if len(chosen) == k:

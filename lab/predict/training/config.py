@@ -280,10 +280,12 @@ def _check_layout(cfg: TrainConfig) -> None:
             raise UserError(f"--{name} must be a positive integer, got {v!r}")
     if lay.zero not in (0, 1, 2, 3):
         raise UserError(f"--zero {lay.zero} is not one of 0, 1, 2, 3")
-    if lay.zero_shard and (not isinstance(lay.zero_shard, int) or lay.zero_shard < 1 or lay.dp % lay.zero_shard):
+    group = lay.dp * (lay.cp if lay.cp_in_dp_group else 1)  # the ranks ZeRO shards over: dp, with the context shards
+    if lay.zero_shard and (not isinstance(lay.zero_shard, int) or lay.zero_shard < 1 or group % lay.zero_shard):
+        ranks = f"--dp {lay.dp}" + (f" x --cp {lay.cp} = {group}" if group != lay.dp else "")
         raise UserError(
-            f"--zero-shard {lay.zero_shard!r} must divide --dp {lay.dp} (the DP ranks one copy of the state spans), "
-            f"e.g. {_nearest_divisor(lay.dp, max(int(lay.zero_shard) if isinstance(lay.zero_shard, int) else 1, 1))}"
+            f"--zero-shard {lay.zero_shard!r} must divide {ranks} (the DP ranks one copy of the state spans), "
+            f"e.g. {_nearest_divisor(group, max(int(lay.zero_shard) if isinstance(lay.zero_shard, int) else 1, 1))}"
         )
     if lay.zero_shard and lay.zero not in (1, 2):
         raise UserError(
