@@ -432,7 +432,7 @@ def _ep_cp_pp(cfg: TrainConfig) -> list[Comm]:
             out.append(Comm("cp", "all-reduce", grads, 1, "step", what, "backward", dt))
     elif lay.cp > 1:  # KV chunks around the ring: once forward, twice backward
         kv_bytes = ring_kv_block_bytes(tokens, max(m.kv_heads / lay.tp, 1.0), m.head_dim, 2.0)
-        passes = float(ring_passes(lay.cp, directions=3))
+        passes: float = ring_passes(lay.cp, directions=3)
         if m.window_layers:  # a windowed layer needs the chunks of the shards its window reaches back over only
             near = min(lay.cp, 1 + math.ceil(m.sliding_window / (cfg.seq_len / lay.cp)))
             passes = ((m.layers - m.window_layers) * passes + m.window_layers * ring_passes(near, 3)) / m.layers
