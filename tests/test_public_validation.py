@@ -29,7 +29,7 @@ def test_every_public_run_is_cited_and_either_predicted_or_counted_with_its_reas
     for row in public.rows:
         run = row.run
         assert run.source and run.grade in ("A", "B", "C") and run.measured > 0
-        assert run.context_at in ("mean", "end") and run.kv_dtype in (None, "bf16", "fp8", "int8", "int4")
+        assert run.context_at in ("mean", "end") and run.kv_dtype in (None, "bf16", "fp16", "fp8", "int8", "int4")
         assert run.split == "development" and (run.source_name in SOURCE_KEYS.values() or run.source_key)
         if run.expressible is None:
             assert row.error is not None and row.predicted is not None, row.detail
@@ -183,14 +183,27 @@ def test_a_per_token_figure_over_a_whole_generate_call_includes_its_prefill(publ
         m = dataclasses.replace(get_model(run.model), **run.overrides)
         batch = int(run.layout["batch"])
         cfg = InferConfig(
-            model=m, chip=get_chip("a100-80gb"), batch=batch, context=8 + 100 // 2, tp=8, prefill_len=8, achievable=True
+            model=m,
+            chip=get_chip("a100-80gb"),
+            batch=batch,
+            context=8 + 100 // 2,
+            tp=8,
+            prefill_len=8,
+            achievable=True,
+            tp_allreduce="nccl",  # DeepSpeed-Inference's all-reduce is torch.distributed's (AR7)
         )
         est = estimate_inference(cfg)
         assert est.prefill_s is not None and est.prefill_s > 0
         assert rows[case].predicted == pytest.approx((est.prefill_s + 99 * est.decode_step_s) / 100, rel=1e-12)
     ps01 = rows["PS01"]
     cfg = InferConfig(
-        model=get_model("llama2-70b"), chip=get_chip("a100-80gb"), batch=1, context=512 + 25, tp=8, achievable=True
+        model=get_model("llama2-70b"),
+        chip=get_chip("a100-80gb"),
+        batch=1,
+        context=512 + 25,
+        tp=8,
+        achievable=True,
+        tp_allreduce="nccl",  # PyTorch's (AR7)
     )
     assert ps01.predicted == pytest.approx(estimate_inference(cfg).decode_step_s, rel=1e-12)
 

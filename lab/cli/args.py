@@ -307,21 +307,6 @@ def write_chart(path: str | None, default: str, draw: Callable[[Path], Any]) -> 
     return str(png)
 
 
-def add_step_overhead(parser) -> None:
-    """``--step-overhead SECONDS``: what ``infer estimate`` and ``infer serve`` add to each step for the serving
-    stack's host work."""
-    parser.add_argument(
-        "--step-overhead",
-        type=nonneg_float("--step-overhead"),
-        default=0.0,
-        metavar="SECONDS",
-        help="the serving stack's host work per decode step that the device does not hide (default 0: the device "
-        "alone). Measured: vLLM 0.5 spent 62%% of its time outside the GPU on Llama 3 8B (H100); engines that "
-        "schedule a step ahead (vLLM V1, SGLang's overlap scheduler) hide most of it "
-        "(docs/reference/microbenchmarks-added.md S1-S5)",
-    )
-
-
 def dtype_arg(s: str) -> str:
     try:
         return canonical_dtype(s)

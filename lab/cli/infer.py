@@ -8,7 +8,6 @@ from lab.cli.args import (
     MAX_SEQ_LEN,
     Parser,
     add_overwrite,
-    add_step_overhead,
     chart_path,
     chip_of,
     command,
@@ -23,11 +22,13 @@ from lab.cli.args import (
     write_chart,
 )
 from lab.cli.commands import help_of
-from lab.cli.model_args import check_model_path, model_of, model_parent, ops_table, plan_of, plan_options
+from lab.cli.model_args import model_of, model_parent, ops_table, plan_of, plan_options
+from lab.cli.stack_args import add_step_overhead, add_tp_allreduce
 from lab.core.errors import UserError
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
 from lab.predict.efficiency import FP8_DECODE_TIME_VS_BF16, FP8_SCALINGS, eager_host_time
+from lab.predict.inference.allreduce import tp_allreduce
 from lab.predict.inference.estimate import MOE_WEIGHTS, WEIGHT_DTYPES, InferConfig, estimate_inference
 from lab.predict.intervals import for_inference
 from lab.predict.intervals import text as interval_text
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
     from typing import Any
 
 GiB = 2**30
-MAX_STACKS = 32  # HBM stacks on one package: 8 today (B200, MI300X), 16 announced (Rubin Ultra); 32 leaves room
 
 
 def _storage_dtype(text: str) -> str:
@@ -120,7 +120,16 @@ def infer_config(args: argparse.Namespace, chip) -> InferConfig:
         moe_weights=getattr(args, "moe_weights", "all"),  # infer estimate's flags; the other commands price the default
         step_overhead_s=getattr(args, "step_overhead", 0.0),
         eager=getattr(args, "eager", False),
+        tp_allreduce=getattr(args, "tp_allreduce", None),
     )
+
+
+def _collectives_note(e) -> str:
+    """``  (latency-bound; the stack's own all-reduce)``: what bounds the step's collectives and who runs them."""
+    bits = ["latency-bound"] if e.latency_bound_collectives else []
+    if e.config.tp > 1 and e.config.achievable and tp_allreduce(e.config) == "custom":
+        bits.append("the stack's own all-reduce")
+    return f"  ({'; '.join(bits)})" if bits else ""
 
 
 def _likely(iv, cfg) -> str:
@@ -188,7 +197,7 @@ def cmd_infer_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         ["decode step", f"{fmt_seconds(e.decode_step_s)} ({e.bound}-bound){_likely(decode_iv, cfg)}"],
         ["  KV reads", fmt_seconds(e.kv_s)],
         ["  weight reads / FLOPs", f"{fmt_seconds(e.weights_s)} / {fmt_seconds(e.compute_s)}"],
-        ["  collectives", fmt_seconds(e.comm_s) + ("  (latency-bound)" if e.latency_bound_collectives else "")],
+        ["  collectives", fmt_seconds(e.comm_s) + _collectives_note(e)],
         *([["  host (eager)", f"{fmt_seconds(e.host_s)}  (its ops issued from Python)"]] if cfg.eager else []),
         ["throughput", f"{fmt_count(e.tokens_per_s)} tokens/s ({e.tokens_per_s_per_chip:,.0f} per chip)"],
         ["TP limit (memory-bound)", f"{e.tp_max_degree:.0f}-way at this batch (F / (B W_hbm / W_ici))"],
@@ -310,38 +319,6 @@ def cmd_infer_disaggregate(args: argparse.Namespace, chip) -> tuple[dict[str, An
     return data, render(["quantity", "value"], rows)
 
 
-def cmd_study_memtech(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    from lab.studies.memtech import memory_tech
-
-    check_model_path(args.model)
-    if args.stacks is not None and args.stacks > MAX_STACKS:
-        raise UserError(
-            f"--stacks {args.stacks}: no package carries that many HBM stacks (8 on B200 and MI300X, 16 announced "
-            f"for Rubin Ultra); give 1 to {MAX_STACKS}, or leave it out for the chip's own"
-        )
-    study = memory_tech(
-        args.model,
-        args.hardware,
-        stacks=args.stacks,
-        context=args.context,
-        batch=args.batch,
-        tp=args.tp,
-        weights=args.weights,
-        kv=args.kv,
-        hardware_file=args.hardware_file,
-        scale=args.scale,
-    )
-    rows = study.to_dict()["rows"]
-    if args.batch is not None and not any(r["fits"] for r in rows):
-        most = max(r["max_batch"] for r in rows)
-        raise UserError(
-            f"--batch {args.batch} fits none of the memory technologies of {study.hardware} at --context "
-            f"{args.context}; give at most {most}, or leave --batch out (the largest that fits each)"
-        )
-    png = write_chart(args.png, f"runs/study/memory_tech_{study.model}_{study.hardware}.png", study.plot)
-    return study.to_dict() | {"png": png}, study.table() + f"\n\nchart: {png}"
-
-
 def register(sub, common: argparse.ArgumentParser, hw: argparse.ArgumentParser, with_chip) -> dict[str, Any]:
     """Add ``infer`` (estimate, sweep, topology, disaggregate, serve); return the ``infer`` subparsers."""
     ip = sub.add_parser("infer", help=help_of("infer"))
@@ -405,6 +382,7 @@ def _register_estimate(isub, common):
         "vLLM's and SGLang's fused MoE kernels, JAX's megablox)",
     )
     add_step_overhead(ie)
+    add_tp_allreduce(ie)
     ie.add_argument(
         "--eager",
         action="store_true",
@@ -415,7 +393,17 @@ def _register_estimate(isub, common):
     ie.add_argument("--continuous", action="store_true", help=argparse.SUPPRESS)  # gone: refused, naming infer serve
     # the Plan's dtypes and pricing mode: priced as it is built
     plan_options(
-        ie, "weights", "kv", "compute", "mfu", "achievable", "fp8_scaling", "moe_weights", "step_overhead", "eager"
+        ie,
+        "weights",
+        "kv",
+        "compute",
+        "mfu",
+        "achievable",
+        "fp8_scaling",
+        "moe_weights",
+        "step_overhead",
+        "eager",
+        "tp_allreduce",
     )
     command(ie, cmd_infer_estimate)
     return ie

@@ -23,6 +23,8 @@ TYPE_CHECKING = False  # typing is not imported at run time: annotations only
 if TYPE_CHECKING:
     from typing import Any
 
+MAX_STACKS = 32  # HBM stacks on one package: 8 today (B200, MI300X), 16 announced (Rubin Ultra); 32 leaves room
+
 
 def cmd_study_generations(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
@@ -42,9 +44,35 @@ def cmd_study_generations(args: argparse.Namespace) -> tuple[dict[str, Any], str
 
 
 def _study_memtech(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    from lab.cli.infer import cmd_study_memtech
+    from lab.studies.memtech import memory_tech
 
-    return cmd_study_memtech(args)
+    check_model_path(args.model)
+    if args.stacks is not None and args.stacks > MAX_STACKS:
+        raise UserError(
+            f"--stacks {args.stacks}: no package carries that many HBM stacks (8 on B200 and MI300X, 16 announced "
+            f"for Rubin Ultra); give 1 to {MAX_STACKS}, or leave it out for the chip's own"
+        )
+    study = memory_tech(
+        args.model,
+        args.hardware,
+        stacks=args.stacks,
+        context=args.context,
+        batch=args.batch,
+        tp=args.tp,
+        weights=args.weights,
+        kv=args.kv,
+        hardware_file=args.hardware_file,
+        scale=args.scale,
+    )
+    rows = study.to_dict()["rows"]
+    if args.batch is not None and not any(r["fits"] for r in rows):
+        most = max(r["max_batch"] for r in rows)
+        raise UserError(
+            f"--batch {args.batch} fits none of the memory technologies of {study.hardware} at --context "
+            f"{args.context}; give at most {most}, or leave --batch out (the largest that fits each)"
+        )
+    png = write_chart(args.png, f"runs/study/memory_tech_{study.model}_{study.hardware}.png", study.plot)
+    return study.to_dict() | {"png": png}, study.table() + f"\n\nchart: {png}"
 
 
 def _unfit_row(key: str, row) -> bool:

@@ -76,6 +76,7 @@ class Constant:
 
 _E = "lab.predict.efficiency"
 _T = "lab.predict.training.estimate"
+_AR = "lab.predict.inference.allreduce"
 
 
 def _c(name, attr, key, grade, source, alternative, why, chips=("*",), module=_E) -> Constant:
@@ -467,6 +468,17 @@ CONSTANTS: tuple[Constant, ...] = (
     ),
     _c(
         "decode.small_kernels_per_layer", "DECODE_SMALL_KERNELS_PER_LAYER", None, "C", "a count", 12, "unfused", ["gpu"]
+    ),
+    # the serving stacks' own tensor-parallel all-reduce, a call's fixed cost (microbenchmarks-added.md §8c)
+    *(
+        _c(f"decode.allreduce.{f}", "CUSTOM_ALLREDUCE_S", f, grade, source, alt, why, [f], module=_AR)
+        for f, grade, source, alt, why in (
+            ("a100", "A", "AR1", 10.4e-6, "x2.1, as AR2's kernel timed without a graph"),
+            ("h100", "A", "AR1", 10.0e-6, "AR2, no graph"),
+            ("h200", "A", "AR1", 10.0e-6, "AR2 (H100), no graph"),
+            ("b200", "B", "H100's AR1", 5.2e-6, "A100's"),
+            ("mi300x", "B", "H100's AR1", 3e-6, "AR6 (MI325X, claimed)"),
+        )
     ),
     # PyTorch eager generate's host (microbenchmarks-added.md §3b)
     _c("decode.eager_host_per_layer", "EAGER_HOST_S_PER_LAYER", None, "B", "E1", 0.76e-3, "1.5x slower", ["gpu"]),

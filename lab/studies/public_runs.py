@@ -101,6 +101,9 @@ class PublicRun:
     # serving a mixture of experts: the stack streams every expert's weights each step ("all") or the routed ones
     # ("routed": vLLM's and SGLang's fused MoE kernels, microbenchmarks-added.md M1); None: the estimator's default
     moe_weights: str | None = None
+    # serving on GPUs: the stack's tensor-parallel all-reduce, "custom" (its own peer-to-peer kernel: vLLM, SGLang,
+    # TensorRT-LLM, LMDeploy) or "nccl" (PyTorch, DeepSpeed-Inference, TGI); None: the estimator's default for the chip
+    tp_allreduce: str | None = None
     # eager: PyTorch eager execution. Training: unfused norms, rotary embedding and activation (TrainConfig); serving:
     # Hugging Face generate, its ops issued from Python each step (InferConfig.eager)
     elementwise: str = "fused"

@@ -73,6 +73,7 @@ SERVING: tuple[PublicRun, ...] = (
         grade="B",
         stack="PyTorch torch.compile (CUDA graphs), tensor parallel 8",
         assumed="half precision taken as bf16 weights and KV cache",
+        tp_allreduce="nccl",  # torch.distributed's all-reduce (microbenchmarks-added.md AR7)
     ),
     _serving(
         "PS02",
@@ -115,6 +116,7 @@ SERVING += tuple(
         source=_BLOOM_INFER,
         grade="B",
         stack="DeepSpeed-Inference (kernel injection), tensor parallel 8, greedy generation",
+        tp_allreduce="nccl",  # LinearAllreduce -> torch.distributed (microbenchmarks-added.md AR7)
         assumed="fp16 taken as bf16 (the same tensor-core peak and bytes); a prompt of 8 tokens ('just a few')",
         note=f"{step * 1e3:.1f} ms per decode step: the blog's ms per token times the batch; the figure is the "
         "benchmark script's 'Throughput per token including tokenize' (bloom-inference-scripts/bloom-ds-inference.py: "

@@ -204,9 +204,10 @@ def _under_load(run: PublicRun) -> tuple[float, float, str]:
 
 
 def _infer_options(run: PublicRun) -> dict[str, Any]:
-    """The InferConfig options a serving run states: its MoE weight streaming, and PyTorch eager generate (a run whose
-    stack executes eagerly, ``elementwise = "eager"``)."""
+    """The InferConfig options a serving run states: its MoE weight streaming, its stack's tensor-parallel all-reduce,
+    and PyTorch eager generate (a run whose stack executes eagerly, ``elementwise = "eager"``)."""
     out: dict[str, Any] = {"moe_weights": run.moe_weights} if run.moe_weights else {}
+    out |= {"tp_allreduce": run.tp_allreduce} if run.tp_allreduce else {}
     return out | ({"eager": True} if run.elementwise == "eager" else {})
 
 

@@ -36,6 +36,7 @@ from lab.core.hardware import Chip
 from lab.core.models import ModelConfig
 from lab.core.units import canonical_dtype, dtype_bytes, wire_bytes
 from lab.predict import efficiency as eff
+from lab.predict.inference.allreduce import check_tp_allreduce, stack_allreduce, tp_allreduce
 from lab.predict.inference.attention_kernels import decode_attention_flops, prefill_attention_flops
 from lab.predict.inference.rates import flop_time, matmul_shape_factor, mem_time
 from lab.predict.placement import placement
@@ -89,6 +90,9 @@ class InferConfig:
     # ops are issued from Python, and a step takes the longer of the host's time and the GPU's (efficiency
     # .eager_host_time; achievable only).
     eager: bool = False
+    # The tensor-parallel all-reduces (achievable): ``custom``, the serving stack's own kernel inside a node, or
+    # ``nccl``; None: what the stacks run on the chip (lab.predict.inference.allreduce).
+    tp_allreduce: str | None = None
 
     @property
     def chips(self) -> int:
@@ -121,6 +125,7 @@ def check_infer(cfg: InferConfig) -> None:
         raise UserError(f"--step-overhead must be seconds in [0, 10), e.g. 0.002, got {overhead!r}")
     if cfg.fp8_scaling not in eff.FP8_SCALINGS:
         raise UserError(f"--fp8-scaling {cfg.fp8_scaling!r} is not one of {', '.join(eff.FP8_SCALINGS)}")
+    check_tp_allreduce(cfg)
     if cfg.eager:
         _check_eager(cfg)
     if cfg.mfu is not None and not 0 < cfg.mfu <= 1:
@@ -257,6 +262,7 @@ class InferEstimate:
             "comm_s": self.comm_s,
             "bound": self.bound,
             "latency_bound_collectives": self.latency_bound_collectives,
+            "tp_allreduce": tp_allreduce(c) if c.achievable and c.tp > 1 else None,
             "tp_max_degree": self.tp_max_degree,
             "tokens_per_s": self.tokens_per_s,
             "tokens_per_s_per_chip": self.tokens_per_s_per_chip,
@@ -298,11 +304,16 @@ def kv_bytes_per_sequence(m: ModelConfig, context: int, kv: str) -> float:
     return m.kv_bytes(context, kv)
 
 
-def _comm(chip: Chip, kind: str, nbytes: float, group: int, achievable: bool) -> tuple[float, bool]:
+def _comm(cfg: InferConfig, kind: str, nbytes: float, group: int, achievable: bool) -> tuple[float, bool]:
     """One collective over a group of ``group`` neighbouring chips, where it sits (lab.predict.placement: inside a
-    node or pod on the fast links; a larger one also over the slow link, as training prices it)."""
+    node or pod on the fast links; a larger one also over the slow link, as training prices it); achievable, a
+    tensor-parallel sum the serving stack's own kernel takes (``tp_allreduce``, :mod:`.allreduce`) at its price."""
     if group <= 1 or nbytes <= 0:
         return 0.0, False
+    chip = cfg.chip
+    custom = stack_allreduce(cfg, kind, nbytes, group) if achievable else None
+    if custom is not None:
+        return custom
     where = placement(chip, group, 1)
     c = eff.collective_on(chip, kind, nbytes, group, **where)
     t = eff.achievable_time(chip, c, group, where.get("scope", "node")) if achievable else c.time_s
@@ -363,7 +374,7 @@ def decode_step(cfg: InferConfig, context: int | None = None) -> dict[str, float
     kv_s = mem_time(chip, kv_bytes, cfg.achievable) * (eff.EAGER_KV_PASSES if cfg.eager else 1.0)
     comm, lat = 0.0, False
     for kind, nbytes, calls, group, _ in comms(cfg, b):
-        t, bound = _comm(chip, kind, nbytes, group, cfg.achievable)
+        t, bound = _comm(cfg, kind, nbytes, group, cfg.achievable)
         comm += calls * t
         lat = lat or (bound and kind != "all-gather")  # the sampling gather is tiny, not a TP verdict
     fixed = (eff.decode_kernel_overhead(chip, m.layers) if cfg.achievable else 0.0) + cfg.step_overhead_s
@@ -411,7 +422,7 @@ def prefill_terms(cfg: InferConfig) -> dict[str, float]:
     )
     memory_s = mem_time(chip, wbytes + kv_write, cfg.achievable)
     comm = sum(
-        calls * _comm(chip, k, b, g, cfg.achievable)[0] for k, b, calls, g, _ in comms(cfg, cfg.replica_batch * p)
+        calls * _comm(cfg, k, b, g, cfg.achievable)[0] for k, b, calls, g, _ in comms(cfg, cfg.replica_batch * p)
     )
     return {
         "matmul_flops": mm,

@@ -101,7 +101,7 @@ def _split(
 def _collectives(cfg: InferConfig, tokens: float) -> list[dict[str, Any]]:
     out = []
     for kind, nbytes, calls, group, what in comms(cfg, tokens):
-        t, _ = _comm(cfg.chip, kind, nbytes, group, cfg.achievable)
+        t, _ = _comm(cfg, kind, nbytes, group, cfg.achievable)
         out.append(
             {
                 "name": what,

@@ -138,7 +138,13 @@ def infer_config(plan: Plan, chip: Chip) -> InferConfig:
         vocab_parallel=bool(plan.rules.live("vocab", plan.shape)),
         flash_attention=plan.options.flash_attention,
         pallas_blocks=(att.block_q, att.block_k) if att.impl in BLOCK_KERNELS else None,
+        tp_allreduce=xla_allreduce(chip),
     )
+
+
+def xla_allreduce(chip: Chip) -> str | None:
+    """The lab's programs all-reduce as XLA compiles them: NCCL's on a GPU (not a serving stack's own kernel)."""
+    return "nccl" if chip.kind == "gpu" else None
 
 
 def serve_config(plan: Plan, chip: Chip) -> InferConfig:
@@ -163,6 +169,7 @@ def serve_config(plan: Plan, chip: Chip) -> InferConfig:
         compute=plan.dtype,
         achievable=True,
         vocab_parallel=bool(plan.rules.live("vocab", plan.shape)),
+        tp_allreduce=xla_allreduce(chip),
     )
 
 

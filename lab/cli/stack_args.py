@@ -1,0 +1,32 @@
+"""The flags that state a serving stack's own costs, shared by ``infer estimate`` and ``infer serve``."""
+
+from __future__ import annotations
+
+from lab.cli.args import nonneg_float
+
+
+def add_step_overhead(parser) -> None:
+    """``--step-overhead SECONDS``: what ``infer estimate`` and ``infer serve`` add to each step for the serving
+    stack's host work."""
+    parser.add_argument(
+        "--step-overhead",
+        type=nonneg_float("--step-overhead"),
+        default=0.0,
+        metavar="SECONDS",
+        help="the serving stack's host work per decode step that the device does not hide (default 0: the device "
+        "alone). Measured: vLLM 0.5 spent 62%% of its time outside the GPU on Llama 3 8B (H100); engines that "
+        "schedule a step ahead (vLLM V1, SGLang's overlap scheduler) hide most of it "
+        "(docs/reference/microbenchmarks-added.md S1-S5)",
+    )
+
+
+def add_tp_allreduce(parser) -> None:
+    """``--tp-allreduce custom|nccl``: the all-reduce ``infer estimate`` and ``infer serve`` price a GPU stack with."""
+    parser.add_argument(
+        "--tp-allreduce",
+        choices=("custom", "nccl"),
+        help="with --achievable on GPUs: the tensor-parallel all-reduces as the serving stack runs them: custom, its "
+        "own one-shot/two-shot kernel inside an NVLink or xGMI node (vLLM, SGLang, TensorRT-LLM, LMDeploy; the "
+        "default where it runs: A100, H100, H200, B200, MI300X), or nccl (PyTorch, DeepSpeed-Inference, TGI, JAX/XLA) "
+        "(docs/reference/microbenchmarks-added.md AR1-AR7)",
+    )
