@@ -210,7 +210,8 @@ def test_a_per_token_figure_over_a_whole_generate_call_includes_its_prefill(publ
 
 def test_a_figure_logged_at_the_end_of_generation_is_priced_at_the_full_cache(public):
     """SGLang's last logged decode throughput (1024 in / 512 out) is a step at 1536 cached tokens, turned into a step
-    as batch / tokens/s; its fp8 rows keep a bf16 KV cache."""
+    as batch / tokens/s; its fp8 rows keep a bf16 KV cache; its tensor parallelism is PyTorch's DTensor, whose sums are
+    NCCL's."""
     from lab.core.models import get_model
     from lab.predict.inference.estimate import InferConfig, estimate_inference
 
@@ -228,6 +229,7 @@ def test_a_figure_logged_at_the_end_of_generation_is_priced_at_the_full_cache(pu
             kv="bf16",
             compute=dtype,
             achievable=True,
+            tp_allreduce="nccl",
         )
         assert row.predicted == pytest.approx(estimate_inference(cfg).decode_step_s, rel=1e-12)
 

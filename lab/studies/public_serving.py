@@ -211,6 +211,7 @@ SERVING += tuple(
         note=f"{tokens:,.0f} decode tokens/s at batch {batch}, TP {tp}: {batch / tokens * 1e3:.2f} ms a step",
         context_at="end",
         kv_dtype="bf16",
+        tp_allreduce="nccl",  # DTensor's tensor parallelism sums with torch.distributed, not SGLang's kernel (AR7)
     )
     for case, batch, tp, dtype, tokens in _SGLANG_ROWS
 )
