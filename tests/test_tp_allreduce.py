@@ -120,6 +120,7 @@ def test_the_flag_prices_and_reports_it():
     [
         (["--hardware", "tpu-v5p", "--tp-allreduce", "custom"], "XLA runs"),
         (["--hardware", "h100", "--tp-allreduce", "rccl"], "invalid choice"),
+        (["--hardware", "l40s", "--tp-allreduce", "custom"], "NVLink or xGMI"),  # PCIe cards: NCCL's
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message):
@@ -127,3 +128,12 @@ def test_bad_input_is_one_line_and_exit_2(argv, message):
     code, _, err = run_cli([*base, "--achievable", *argv])
     assert code == 2 and message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_the_json_says_what_was_priced_not_what_was_asked():
+    base = ["infer", "estimate", "--model", "llama3-8b", "--hardware", "h100", "--batch", "1", "--context", "64"]
+    base += ["--achievable", "--json"]
+    eight = json.loads(run_cli([*base, "--chips", "8", "--tp", "8"])[1])
+    sixteen = json.loads(run_cli([*base, "--chips", "16", "--tp", "16"])[1])  # across two nodes: NCCL's
+    one = json.loads(run_cli([*base, "--chips", "1"])[1])
+    assert (eight["tp_allreduce"], sixteen["tp_allreduce"], one["tp_allreduce"]) == ("custom", "nccl", None)

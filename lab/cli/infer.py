@@ -28,7 +28,7 @@ from lab.core.errors import UserError
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
 from lab.predict.efficiency import FP8_DECODE_TIME_VS_BF16, FP8_SCALINGS, eager_host_time
-from lab.predict.inference.allreduce import tp_allreduce
+from lab.predict.inference.allreduce import priced_allreduce
 from lab.predict.inference.estimate import MOE_WEIGHTS, WEIGHT_DTYPES, InferConfig, estimate_inference
 from lab.predict.intervals import for_inference
 from lab.predict.intervals import text as interval_text
@@ -127,7 +127,7 @@ def infer_config(args: argparse.Namespace, chip) -> InferConfig:
 def _collectives_note(e) -> str:
     """``  (latency-bound; the stack's own all-reduce)``: what bounds the step's collectives and who runs them."""
     bits = ["latency-bound"] if e.latency_bound_collectives else []
-    if e.config.tp > 1 and e.config.achievable and tp_allreduce(e.config) == "custom":
+    if e.config.tp > 1 and e.config.achievable and priced_allreduce(e.config) == "custom":
         bits.append("the stack's own all-reduce")
     return f"  ({'; '.join(bits)})" if bits else ""
 

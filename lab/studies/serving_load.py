@@ -19,7 +19,7 @@ from lab.core.errors import UserError
 from lab.core.serving import Lengths, PoolConfig, Request, Served, poisson_requests, summarize
 from lab.core.table import render
 from lab.core.units import fmt_seconds
-from lab.predict.inference.allreduce import tp_allreduce
+from lab.predict.inference.allreduce import priced_allreduce
 from lab.predict.inference.estimate import InferConfig
 from lab.predict.inference.serve import MEMORY_UTILIZATION, Slo, capacity_rps, max_rate, pool_for, simulate
 
@@ -84,7 +84,7 @@ class ServeResult:
             "concurrency": self.load.concurrency,
             "pool": dataclasses.asdict(self.pool) | {"memory_utilization": MEMORY_UTILIZATION},
             "step_overhead_s": c.step_overhead_s,
-            "tp_allreduce": tp_allreduce(c) if c.tp > 1 else None,
+            "tp_allreduce": priced_allreduce(c) if c.tp > 1 else None,
             "capacity_rps": self.capacity_rps,
             "overloaded": self.overloaded,
             "queueing": "unbounded" if self.overloaded else "bounded",

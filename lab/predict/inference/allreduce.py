@@ -85,6 +85,13 @@ def tp_allreduce(cfg: Any) -> str | None:
     return cfg.tp_allreduce or default_tp_allreduce(cfg.chip)
 
 
+def priced_allreduce(cfg: Any) -> str:
+    """What a config's tensor-parallel sums are priced as: ``custom`` where the stack's kernel takes its group (a
+    decode step's small messages), else ``nccl`` (the collective model; on a TPU, XLA's)."""
+    custom = tp_allreduce(cfg) == "custom" and custom_allreduce_time(cfg.chip, 1024.0, cfg.tp) is not None
+    return "custom" if custom else "nccl"
+
+
 def stack_allreduce(cfg: Any, kind: str, nbytes: float, group: int) -> tuple[float, bool] | None:
     """:func:`custom_allreduce_time` of a collective of ``cfg`` the stack's own kernel takes, else None."""
     if kind != "all-reduce" or tp_allreduce(cfg) != "custom":
@@ -103,6 +110,18 @@ def check_tp_allreduce(cfg: Any) -> None:
             f"--tp-allreduce {cfg.tp_allreduce} names a GPU serving stack's all-reduce; {cfg.chip.name} is a "
             f"{cfg.chip.kind}, whose all-reduces XLA runs: drop it"
         )
+    if cfg.tp_allreduce == "custom" and default_tp_allreduce(cfg.chip) is None:
+        raise UserError(
+            f"--tp-allreduce custom: the stacks' own kernel needs a node of NVLink or xGMI GPUs "
+            f"({', '.join(CUSTOM_ALLREDUCE_S)}); {cfg.chip.name}'s tensor-parallel sums are NCCL's: drop it"
+        )
 
 
-__all__ = ["TP_ALLREDUCES", "check_tp_allreduce", "custom_allreduce_time", "default_tp_allreduce", "tp_allreduce"]
+__all__ = [
+    "TP_ALLREDUCES",
+    "check_tp_allreduce",
+    "custom_allreduce_time",
+    "default_tp_allreduce",
+    "priced_allreduce",
+    "tp_allreduce",
+]

@@ -36,7 +36,7 @@ from lab.core.hardware import Chip
 from lab.core.models import ModelConfig
 from lab.core.units import canonical_dtype, dtype_bytes, wire_bytes
 from lab.predict import efficiency as eff
-from lab.predict.inference.allreduce import check_tp_allreduce, stack_allreduce, tp_allreduce
+from lab.predict.inference.allreduce import check_tp_allreduce, priced_allreduce, stack_allreduce
 from lab.predict.inference.attention_kernels import decode_attention_flops, prefill_attention_flops
 from lab.predict.inference.rates import flop_time, matmul_shape_factor, mem_time
 from lab.predict.placement import placement
@@ -262,7 +262,7 @@ class InferEstimate:
             "comm_s": self.comm_s,
             "bound": self.bound,
             "latency_bound_collectives": self.latency_bound_collectives,
-            "tp_allreduce": tp_allreduce(c) if c.achievable and c.tp > 1 else None,
+            "tp_allreduce": priced_allreduce(c) if c.achievable and c.tp > 1 else None,
             "tp_max_degree": self.tp_max_degree,
             "tokens_per_s": self.tokens_per_s,
             "tokens_per_s_per_chip": self.tokens_per_s_per_chip,
