@@ -28,5 +28,5 @@ def add_tp_allreduce(parser) -> None:
         help="with --achievable on GPUs: the tensor-parallel all-reduces as the serving stack runs them: custom, its "
         "own one-shot/two-shot kernel inside an NVLink or xGMI node (vLLM, SGLang, TensorRT-LLM, LMDeploy; the "
         "default where it runs: A100, H100, H200, B200, MI300X), or nccl (PyTorch, DeepSpeed-Inference, TGI, JAX/XLA) "
-        "(docs/reference/microbenchmarks-added.md AR1-AR7)",
+        "(docs/reference/microbenchmarks-added.md AR1-AR8)",
     )
