@@ -1,10 +1,10 @@
 """The serving stack's tensor-parallel all-reduce: what a decode step's per-layer sums cost inside one node.
 
-A served model's decode step sums each layer's attention and MLP outputs over its tensor-parallel GPUs: two small all-
-reduces a layer (``[batch, d_model]``, kilobytes to a few megabytes). The serving stacks do not hand them to NCCL inside
-a node of NVLink (or AMD xGMI) GPUs: vLLM, SGLang and TensorRT-LLM each run a kernel of their own (LMDeploy's TurboMind
-carries FasterTransformer's) over peer-to-peer buffers, captured in the step's CUDA graph: **one-shot** for small
-messages (every GPU reads every peer's partial sum over the links and adds them), **two-shot** for larger ones (a
+A served model's decode step sums each layer's attention and MLP outputs over its tensor-parallel GPUs: two small
+all-reduces a layer (``[batch, d_model]``, kilobytes to a few megabytes). The serving stacks do not hand them to NCCL
+inside a node of NVLink (or AMD xGMI) GPUs: vLLM, SGLang and TensorRT-LLM each run a kernel of their own (LMDeploy's
+TurboMind carries FasterTransformer's) over peer-to-peer buffers, captured in the step's CUDA graph: **one-shot** for
+small messages (every GPU reads every peer's partial sum over the links and adds them), **two-shot** for larger ones (a
 reduce-scatter and an all-gather through the same buffers). A call costs a fixed few microseconds plus the bytes it
 moves over the links, not NCCL's ring of ``2 (G - 1)`` latency steps. Messages past the stack's buffer, groups that
 leave the node, GPUs without a full peer-to-peer fabric (PCIe cards) and TPUs (XLA's ICI collectives) keep the
