@@ -456,16 +456,7 @@ CONSTANTS: tuple[Constant, ...] = (
         "twice O3",
         ["gpu"],
     ),
-    _c(
-        "decode.kernels_per_layer",
-        "DECODE_KERNELS_PER_LAYER",
-        None,
-        "C",
-        "a count of a LLaMA layer's kernels",
-        20,
-        "unfused norms and rotary embedding",
-        ["gpu"],
-    ),
+    _c("decode.kernels_per_layer", "DECODE_KERNELS_PER_LAYER", None, "C", "a count", 20, "unfused ops", ["gpu"]),
     _c(
         "decode.small_kernels_per_layer", "DECODE_SMALL_KERNELS_PER_LAYER", None, "C", "a count", 12, "unfused", ["gpu"]
     ),
@@ -480,6 +471,7 @@ CONSTANTS: tuple[Constant, ...] = (
             ("mi300x", "B", "H100's AR1", 3e-6, "AR6 (MI325X, claimed)"),
         )
     ),
+    _c("decode.allreduce_wait_s", "ARRIVAL_WAIT_S", None, "C", "none priced", 31.6e-6, "AR10", ["gpu"], module=_AR),
     # PyTorch eager generate's host (microbenchmarks-added.md §3b)
     _c("decode.eager_host_per_layer", "EAGER_HOST_S_PER_LAYER", None, "B", "E1", 0.76e-3, "1.5x slower", ["gpu"]),
     _c("decode.eager_host_per_step", "EAGER_HOST_S_PER_STEP", None, "B", "E1", 1.64e-3, "1.5x slower", ["gpu"]),

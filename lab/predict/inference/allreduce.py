@@ -10,7 +10,9 @@ moves over the links, not NCCL's ring of ``2 (G - 1)`` latency steps. Messages p
 leave the node, GPUs without a full peer-to-peer fabric (PCIe cards) and TPUs (XLA's ICI collectives) keep the
 collective model.
 
-``tp_allreduce`` (:class:`lab.predict.inference.estimate.InferConfig`) says which: ``custom`` (these kernels; the
+:func:`comm_time` prices every collective of a serving step (the collective model where it sits, the stack's kernel
+where it takes the sum, and each all-reduce's wait for its slowest rank). ``tp_allreduce``
+(:class:`lab.predict.inference.estimate.InferConfig`) says which kernel: ``custom`` (these kernels; the
 default on the GPUs they run on) or ``nccl`` (PyTorch eager and compiled code, DeepSpeed-Inference, Hugging Face
 TGI, and JAX/XLA on GPUs, whose all-reduce is NCCL's). The figures are measured microbenchmarks of the kernels,
 cited in ``docs/reference/microbenchmarks-added.md`` (AR1-AR8); the achievable prices use them, the ideal roofline
@@ -22,7 +24,7 @@ from __future__ import annotations
 from lab.core.errors import UserError
 from lab.core.hardware import Chip
 from lab.predict import efficiency as eff
-from lab.predict.placement import fast_domain
+from lab.predict.placement import fast_domain, placement
 
 TYPE_CHECKING = False  # typing is not imported at run time: annotations only
 if TYPE_CHECKING:
@@ -49,6 +51,11 @@ ONE_SHOT_MAX_BYTES = {4: 512 * 1024, 8: 256 * 1024}
 CUSTOM_ALLREDUCE_MAX_BYTES = 8 * 2**20
 # Group sizes the kernels are built for (vLLM and SGLang's _SUPPORTED_WORLD_SIZES, AR4).
 CUSTOM_ALLREDUCE_GROUPS = (2, 4, 6, 8)
+# The wait at each of a GPU step's tensor-parallel all-reduces for the slowest rank to arrive, which real decode traces
+# book inside the kernel and an isolated sweep leaves out: 31.6 us a call on a TP-8 MoE decode step (AR10), 62-68 us on
+# another (AR9). No dense-model figure is published, so none is priced (grade C): the constant's alternative says how
+# much an answer leans on it (validate --sensitivity, the intervals).
+ARRIVAL_WAIT_S = 0.0
 
 
 def default_tp_allreduce(chip: Chip) -> str | None:
@@ -100,6 +107,24 @@ def stack_allreduce(cfg: Any, kind: str, nbytes: float, group: int) -> tuple[flo
     return custom_allreduce_time(cfg.chip, nbytes, group)
 
 
+def comm_time(cfg: Any, kind: str, nbytes: float, group: int, achievable: bool) -> tuple[float, bool]:
+    """``(seconds, latency-bound)`` of one collective of a serving step over ``group`` neighbouring chips, where it
+    sits (lab.predict.placement: inside a node or pod on the fast links; a larger one also over the slow link, as
+    training prices it); achievable, a tensor-parallel sum the stack's own kernel takes at its price
+    (:func:`stack_allreduce`), and on a GPU each all-reduce's wait for its slowest rank (:data:`ARRIVAL_WAIT_S`)."""
+    if group <= 1 or nbytes <= 0:
+        return 0.0, False
+    chip = cfg.chip
+    wait = ARRIVAL_WAIT_S if achievable and kind == "all-reduce" and chip.kind == "gpu" else 0.0
+    custom = stack_allreduce(cfg, kind, nbytes, group) if achievable else None
+    if custom is not None:
+        return custom[0] + wait, custom[1]
+    where = placement(chip, group, 1)
+    c = eff.collective_on(chip, kind, nbytes, group, **where)
+    t = eff.achievable_time(chip, c, group, where.get("scope", "node")) if achievable else c.time_s
+    return t + wait, c.latency_bound
+
+
 def check_tp_allreduce(cfg: Any) -> None:
     """A stated all-reduce is one of :data:`TP_ALLREDUCES`, on a GPU (a TPU's are XLA's)."""
     if cfg.tp_allreduce is None:
@@ -121,6 +146,7 @@ def check_tp_allreduce(cfg: Any) -> None:
 __all__ = [
     "TP_ALLREDUCES",
     "check_tp_allreduce",
+    "comm_time",
     "custom_allreduce_time",
     "default_tp_allreduce",
     "priced_allreduce",

@@ -36,10 +36,9 @@ from lab.core.hardware import Chip
 from lab.core.models import ModelConfig
 from lab.core.units import canonical_dtype, dtype_bytes, wire_bytes
 from lab.predict import efficiency as eff
-from lab.predict.inference.allreduce import check_tp_allreduce, priced_allreduce, stack_allreduce
+from lab.predict.inference.allreduce import check_tp_allreduce, comm_time, priced_allreduce
 from lab.predict.inference.attention_kernels import decode_attention_flops, prefill_attention_flops
 from lab.predict.inference.rates import flop_time, matmul_shape_factor, mem_time
-from lab.predict.placement import placement
 
 TYPE_CHECKING = False  # typing is not imported at run time: annotations only
 if TYPE_CHECKING:
@@ -304,22 +303,6 @@ def kv_bytes_per_sequence(m: ModelConfig, context: int, kv: str) -> float:
     return m.kv_bytes(context, kv)
 
 
-def _comm(cfg: InferConfig, kind: str, nbytes: float, group: int, achievable: bool) -> tuple[float, bool]:
-    """One collective over a group of ``group`` neighbouring chips, where it sits (lab.predict.placement: inside a
-    node or pod on the fast links; a larger one also over the slow link, as training prices it); achievable, a
-    tensor-parallel sum the serving stack's own kernel takes (``tp_allreduce``, :mod:`.allreduce`) at its price."""
-    if group <= 1 or nbytes <= 0:
-        return 0.0, False
-    chip = cfg.chip
-    custom = stack_allreduce(cfg, kind, nbytes, group) if achievable else None
-    if custom is not None:
-        return custom
-    where = placement(chip, group, 1)
-    c = eff.collective_on(chip, kind, nbytes, group, **where)
-    t = eff.achievable_time(chip, c, group, where.get("scope", "node")) if achievable else c.time_s
-    return t, c.latency_bound
-
-
 def _act_bytes(cfg: InferConfig) -> float:
     """Bytes per activation on the wire: the compute dtype's (16-bit for int8/fp8 compute)."""
     return wire_bytes(cfg.compute)
@@ -374,7 +357,7 @@ def decode_step(cfg: InferConfig, context: int | None = None) -> dict[str, float
     kv_s = mem_time(chip, kv_bytes, cfg.achievable) * (eff.EAGER_KV_PASSES if cfg.eager else 1.0)
     comm, lat = 0.0, False
     for kind, nbytes, calls, group, _ in comms(cfg, b):
-        t, bound = _comm(cfg, kind, nbytes, group, cfg.achievable)
+        t, bound = comm_time(cfg, kind, nbytes, group, cfg.achievable)
         comm += calls * t
         lat = lat or (bound and kind != "all-gather")  # the sampling gather is tiny, not a TP verdict
     fixed = (eff.decode_kernel_overhead(chip, m.layers) if cfg.achievable else 0.0) + cfg.step_overhead_s
@@ -422,7 +405,7 @@ def prefill_terms(cfg: InferConfig) -> dict[str, float]:
     )
     memory_s = mem_time(chip, wbytes + kv_write, cfg.achievable)
     comm = sum(
-        calls * _comm(cfg, k, b, g, cfg.achievable)[0] for k, b, calls, g, _ in comms(cfg, cfg.replica_batch * p)
+        calls * comm_time(cfg, k, b, g, cfg.achievable)[0] for k, b, calls, g, _ in comms(cfg, cfg.replica_batch * p)
     )
     return {
         "matmul_flops": mm,

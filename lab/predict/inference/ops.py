@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from lab.core.models import ModelConfig
 from lab.predict import efficiency as eff
+from lab.predict.inference.allreduce import comm_time
 from lab.predict.inference.estimate import (
     InferConfig,
-    _comm,
     comms,
     decode_step,
     prefill_terms,
@@ -101,7 +101,7 @@ def _split(
 def _collectives(cfg: InferConfig, tokens: float) -> list[dict[str, Any]]:
     out = []
     for kind, nbytes, calls, group, what in comms(cfg, tokens):
-        t, _ = _comm(cfg, kind, nbytes, group, cfg.achievable)
+        t, _ = comm_time(cfg, kind, nbytes, group, cfg.achievable)
         out.append(
             {
                 "name": what,

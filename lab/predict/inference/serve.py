@@ -30,9 +30,9 @@ from lab.core.errors import UserError
 from lab.core.serving import Lengths, PoolConfig, Request, Served, Step, drive, poisson_requests, summarize
 from lab.core.units import dtype_bytes
 from lab.predict import efficiency as eff
+from lab.predict.inference.allreduce import comm_time
 from lab.predict.inference.estimate import (
     InferConfig,
-    _comm,
     _split_params,
     check_infer,
     comms,
@@ -79,7 +79,7 @@ class StepPricer:
             touched = 1.0 - (1.0 - m.experts_per_token / m.experts) ** tokens
         wbytes = (dense / cfg.tp + experts / (cfg.tp * cfg.ep) * touched) * dtype_bytes(cfg.weights)
         weights_s = eff.decode_weights_time(chip, wbytes, cfg.weights, cfg.compute, cfg.fp8_scaling)
-        comm_s = sum(calls * _comm(cfg, k, b, g, True)[0] for k, b, calls, g, _ in comms(cfg, tokens))
+        comm_s = sum(calls * comm_time(cfg, k, b, g, True)[0] for k, b, calls, g, _ in comms(cfg, tokens))
         kv_spb = mem_time(chip, 1.0, True) / kv_shards(m, cfg.tp, seqs / cfg.ep)
         hit = self._per_tokens[key] = (spf, weights_s, comm_s, kv_spb)
         return hit
