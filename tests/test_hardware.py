@@ -261,7 +261,9 @@ def test_tpu7x_is_priced_per_chip_with_its_own_matmul_figure():
     c = get_chip("ironwood")
     assert c.name == "tpu-v7x" and c.flops("bf16") == 2.307e15 and c.hbm_bytes == 192 * 2**30
     assert eff.gemm_ceiling(c) == pytest.approx(956.4 / 1153.5, abs=1e-3)  # T4: one TensorCore's half of the chip
-    assert eff.gemm_ceiling(get_chip("v6e")) == eff.GEMM_CEILING_TPU_OTHER and eff.tile(c) == 256.0
+    assert eff.tile(c) == 256.0
+    assert eff.gemm_ceiling(get_chip("v6e")) == pytest.approx(727.7 / 918, abs=1e-3)  # T8: v6e's own 8192^3
+    assert eff.gemm_ceiling(get_chip("v5p")) == eff.gemm_ceiling(get_chip("v5e"))  # no v5p figure: v5e's carried
 
 
 def test_a_mesh_node_reaches_one_link_per_peer_in_the_group():

@@ -139,7 +139,8 @@ GEMM_CEILING: dict[tuple[str, str], float] = {
     ("mi355x", "fp8"): 0.626,
 }
 GEMM_CEILING_TPU = 0.923  # G26: v5e jnp.matmul bf16 8192^3
-GEMM_CEILING_TPU_OTHER = 0.923  # no v4/v5p/v6e figure is published: v5e's carried over (grade B)
+GEMM_CEILING_TPU6E = 0.793  # T8: v6e jit bf16 8192^3, profiler device time, 727.7 of 918 TF/s
+GEMM_CEILING_TPU_OTHER = 0.923  # no v2-v4/v5p figure is published: v5e's carried over (grade B)
 GEMM_CEILING_TPU7X = 0.829  # T4: TPU7x bf16 32768^3 at 956.4 TF per JAX device, one TensorCore's half of 2307
 # a chip family with no measurement: a GPU takes Hopper's sustained bf16 rate (MSMF), not a burst's
 GEMM_CEILING_OTHER = {"gpu": 0.76, "cpu": 1.0}
@@ -258,7 +259,8 @@ def tile(chip: Chip) -> float:
 def gemm_ceiling(chip: Chip, dtype: str = "bf16") -> float:
     """The best fraction of ``dtype``'s peak a large GEMM reaches on this chip (module docstring)."""
     if chip.kind == "tpu":
-        return {"tpu-v5e": GEMM_CEILING_TPU, "tpu-v7x": GEMM_CEILING_TPU7X}.get(chip.name, GEMM_CEILING_TPU_OTHER)
+        measured = {"tpu-v5e": GEMM_CEILING_TPU, "tpu-v6e": GEMM_CEILING_TPU6E, "tpu-v7x": GEMM_CEILING_TPU7X}
+        return measured.get(chip.name, GEMM_CEILING_TPU_OTHER)
     # a 4-bit float GEMM takes its family's fp8 share where no fp4 figure is measured (an assumption)
     dt = {"fp16": "bf16", "fp32": "bf16", "fp4": "fp8"}.get(canonical_dtype(dtype), canonical_dtype(dtype))
     return GEMM_CEILING.get((family(chip), dt), GEMM_CEILING_OTHER[chip.kind])
