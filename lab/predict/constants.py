@@ -355,7 +355,7 @@ CONSTANTS: tuple[Constant, ...] = (
         "ICI_FRACTION_OTHER",
         None,
         "B",
-        "C20 (v5e) carried to v3/v4/v5p/v6e",
+        "C20 (v5e) carried; v5p/v6e agree (T1-T2)",
         0.82,
         "C21: v5e over a 4-long axis without wraparound",
         ["tpu"],

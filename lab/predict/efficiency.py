@@ -186,7 +186,7 @@ NVLINK_RING |= {"mi300x": 0.70, "mi325x": 0.70, "mi355x": 0.70}
 NVLS_ALL_REDUCE = {"h100": 1.07, "h200": 1.07, "b200": 0.93}  # C3/C5, C6, C8: busbw at 6-8 GPUs (NVLS)
 NIC_FRACTION = 0.72  # C14 (74%), C17 (71%): per-GPU NIC rate of inter-node all-reduce at >= 1 GiB
 ICI_FRACTION = 0.95  # C20: v5e AllGather at 95% of the link rate
-ICI_FRACTION_OTHER = 0.95  # v4, v5p, v6e: nothing published, v5e's carried over (grade B)
+ICI_FRACTION_OTHER = 0.95  # v5e's; v5p and v6e ppermute at 96% of a link (T1-T2), v3/v4 unmeasured (grade B)
 COLLECTIVE_FRACTION = {"gpu": 0.8, "cpu": 1.0}  # a GPU family with no measurement; the host (calibrated)
 
 
