@@ -170,22 +170,8 @@ def _under_load(run: PublicRun) -> tuple[float, float, str]:
     from lab.predict.inference.serve import pool_for, simulate
 
     lay = run.layout
-    tp = int(lay["tp"])  # type: ignore[call-overload]
-    replicas = max(1, run.chips // tp)
-    extra = _infer_options(run)
-    cfg = InferConfig(
-        model=_model(run),
-        chip=_chip(run),
-        batch=replicas,
-        context=int(lay["prompt"]) + int(lay["generated"]),  # type: ignore[call-overload]
-        tp=tp,
-        dp=replicas,
-        weights=run.dtype,
-        kv=run.kv_dtype or run.dtype,
-        compute=run.dtype if run.dtype in ("bf16", "fp8") else "bf16",
-        achievable=True,
-        **extra,
-    )
+    replicas = max(1, run.chips // int(lay["tp"]))  # type: ignore[call-overload]
+    cfg = _serving_config(run, replicas, int(lay["prompt"]) + int(lay["generated"]), dp=replicas)
     pool = pool_for(cfg, max_seqs=int(lay.get("max_seqs", 256)), token_budget=int(lay.get("token_budget", 2048)))
     clients = lay.get("concurrency")
     n = lay.get("requests") or min(LOADED_REQUESTS_MAX, LOADED_REQUESTS_PER_CLIENT * int(clients or 64))
@@ -201,6 +187,26 @@ def _under_load(run: PublicRun) -> tuple[float, float, str]:
         "-" if s["tpot_s"]["mean"] is None else f"{s['tpot_s']['mean'] * 1e3:.3g} ms"
     )
     return value, value / run.measured - 1, detail
+
+
+def _serving_config(run: PublicRun, batch: int, context: int, *, dp: int = 1, prefill_len: int | None = None):
+    """The inference estimator's config of a serving run (one place for every way a run is priced): its model, chip,
+    tensor parallelism and dtypes (a weight-only dtype computes in bf16), under the efficiency model, with the options
+    it states."""
+    return InferConfig(
+        model=_model(run),
+        chip=_chip(run),
+        batch=batch,
+        context=context,
+        tp=int(run.layout["tp"]),  # type: ignore[call-overload]
+        dp=dp,
+        weights=run.dtype,
+        kv=run.kv_dtype or run.dtype,
+        compute=run.dtype if run.dtype in ("bf16", "fp8") else "bf16",
+        prefill_len=prefill_len,
+        achievable=True,
+        **_infer_options(run),
+    )
 
 
 def _infer_options(run: PublicRun) -> dict[str, Any]:
@@ -222,20 +228,7 @@ def steady_price(run: PublicRun) -> float:
     run from this ratio, swapped over built, rather than simulating the load again for every constant."""
     lay = run.layout
     prompt, generated = int(lay["prompt"]), int(lay["generated"])  # type: ignore[call-overload]
-    extra = _infer_options(run)
-    cfg = InferConfig(
-        model=_model(run),
-        chip=_chip(run),
-        batch=int(lay["batch"]),  # type: ignore[call-overload]
-        context=prompt + generated // 2,
-        tp=int(lay["tp"]),  # type: ignore[call-overload]
-        weights=run.dtype,
-        kv=run.kv_dtype or run.dtype,
-        compute=run.dtype if run.dtype in ("bf16", "fp8") else "bf16",
-        prefill_len=prompt,
-        achievable=True,
-        **extra,
-    )
+    cfg = _serving_config(run, int(lay["batch"]), prompt + generated // 2, prefill_len=prompt)  # type: ignore[call-overload]
     est = estimate_inference(cfg)
     if run.unit != "s/prefill":
         return est.decode_step_s
@@ -252,19 +245,11 @@ def _serve(run: PublicRun) -> tuple[float, float, str]:
         return _under_load(run)
     prompt, generated = int(lay["prompt"]), int(lay["generated"])  # type: ignore[call-overload]
     ttft = run.unit == "s/prefill"
-    extra = _infer_options(run)
-    cfg = InferConfig(
-        model=_model(run),
-        chip=_chip(run),
-        batch=int(lay["batch"]),  # type: ignore[call-overload]
-        context=prompt + (generated if run.context_at == "end" else generated // 2),
-        tp=int(lay["tp"]),  # type: ignore[call-overload]
-        weights=run.dtype,
-        kv=run.kv_dtype or run.dtype,
-        compute=run.dtype if run.dtype in ("bf16", "fp8") else "bf16",
+    cfg = _serving_config(
+        run,
+        int(lay["batch"]),  # type: ignore[call-overload]
+        prompt + (generated if run.context_at == "end" else generated // 2),
         prefill_len=prompt if (run.per_token_includes_prefill or ttft) else None,
-        achievable=True,
-        **extra,
     )
     est = estimate_inference(cfg)
     if ttft:
