@@ -81,6 +81,8 @@ def test_a_source_file_becomes_runs_with_the_sources_citation_and_the_split():
         (('rule = "every row of Table 2"', ""), r"\[source\] needs rule"),
         (("[[run]]", "[[runs]]"), r"unknown top-level key 'runs'"),
         (('dtype = "bf16"', "dtype = bf16"), r"x.toml: not TOML"),
+        (('dtype = "bf16"', 'dtype = "bf16"\ntp_allreduce = "gloo"'), r"run X001: tp_allreduce 'gloo' is not one of"),
+        (('dtype = "bf16"', 'dtype = "bf16"\nmoe_weights = "some"'), r"run X001: moe_weights 'some' is not one of"),
     ],
 )
 def test_a_bad_file_is_refused_with_one_line_naming_the_value(edit, message):

@@ -31,6 +31,9 @@ UNITS = {
 }
 GRADES = ("A", "B", "C")
 STATISTICS = ("mean", "median")  # over a loaded run's requests
+# run fields with a closed set of values (the inference estimator's MOE_WEIGHTS and TP_ALLREDUCES), checked here so a
+# file's typo is named by its row before any pricing
+CHOICES = {"moe_weights": ("all", "routed"), "tp_allreduce": ("custom", "nccl")}
 SOURCE_FIELDS = {"key": str, "cite": str, "url": str, "grade": str, "stack": str, "assumed": str, "rule": str}
 SOURCE_REQUIRED = ("key", "cite", "grade", "stack", "rule")
 TRAIN_LAYOUT = {
@@ -160,6 +163,9 @@ def parse(text: str, path: str = "<text>", split: str = "test") -> tuple[PublicR
         if row.get("unit") not in UNITS[kind]:
             raise UserError(f"{where}: unit {row.get('unit')!r} is not one of {', '.join(UNITS[kind])}")
         _check_layout(where, kind, row.get("layout", {}))
+        for k, valid in CHOICES.items():
+            if k in row and row[k] not in valid:
+                raise UserError(f"{where}: {k} {row[k]!r} is not one of {', '.join(valid)}")
         if row.get("statistic", "mean") not in STATISTICS:
             raise UserError(f"{where}: statistic {row['statistic']!r} is not one of {', '.join(STATISTICS)}")
         if not (isinstance(row.get("measured"), int | float) and row["measured"] > 0):
