@@ -23,7 +23,7 @@ from lab.cli.args import (
 )
 from lab.cli.commands import help_of
 from lab.cli.model_args import model_of, model_parent, ops_table, plan_of, plan_options
-from lab.cli.stack_args import add_step_overhead, add_tp_allreduce
+from lab.cli.stack_args import add_attention_dp, add_step_overhead, add_tp_allreduce
 from lab.core.errors import UserError
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
@@ -121,6 +121,7 @@ def infer_config(args: argparse.Namespace, chip) -> InferConfig:
         step_overhead_s=getattr(args, "step_overhead", 0.0),
         eager=getattr(args, "eager", False),
         tp_allreduce=getattr(args, "tp_allreduce", None),
+        attention_dp=getattr(args, "attention_dp", False),
     )
 
 
@@ -148,39 +149,40 @@ def _no_continuous(args: argparse.Namespace) -> None:
         )
 
 
-def cmd_infer_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    _no_continuous(args)
-    plan = program = None
+def _infer_job(args: argparse.Namespace):
+    """``(estimate, chip, plan, program)``: from ``--plan FILE`` (the last two set), or from the flags."""
     if args.plan:
         from lab.predict.program.estimate import estimate_program
 
         plan, chip = plan_of(args, "decode", "infer estimate")
         program = estimate_program(plan, chip)
-        e = program.detail["infer"]
-        cfg = e.config
-    else:
-        missing = [
-            f
-            for f, v in (
-                ("--hardware", args.hardware),
-                ("--chips", args.chips),
-                ("--batch", args.batch),
-                ("--context", args.context),
-            )
-            if v is None
-        ]
-        if missing:
-            raise UserError(f"the following arguments are required: {', '.join(missing)} (or --plan FILE)")
-        chip = chip_of(args)
-        cfg = infer_config(args, chip)
-        e = estimate_inference(cfg)
+        return program.detail["infer"], chip, plan, program
+    needed = (
+        ("--hardware", args.hardware),
+        ("--chips", args.chips),
+        ("--batch", args.batch),
+        ("--context", args.context),
+    )
+    missing = [f for f, v in needed if v is None]
+    if missing:
+        raise UserError(f"the following arguments are required: {', '.join(missing)} (or --plan FILE)")
+    chip = chip_of(args)
+    return estimate_inference(infer_config(args, chip)), chip, None, None
+
+
+def cmd_infer_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    _no_continuous(args)
+    e, chip, plan, program = _infer_job(args)
+    cfg = e.config
     m = cfg.model
     decode_iv = for_inference(cfg, "decode_step_s")
     prefill_iv = for_inference(cfg, "prefill_s") if e.prefill_s is not None else None
     rows = [
         [
             "model / hardware",
-            f"{m.name} on {cfg.chips} x {chip.name} (tp={cfg.tp} dp={cfg.dp} ep={cfg.ep}), "
+            f"{m.name} on {cfg.chips} x {chip.name} (tp={cfg.tp} dp={cfg.dp} ep={cfg.ep}"
+            + (", attention data-parallel" if cfg.attention_dp else "")
+            + "), "
             f"{'ideal roofline' if not cfg.achievable else 'achievable efficiency'}",
         ],
         [
@@ -383,6 +385,7 @@ def _register_estimate(isub, common):
     )
     add_step_overhead(ie)
     add_tp_allreduce(ie)
+    add_attention_dp(ie)
     ie.add_argument(
         "--eager",
         action="store_true",
@@ -404,6 +407,7 @@ def _register_estimate(isub, common):
         "step_overhead",
         "eager",
         "tp_allreduce",
+        "attention_dp",
     )
     command(ie, cmd_infer_estimate)
     return ie

@@ -19,7 +19,7 @@ from lab.cli.args import (
     write_chart,
 )
 from lab.cli.model_args import model_of, model_parent
-from lab.cli.stack_args import add_step_overhead, add_tp_allreduce
+from lab.cli.stack_args import add_attention_dp, add_step_overhead, add_tp_allreduce
 from lab.core.errors import UserError
 from lab.core.limits import MAX_CHIPS_SEARCHED, MAX_REQUESTS
 
@@ -76,6 +76,7 @@ def _deployment(args: argparse.Namespace, chip):
         moe_weights=args.moe_weights,
         step_overhead_s=args.step_overhead,
         tp_allreduce=args.tp_allreduce,
+        attention_dp=args.attention_dp,
     )
     check_infer(cfg)
     return cfg
@@ -193,6 +194,7 @@ def register(isub, common: argparse.ArgumentParser, storage_dtype, moe_weights) 
     eng.add_argument("--moe-weights", choices=moe_weights, default="all")
     add_step_overhead(eng)
     add_tp_allreduce(eng)
+    add_attention_dp(eng)
     eng.add_argument("--page-size", type=positive_int("--page-size"), default=16, help="tokens a KV page (16)")
     eng.add_argument("--pages", type=positive_int("--pages"), help="KV pages per replica (default: what HBM holds)")
     eng.add_argument("--max-seqs", type=positive_int("--max-seqs"), default=256, help="running at once (256)")

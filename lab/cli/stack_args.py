@@ -1,4 +1,4 @@
-"""The flags that state a serving stack's own costs, shared by ``infer estimate`` and ``infer serve``."""
+"""The flags that state a serving stack's own choices and costs, shared by ``infer estimate`` and ``infer serve``."""
 
 from __future__ import annotations
 
@@ -29,4 +29,15 @@ def add_tp_allreduce(parser) -> None:
         "own one-shot/two-shot kernel inside an NVLink or xGMI node (vLLM, SGLang, TensorRT-LLM, LMDeploy; the "
         "default where it runs: A100, H100, H200, B200, MI300X), or nccl (PyTorch, DeepSpeed-Inference, TGI, JAX/XLA) "
         "(docs/reference/microbenchmarks-added.md AR1-AR8)",
+    )
+
+
+def add_attention_dp(parser) -> None:
+    """``--attention-dp``: attention data-parallel over the tensor-parallel group (SGLang's --enable-dp-attention)."""
+    parser.add_argument(
+        "--attention-dp",
+        action="store_true",
+        help="attention data-parallel over the --tp group, as SGLang's --enable-dp-attention runs it: each GPU holds "
+        "the whole attention and only its own requests' KV cache, the MLP or MoE stays tensor-parallel (for MLA models "
+        "such as DeepSeek, whose latent cache tensor parallelism keeps whole on every GPU)",
     )

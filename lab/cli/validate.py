@@ -80,7 +80,7 @@ def _validate_case(case: str) -> tuple[dict[str, Any], str]:
     """One published run: its prediction, error and 80% interval, and the constants that move it most."""
     from lab.predict.intervals import interval
     from lab.studies.intervals_fit import run_shifts
-    from lab.studies.validate_public import PublicValidation, predict, split_runs
+    from lab.studies.validate_public import PublicValidation, interval_class, predict, split_runs
 
     runs = {r.case_id: r for s in ("development", "test") for r in split_runs(s)}
     run = runs.get(case.strip().upper())
@@ -96,7 +96,7 @@ def _validate_case(case: str) -> tuple[dict[str, Any], str]:
             "pick an answered run"
         )
     alone = PublicValidation((row,), run.split)
-    iv = interval(1.0, run.group, run_shifts(run.split, alone).get(run.case_id))
+    iv = interval(1.0, interval_class(run), run_shifts(run.split, alone).get(run.case_id))
     inside = iv.lo <= 1 / (1 + row.error) <= iv.hi
     lean = ", ".join(f"{n} x{f:.3f}" for n, f in iv.leaning_on) or "none"
     rows = [

@@ -16,7 +16,15 @@ from typing import Any
 from lab.core.errors import UserError
 from lab.predict import constants as K
 from lab.predict import intervals as iv
-from lab.studies.validate_public import PublicValidation, loaded, predict, run_public_validation, steady_price
+from lab.studies.validate_public import (
+    LOADED_CLASS,
+    PublicValidation,
+    interval_class,
+    loaded,
+    predict,
+    run_public_validation,
+    steady_price,
+)
 
 
 def _time_ratio(error: float) -> float:
@@ -81,13 +89,18 @@ def fit(dev: PublicValidation) -> dict[str, Any]:
     by_class: dict[str, dict[str, list[float]]] = {}
     for r in dev.predicted:
         res = -math.log(_time_ratio(r.error))  # log(measured / predicted)
-        by_class.setdefault(r.run.group, {}).setdefault(r.run.source_name, []).append(res)
+        by_class.setdefault(interval_class(r.run), {}).setdefault(r.run.source_name, []).append(res)
     source_means = {g: {s: statistics.mean(v) for s, v in srcs.items()} for g, srcs in by_class.items()}
-    all_means = [m for g in source_means.values() for m in g.values()]
-    pooled_between = _sd(all_means)
+    # a class of too few sources pools the between-source spread of its population: one-step prices, or loads
+    pools: dict[bool, list[float]] = {True: [], False: []}
+    for g, means in source_means.items():
+        pools[LOADED_CLASS in g].extend(means.values())
+    pooled = {under_load: _sd(means) for under_load, means in pools.items()}
     classes = []
     for g, srcs in by_class.items():
         means = source_means[g]
+        all_means = pools[LOADED_CLASS in g]
+        pooled_between = pooled[LOADED_CLASS in g]
         n = sum(len(v) for v in srcs.values())
         within = [x - means[s] for s, v in srcs.items() for x in v]
         dof = n - len(srcs)
@@ -108,7 +121,8 @@ def fit(dev: PublicValidation) -> dict[str, Any]:
     return {
         "derived_from": "the development set's answered runs (lab/studies: public_runs.py, public_serving.py, "
         "data/development/)",
-        "pooled_s_between": pooled_between,
+        "pooled_s_between": pooled[False],
+        "pooled_s_between_under_load": pooled[True],
         "classes": sorted(classes, key=lambda c: c["name"]),
     }
 
@@ -126,7 +140,7 @@ def with_intervals(v: PublicValidation) -> PublicValidation:
     shifts = run_shifts(v.split, v)
     out = {}
     for r in v.predicted:
-        out[r.run.case_id] = iv.interval(1.0, r.run.group, shifts.get(r.run.case_id))
+        out[r.run.case_id] = iv.interval(1.0, interval_class(r.run), shifts.get(r.run.case_id))
     return dataclasses.replace(v, intervals=out)
 
 

@@ -104,6 +104,7 @@ class PublicRun:
     # serving on GPUs: the stack's tensor-parallel all-reduce, "custom" (its own peer-to-peer kernel: vLLM, SGLang,
     # TensorRT-LLM, LMDeploy) or "nccl" (PyTorch, DeepSpeed-Inference, TGI); None: the estimator's default for the chip
     tp_allreduce: str | None = None
+    attention_dp: bool = False  # serving: attention data-parallel over the TP group (SGLang's --enable-dp-attention)
     # eager: PyTorch eager execution. Training: unfused norms, rotary embedding and activation (TrainConfig); serving:
     # Hugging Face generate, its ops issued from Python each step (InferConfig.eager)
     elementwise: str = "fused"

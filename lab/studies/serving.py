@@ -37,10 +37,9 @@ from lab.predict.inference.estimate import (
     WEIGHT_DTYPES,
     InferConfig,
     estimate_inference,
-    kv_bytes_per_sequence,
     max_replica_batch,
-    param_bytes_per_chip,
 )
+from lab.predict.inference.holdings import kv_bytes_per_sequence, weight_bytes_per_chip
 
 # Default topologies: the chip counts a slice or a set of NVLink nodes is commonly rented in.
 GPU_CHIPS = (1, 2, 4, 8, 16, 32, 64)
@@ -315,7 +314,7 @@ def sweep(
             continue
         max_batch = max_replica_batch(m, chip, tp, 1, context, weights, kv)
         if max_batch < 1:
-            per_chip = param_bytes_per_chip(m, tp, 1, weights)
+            per_chip = weight_bytes_per_chip(m, tp, 1, weights)
             why = (
                 f"weights need {fmt_bytes(per_chip)} per chip of {fmt_bytes(chip.hbm_bytes)}"
                 if per_chip > chip.hbm_bytes

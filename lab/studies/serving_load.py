@@ -85,6 +85,7 @@ class ServeResult:
             "pool": dataclasses.asdict(self.pool) | {"memory_utilization": MEMORY_UTILIZATION},
             "step_overhead_s": c.step_overhead_s,
             "tp_allreduce": priced_allreduce(c) if c.tp > 1 else None,
+            "attention_dp": c.attention_dp,
             "capacity_rps": self.capacity_rps,
             "overloaded": self.overloaded,
             "queueing": "unbounded" if self.overloaded else "bounded",

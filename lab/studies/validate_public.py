@@ -159,6 +159,7 @@ def _train(run: PublicRun) -> tuple[float, float, str]:
 # wave, all clients' prompts arriving at once, is a twentieth of the requests. A source that states its count
 # (SGL-JAX's cookbook: three per client) is simulated with it: its first wave is then a third of the mean.
 LOADED_REQUESTS_PER_CLIENT = 20
+LOADED_CLASS = " under load"  # the suffix of a loaded run's interval class (interval_class)
 LOADED_REQUESTS_MAX = 2000
 
 
@@ -214,12 +215,23 @@ def _infer_options(run: PublicRun) -> dict[str, Any]:
     and PyTorch eager generate (a run whose stack executes eagerly, ``elementwise = "eager"``)."""
     out: dict[str, Any] = {"moe_weights": run.moe_weights} if run.moe_weights else {}
     out |= {"tp_allreduce": run.tp_allreduce} if run.tp_allreduce else {}
+    out |= {"attention_dp": True} if run.attention_dp else {}
     return out | ({"eager": True} if run.elementwise == "eager" else {})
 
 
 def loaded(run: PublicRun) -> bool:
     """Whether the run was measured under a stated load (priced by :func:`_under_load`)."""
     return run.kind == "serving" and ("concurrency" in run.layout or "rate" in run.layout)
+
+
+def interval_class(run: PublicRun) -> str:
+    """The residual class a run's interval takes (lab.predict.intervals): its chip kind and what it prices, and, for a
+    run served under a stated load, the load simulator's own classes (``GPU serving under load``, and ``..., first
+    token`` for a time to first token, which a queue dominates): its requests queue and share steps, and its
+    residuals are not a single step's."""
+    if not loaded(run):
+        return run.group
+    return run.group + LOADED_CLASS + (", first token" if run.unit == "s/prefill" else "")
 
 
 def steady_price(run: PublicRun) -> float:

@@ -38,6 +38,7 @@ from lab.core.units import canonical_dtype, dtype_bytes, wire_bytes
 from lab.predict import efficiency as eff
 from lab.predict.inference.allreduce import check_tp_allreduce, comm_time, priced_allreduce
 from lab.predict.inference.attention_kernels import decode_attention_flops, prefill_attention_flops
+from lab.predict.inference.holdings import kv_bytes_per_sequence, kv_shards, weight_bytes_per_chip
 from lab.predict.inference.rates import flop_time, matmul_shape_factor, mem_time
 
 TYPE_CHECKING = False  # typing is not imported at run time: annotations only
@@ -92,6 +93,9 @@ class InferConfig:
     # The tensor-parallel all-reduces (achievable): ``custom``, the serving stack's own kernel inside a node, or
     # ``nccl``; None: what the stacks run on the chip (lab.predict.inference.allreduce).
     tp_allreduce: str | None = None
+    # Attention data-parallel over the tp ranks (SGLang's --enable-dp-attention): each rank holds the whole attention
+    # and its own requests' cache, the MLP or MoE stays tensor-parallel (lab.predict.inference.holdings).
+    attention_dp: bool = False
 
     @property
     def chips(self) -> int:
@@ -125,6 +129,8 @@ def check_infer(cfg: InferConfig) -> None:
     if cfg.fp8_scaling not in eff.FP8_SCALINGS:
         raise UserError(f"--fp8-scaling {cfg.fp8_scaling!r} is not one of {', '.join(eff.FP8_SCALINGS)}")
     check_tp_allreduce(cfg)
+    if cfg.attention_dp and cfg.tp < 2:
+        raise UserError("--attention-dp splits the requests' attention over the --tp group; give --tp 2 or more")
     if cfg.eager:
         _check_eager(cfg)
     if cfg.mfu is not None and not 0 < cfg.mfu <= 1:
@@ -262,6 +268,7 @@ class InferEstimate:
             "bound": self.bound,
             "latency_bound_collectives": self.latency_bound_collectives,
             "tp_allreduce": priced_allreduce(c) if c.achievable and c.tp > 1 else None,
+            "attention_dp": c.attention_dp,
             "tp_max_degree": self.tp_max_degree,
             "tokens_per_s": self.tokens_per_s,
             "tokens_per_s_per_chip": self.tokens_per_s_per_chip,
@@ -278,29 +285,9 @@ class InferEstimate:
         }
 
 
-def _split_params(m: ModelConfig) -> tuple[float, float]:
-    """(dense parameters, expert parameters)."""
-    return m.params - m.expert_params_total, float(m.expert_params_total)
-
-
-def param_bytes_per_chip(m: ModelConfig, tp: int, ep: int, weights: str) -> float:
-    dense, experts = _split_params(m)
-    return (dense / tp + experts / (tp * ep)) * dtype_bytes(weights)
-
-
-def kv_shards(m: ModelConfig, tp: int, batch: float) -> float:
-    """Ways a replica's KV cache is split over its tp chips: by KV heads, then by sequence.
-
-    The book's ``KV[2, B_Z, S, K_Y, H]``: past the KV head count the batch is sharded too (costing two
-    AllToAlls per attention layer); with fewer sequences than that, the cache is partly replicated.
-    """
-    heads = 1 if m.is_mla else m.kv_heads  # MLA's latent cache has no heads to split: by sequence only
-    return min(tp, heads * max(batch, 1.0))
-
-
-def kv_bytes_per_sequence(m: ModelConfig, context: int, kv: str) -> float:
-    """One sequence's cache at ``context`` tokens (a windowed layer's last ``sliding_window`` only)."""
-    return m.kv_bytes(context, kv)
+def _kv_shards(cfg: InferConfig, seqs: float | None = None) -> float:
+    """:func:`holdings.kv_shards` of the config's replica (``seqs`` a rank group's sequences, default its share)."""
+    return kv_shards(cfg.model, cfg.tp, cfg.replica_batch / cfg.ep if seqs is None else seqs, cfg.attention_dp)
 
 
 def _act_bytes(cfg: InferConfig) -> float:
@@ -317,7 +304,7 @@ def comms(cfg: InferConfig, tokens: float) -> list[tuple[str, float, float, int,
     out = [("all-reduce", act / cfg.ep, syncs, cfg.tp, "TP AllReduces: attention out, MLP down (or their sum)")]
     if cfg.ep > 1:
         out.append(("all-to-all", act * m.experts_per_token, 2 * m.layers, cfg.ep, "EP dispatch and combine"))
-    if cfg.tp > m.kv_heads:  # batch-sharded attention: queries out to the cache's owners and back
+    if cfg.tp > m.kv_heads and not (m.is_mla or cfg.attention_dp):  # batch-sharded attention: queries to the cache
         out.append(("all-to-all", act / cfg.ep, 2 * m.layers, cfg.tp, "batch-sharded attention"))
     if cfg.vocab_parallel:
         out.append(("all-reduce", act / cfg.ep, 1, cfg.tp, "vocab-parallel embedding lookup"))
@@ -331,14 +318,12 @@ def decode_step(cfg: InferConfig, context: int | None = None) -> dict[str, float
     m, chip = cfg.model, cfg.chip
     ctx = cfg.context if context is None else context
     b = cfg.replica_batch  # sequences per replica, one new token each
-    dense, experts = _split_params(m)
-    wb = dtype_bytes(cfg.weights)
     # MoE: every local expert's weights (moe_weights "all"), or each if any of the replica's tokens routes to it.
     touched = 1.0
     if m.is_moe and cfg.moe_weights == "routed":
         touched = 1.0 - (1.0 - m.experts_per_token / m.experts) ** b
-    weight_bytes = (dense / cfg.tp + experts / (cfg.tp * cfg.ep) * touched) * wb
-    kv_bytes = kv_bytes_per_sequence(m, ctx, cfg.kv) * b / (kv_shards(m, cfg.tp, b / cfg.ep) * cfg.ep)
+    weight_bytes = weight_bytes_per_chip(m, cfg.tp, cfg.ep, cfg.weights, cfg.attention_dp, touched)
+    kv_bytes = kv_bytes_per_sequence(m, ctx, cfg.kv) * b / (_kv_shards(cfg, b / cfg.ep) * cfg.ep)
     # Matmul FLOPs per chip: 2 x active weights x tokens, attention scores 4 S N H per layer per token.
     mm = m.matmul_flops_per_token() * b / (cfg.tp * cfg.ep)
     att = m.attention_flops_per_token(ctx, causal=False) * b / (cfg.tp * cfg.ep)
@@ -389,12 +374,8 @@ def prefill_terms(cfg: InferConfig) -> dict[str, float]:
     att = m.attention_flops_per_token(p, causal=cfg.flash_attention, windowed=cfg.flash_attention) * tokens / cfg.chips
     if cfg.pallas_blocks is not None:
         att = prefill_attention_flops(cfg)
-    wbytes = param_bytes_per_chip(m, cfg.tp, cfg.ep, cfg.weights)
-    kv_write = (
-        kv_bytes_per_sequence(m, p, cfg.kv)
-        * cfg.replica_batch
-        / (kv_shards(m, cfg.tp, cfg.replica_batch / cfg.ep) * cfg.ep)
-    )
+    wbytes = weight_bytes_per_chip(m, cfg.tp, cfg.ep, cfg.weights, cfg.attention_dp)
+    kv_write = kv_bytes_per_sequence(m, p, cfg.kv) * cfg.replica_batch / (_kv_shards(cfg) * cfg.ep)
     compute_s = flop_time(
         chip,
         mm + att,
@@ -438,10 +419,10 @@ def estimate_inference(cfg: InferConfig) -> InferEstimate:
     gen = None
     if cfg.generate is not None:  # the cache grows by one token a step: price the mean context
         gen = cfg.generate * float(decode_step(cfg, cfg.context + cfg.generate // 2)["step_s"])
-    p_chip = param_bytes_per_chip(m, cfg.tp, cfg.ep, cfg.weights)
+    p_chip = weight_bytes_per_chip(m, cfg.tp, cfg.ep, cfg.weights, cfg.attention_dp)
     kv_seq = kv_bytes_per_sequence(m, cfg.context, cfg.kv)
-    kv_chip = kv_seq * cfg.replica_batch / (kv_shards(m, cfg.tp, cfg.replica_batch / cfg.ep) * cfg.ep)
-    per_replica = max_replica_batch(m, chip, cfg.tp, cfg.ep, cfg.context, cfg.weights, cfg.kv)
+    kv_chip = kv_seq * cfg.replica_batch / (_kv_shards(cfg) * cfg.ep)
+    per_replica = max_replica_batch(m, chip, cfg.tp, cfg.ep, cfg.context, cfg.weights, cfg.kv, cfg.attention_dp)
     total_params = m.params * dtype_bytes(cfg.weights)
     total_kv = kv_seq * cfg.batch
     min_chips = max(1, math.ceil((total_params + total_kv) / chip.hbm_bytes))
@@ -470,14 +451,16 @@ def estimate_inference(cfg: InferConfig) -> InferEstimate:
     )
 
 
-def max_replica_batch(m: ModelConfig, chip: Chip, tp: int, ep: int, context: int, weights: str, kv: str) -> int:
+def max_replica_batch(
+    m: ModelConfig, chip: Chip, tp: int, ep: int, context: int, weights: str, kv: str, attention_dp: bool = False
+) -> int:
     """Largest batch one replica of tp x ep chips holds at ``context``: weights plus KV within HBM."""
-    free = chip.hbm_bytes * tp * ep - param_bytes_per_chip(m, tp, ep, weights) * tp * ep
+    free = chip.hbm_bytes * tp * ep - weight_bytes_per_chip(m, tp, ep, weights, attention_dp) * tp * ep
     if free <= 0:
         return 0
     seq = kv_bytes_per_sequence(m, context, kv)
     # Fully sharded once the batch reaches tp / K sequences; below that, partly replicated.
     best = math.floor(free / seq)
-    while best > 0 and seq * best / (kv_shards(m, tp, best / ep) * ep) > free / (tp * ep):
+    while best > 0 and seq * best / (kv_shards(m, tp, best / ep, attention_dp) * ep) > free / (tp * ep):
         best -= 1
     return best
