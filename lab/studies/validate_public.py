@@ -34,7 +34,7 @@ from lab.core.hardware import get_chip
 from lab.core.models import get_model
 from lab.core.table import render
 from lab.predict.inference.estimate import InferConfig, estimate_inference
-from lab.predict.training.config import Layout, TrainConfig
+from lab.predict.training.config import Layout, TrainConfig, uneven_stages
 from lab.predict.training.estimate import estimate
 from lab.studies.public_runs import TRAINING, PublicRun
 from lab.studies.public_serving import SERVING
@@ -123,9 +123,11 @@ def _chip(run: PublicRun):
 
 
 def _train(run: PublicRun) -> tuple[float, float, str]:
-    lay = Layout(**run.layout)  # type: ignore[arg-type]
+    model = _model(run)
+    # stages the layers do not divide are built uneven, as train estimate's flags take them (config.uneven_stages)
+    lay = uneven_stages(Layout(**run.layout), model.layers)  # type: ignore[arg-type]
     cfg = TrainConfig(
-        model=_model(run),
+        model=model,
         chip=_chip(run),
         layout=lay,
         seq_len=run.seq_len,
