@@ -84,3 +84,40 @@ def test_a_run_served_under_load_takes_the_load_simulators_class():
         "GPU serving under load",
         "GPU serving under load, first token",
     ]
+
+
+# ----- a fused MoE kernel's fixed cost (efficiency.FUSED_MOE_FIXED_S) -------------------------------------------------
+
+# microbenchmarks-added.md M4 (vLLM fused_moe, B200, 128 experts of 9.44 MB bf16, top-8) and M5 (SGLang fused_moe,
+# H200, 128 experts of 2.36 MB fp8 at TP 8, top-8): microseconds of one MoE layer at B tokens
+FUSED_MOE = {
+    ("b200", 8e12, 9.44e6): ((1, 39.6), (2, 51.9), (4, 73.2)),
+    ("h200", 4.8e12, 2.36e6): ((1, 31.7), (2, 36.6), (4, 49.7), (8, 66.9), (16, 92.4), (32, 125.0)),
+}
+
+
+@pytest.mark.parametrize(("chip", "bandwidth", "expert_bytes"), list(FUSED_MOE))
+def test_a_fused_moe_layer_is_its_fixed_cost_and_its_touched_experts_bytes(chip, bandwidth, expert_bytes):
+    from lab.predict import efficiency as eff
+
+    hw = get_chip(chip)
+    for tokens, us in FUSED_MOE[chip, bandwidth, expert_bytes]:
+        touched = 128 * (1 - (1 - 8 / 128) ** tokens)  # the distinct experts B tokens route to, top-8 of 128
+        t = eff.decode_kernel_overhead(hw, 0, 1) + touched * expert_bytes / (eff.decode_weight_fraction(hw) * bandwidth)
+        assert t * 1e6 == pytest.approx(us, rel=0.15), (chip, tokens)  # tolerance set before comparing
+
+
+def test_a_routed_moe_step_pays_the_fixed_cost_per_moe_layer_and_the_dense_einsum_does_not():
+    from lab.predict.inference.estimate import decode_step
+
+    mixtral = get_model("mixtral-8x7b")
+
+    def overhead(chip: str, moe_weights: str) -> float:
+        cfg = InferConfig(mixtral, get_chip(chip), 1, 1024, achievable=True, moe_weights=moe_weights)
+        return float(decode_step(cfg)["overhead_s"])
+
+    dense_fixed = mixtral.layers * (14 * 0.9e-6 + 8 * 1.5e-6)  # O2, O3: graph gaps and small kernels a layer
+    assert overhead("h100", "routed") == pytest.approx(dense_fixed + mixtral.moe_layers * 28e-6)  # M4-M5
+    assert overhead("a100-80gb", "routed") == pytest.approx(dense_fixed + mixtral.moe_layers * 50e-6)  # M3
+    assert overhead("h100", "all") == pytest.approx(dense_fixed)  # the einsum over every expert: no fused kernel
+    assert overhead("tpu-v5p", "routed") == pytest.approx(100e-6)  # a TPU step's dispatch (O4), nothing per layer

@@ -473,6 +473,8 @@ CONSTANTS: tuple[Constant, ...] = (
         )
     ),
     _c("decode.allreduce_wait_s", "ARRIVAL_WAIT_S", None, "C", "none priced", 31.6e-6, "AR10", ["gpu"], module=_AR),
+    _c("decode.fused_moe.a100", "FUSED_MOE_FIXED_S", "a100", "C", "M3 fitted", 0.0, "none", ["a100"]),
+    _c("decode.fused_moe.gpu", "FUSED_MOE_FIXED_S", "gpu", "C", "M4-M5 fitted", 50e-6, "A100's (M3)", ["gpu"]),
     # PyTorch eager generate's host (microbenchmarks-added.md §3b)
     _c("decode.eager_host_per_layer", "EAGER_HOST_S_PER_LAYER", None, "B", "E1", 0.76e-3, "1.5x slower", ["gpu"]),
     _c("decode.eager_host_per_step", "EAGER_HOST_S_PER_STEP", None, "B", "E1", 1.64e-3, "1.5x slower", ["gpu"]),

@@ -93,14 +93,23 @@ def eager_host_time(layers: int) -> float:
     return layers * per_layer + EAGER_HOST_S_PER_STEP + EAGER_KERNELS_PER_STEP * CUDA_LAUNCH_S
 
 
-def decode_kernel_overhead(chip: Chip, layers: int) -> float:
-    """Seconds of fixed cost in one decode step: on GPUs graph gaps and small kernels per layer, on TPUs the
-    step's dispatch (O4); none on the host CPU."""
+# A fused MoE kernel's own fixed cost in a decode step (the routing sort, two grouped GEMMs over a few thin experts),
+# beyond the routed experts' bytes: microbenchmarks-added.md M3-M5, each a time over touched-expert bytes at small
+# batch, fitted as t0 + bytes / rate: A100 (M3, vLLM Triton fused_moe, B = 1-64) ~50 us, H200 (M5, SGLang, fp8 TP8)
+# ~27 us, B200 (M4, B = 1-4) ~28 us a layer. Grade C (benchmark scripts in pull requests), GPUs only.
+FUSED_MOE_FIXED_S = {"a100": 50e-6, "gpu": 28e-6}
+
+
+def decode_kernel_overhead(chip: Chip, layers: int, moe_layers: int = 0) -> float:
+    """Seconds of fixed cost in one decode step: on GPUs graph gaps and small kernels per layer, and a fused MoE
+    kernel's own per MoE layer (``moe_layers``: those a routed-expert kernel runs); on TPUs the step's dispatch
+    (O4); none on the host CPU."""
     if chip.kind == "tpu":
         return TPU_STEP_DISPATCH_S
     if chip.kind != "gpu":
         return 0.0
-    return layers * (DECODE_KERNELS_PER_LAYER * GRAPH_NODE_S + DECODE_SMALL_KERNELS_PER_LAYER * SMALL_KERNEL_S)
+    moe = moe_layers * FUSED_MOE_FIXED_S.get(family(chip), FUSED_MOE_FIXED_S["gpu"])
+    return moe + layers * (DECODE_KERNELS_PER_LAYER * GRAPH_NODE_S + DECODE_SMALL_KERNELS_PER_LAYER * SMALL_KERNEL_S)
 
 
 # Best large-GEMM fraction of the dense peak, by chip family and dtype (microbenchmarks.md §1a, §1e).

@@ -285,6 +285,12 @@ class InferEstimate:
         }
 
 
+def fused_moe_layers(cfg: InferConfig) -> int:
+    """MoE layers a routed-expert kernel runs (``moe_weights = routed``: vLLM's and SGLang's fused MoE), whose own
+    fixed cost a decode step pays (efficiency.FUSED_MOE_FIXED_S); none for the dense einsum over every expert."""
+    return cfg.model.moe_layers if cfg.model.is_moe and cfg.moe_weights == "routed" else 0
+
+
 def _kv_shards(cfg: InferConfig, seqs: float | None = None) -> float:
     """:func:`holdings.kv_shards` of the config's replica (``seqs`` a rank group's sequences, default its share)."""
     return kv_shards(cfg.model, cfg.tp, cfg.replica_batch / cfg.ep if seqs is None else seqs, cfg.attention_dp)
@@ -345,7 +351,8 @@ def decode_step(cfg: InferConfig, context: int | None = None) -> dict[str, float
         t, bound = comm_time(cfg, kind, nbytes, group, cfg.achievable)
         comm += calls * t
         lat = lat or (bound and kind != "all-gather")  # the sampling gather is tiny, not a TP verdict
-    fixed = (eff.decode_kernel_overhead(chip, m.layers) if cfg.achievable else 0.0) + cfg.step_overhead_s
+    fixed = eff.decode_kernel_overhead(chip, m.layers, fused_moe_layers(cfg)) if cfg.achievable else 0.0
+    fixed += cfg.step_overhead_s
     device = kv_s + max(weights_s, compute_s) + comm + fixed
     host = eff.eager_host_time(m.layers) if cfg.eager else 0.0
     return {

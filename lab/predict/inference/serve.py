@@ -30,7 +30,7 @@ from lab.core.errors import UserError
 from lab.core.serving import Lengths, PoolConfig, Request, Served, Step, drive, poisson_requests, summarize
 from lab.predict import efficiency as eff
 from lab.predict.inference.allreduce import comm_time
-from lab.predict.inference.estimate import InferConfig, check_infer, comms
+from lab.predict.inference.estimate import InferConfig, check_infer, comms, fused_moe_layers
 from lab.predict.inference.holdings import kv_shards, weight_bytes_per_chip
 from lab.predict.inference.rates import flop_time, matmul_shape_factor, mem_time
 
@@ -53,7 +53,7 @@ class StepPricer:
         self.logits_per_row = 2.0 * m.d_model * m.vocab / par
         self.att_per_pair = m.attention_flops_per_token(1, causal=False) / par  # per (query token, cached position)
         self.kv_per_token = m.kv_bytes_per_token(cfg.kv) / cfg.ep
-        self.fixed = eff.decode_kernel_overhead(chip, m.layers) + cfg.step_overhead_s
+        self.fixed = eff.decode_kernel_overhead(chip, m.layers, fused_moe_layers(cfg)) + cfg.step_overhead_s
         self.row_tile = eff.decode_row_tile(chip, cfg)
         self.shape = matmul_shape_factor(cfg.model, cfg.chip, cfg.tp)
         self._per_tokens: dict[tuple[int, int], tuple[float, float, float, float]] = {}
