@@ -15,7 +15,8 @@ from lab.cli.main import main
 from lab.core.errors import UserError
 from lab.core.hardware import get_chip
 from lab.core.models import get_model
-from lab.core.plan import MeshAxis, Options, Plan, kernel_plan, make_mesh_axes, plan_from_degrees
+from lab.core.plan import MeshAxis, Options, Plan, kernel_plan, make_mesh_axes
+from lab.core.plan_degrees import plan_from_degrees
 from lab.core.rules import PRESETS, ShardingRules
 from lab.predict.program.estimate import estimate_program, train_config
 from lab.predict.training.config import Layout, TrainConfig

@@ -315,28 +315,12 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
     """Write the job as an experiment file (a Plan) that ``train estimate --plan`` prices the same way."""
     from pathlib import Path
 
-    from lab.core.plan import Options, plan_from_degrees
+    from lab.core.plan import Options
+    from lab.core.plan_degrees import plan_from_degrees
 
     lay = cfg.layout
     if cfg.remat not in ("none", "selective", "full"):
         raise UserError(f"--save-plan cannot record --remat {cfg.remat} (a Plan runs none, selective or full)")
-    if cfg.capacity_factor != 1.0:
-        raise UserError("--save-plan cannot record --capacity-factor yet (a Plan has no MoE routing options); drop one")
-    unrecorded = [  # GPU kernel and pipeline-split choices a Plan does not carry: its estimate would differ
-        flag
-        for flag, given in (
-            (f"--attention-kernel {cfg.attention_kernel}", cfg.attention_kernel != "fa2"),
-            (f"--elementwise {cfg.elementwise}", cfg.elementwise != "fused"),
-            ("--tp-comm-overlap", cfg.tp_comm_overlap),
-            ("--pp-embedding-slots", lay.pp_embedding_slots),
-            (f"--zero-shard {lay.zero_shard}", bool(lay.zero_shard)),
-            ("--no-dp-overlap", not cfg.dp_overlap),
-            (f"--dp-bucket-mb {cfg.dp_bucket_bytes / 2**20:g}", cfg.dp_bucket_bytes != 25 * 2**20),
-        )
-        if given
-    ]
-    if unrecorded:
-        raise UserError(f"--save-plan cannot record {', '.join(unrecorded)} (a Plan has no such option); drop one")
     options = Options(
         microbatch=cfg.microbatch,
         zero=lay.zero,
@@ -353,6 +337,15 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
         jax_remat=cfg.jax_remat,
         spmd_pipeline=cfg.spmd_pipeline,
         spmd_context=cfg.spmd_context,
+        # how another stack runs it: recorded, priced by train estimate --plan (shardlab run refuses them)
+        zero_shard=lay.zero_shard,
+        pp_embedding_slots=lay.pp_embedding_slots,
+        attention_kernel=cfg.attention_kernel,
+        elementwise=cfg.elementwise,
+        tp_comm_overlap=cfg.tp_comm_overlap,
+        dp_overlap=cfg.dp_overlap,
+        dp_bucket_mb=cfg.dp_bucket_bytes / 2**20,
+        capacity_factor=cfg.capacity_factor if cfg.model.is_moe else None,
     )
     plan = plan_from_degrees(
         cfg.model,

@@ -10,7 +10,7 @@ remat and optimizer, and the implementation choices that change its cost. From i
 * the audit and the ledger compare the compiled and measured program with the estimate of the same Plan.
 
 Plans come from experiment files (``lab/run/experiment.py``), from estimator flags and from planner results
-(:func:`plan_from_degrees`); :meth:`Plan.to_toml` writes one back as an experiment file.
+(:func:`lab.core.plan_degrees.plan_from_degrees`); :meth:`Plan.to_toml` writes one back as an experiment file.
 """
 # Over 500 lines on purpose: the Plan and its checks: each check sits beside the fields it checks, so a new field and
 # its validation land together.
@@ -68,6 +68,19 @@ class MeshAxis:
 MAX_SIZE = 2**36  # one size of a program: a vector of 2**36 float32s alone is 256 GiB, past the largest HBM (B200)
 
 
+# Options a Plan carries for pricing only (Options' docstring)
+PRICED_ONLY = (
+    "zero_shard",
+    "pp_embedding_slots",
+    "attention_kernel",
+    "elementwise",
+    "tp_comm_overlap",
+    "dp_overlap",
+    "dp_bucket_mb",
+    "capacity_factor",
+)
+
+
 @dataclass(frozen=True)
 class Options:
     """How the program is implemented and scheduled, where that changes what it costs.
@@ -102,6 +115,9 @@ class Options:
         sharding_mode: JAX's sharding mode of the Transformer's train step: ``auto`` (activations pinned, XLA
             propagates the rest) or ``explicit`` (``AxisType.Explicit`` mesh axes, shardings in the arrays' types:
             ``kernels/transformer/explicit.py``).
+        zero_shard ... capacity_factor (PRICED_ONLY): how another stack runs the job (train estimate's flags,
+            recorded by --save-plan), priced by train estimate --plan; the lab's Transformer runs the defaults
+            (capacity_factor None: its own routing), and shardlab run refuses a Plan that changes one.
     """
 
     microbatch: int | None = None
@@ -123,6 +139,19 @@ class Options:
     attention_block_q: int = DEFAULT_BLOCK
     attention_block_k: int = DEFAULT_BLOCK
     sharding_mode: str = "auto"
+    zero_shard: int = 0
+    pp_embedding_slots: bool = False
+    attention_kernel: str = "fa2"
+    elementwise: str = "fused"
+    tp_comm_overlap: bool = False
+    dp_overlap: bool = True
+    dp_bucket_mb: float = 25.0
+    capacity_factor: float | None = None
+
+    def priced_only(self) -> list[str]:
+        """The options set away from what the lab's Transformer runs: they price another stack's job only."""
+        default = Options()
+        return [f"{k} = {getattr(self, k)!r}" for k in PRICED_ONLY if getattr(self, k) != getattr(default, k)]
 
     def __post_init__(self) -> None:
         Attention(self.attention, self.attention_block_q, self.attention_block_k)  # refuses a bad name or size
@@ -348,6 +377,12 @@ class Plan:
         plan_checks.expert_count(self)
         if not executable:
             return
+        priced = self.options.priced_only()
+        if priced:
+            raise UserError(
+                f"[options] {', '.join(priced)} prices how another stack runs the job; the lab's Transformer runs "
+                "the defaults: drop them to run the Plan (train estimate --plan prices it as it is)"
+            )
         plan_checks.pipeline(self)
         plan_checks.context(self)
         plan_checks.experts(self)
@@ -489,75 +524,6 @@ def kernel_plan(
     )
 
 
-ROLE_AXES = {"pp": "pipe", "dp": "data", "fsdp": "fsdp", "cp": "context", "tp": "model"}
-
-
-def plan_from_degrees(
-    model: ModelConfig,
-    *,
-    hardware: str,
-    batch: int,
-    seq_len: int,
-    dp: int = 1,
-    fsdp: int = 1,
-    tp: int = 1,
-    pp: int = 1,
-    cp: int = 1,
-    ep: int = 1,
-    sequence_parallel: bool = False,
-    dtype: str = "bf16",
-    param_dtype: str = "bf16",
-    remat: str = "selective",
-    optimizer: str = "adam",
-    options: Options | None = None,
-    slow: tuple[str, ...] = (),
-    name: str = "",
-) -> Plan:
-    """A train-step Plan from the estimators' parallel degrees (flags, or a planner result).
-
-    Axes are named after their role, major to minor ``pipe, data, fsdp, context, model`` (tensor parallelism
-    innermost, pipeline outermost, as the estimator places them); expert parallelism is carved out of the fsdp
-    (else the data) axis as an ``expert`` axis. ``slow`` names roles whose axes cross the slow link. Without
-    ``options`` the Plan is the lab's Transformer as it compiles (:class:`Options`' defaults).
-    """
-    if ep > 1 and fsdp % ep and dp % ep:
-        raise UserError(f"ep={ep} divides neither fsdp={fsdp} nor dp={dp}; the Plan cannot name its axis")
-    from_fsdp = ep > 1 and fsdp % ep == 0
-    carved = {"data": dp // ep if ep > 1 and not from_fsdp else dp, "fsdp": fsdp // ep if from_fsdp else fsdp}
-    order = (("pipe", pp), ("data", carved["data"]), ("expert", ep), ("fsdp", carved["fsdp"]), ("context", cp))
-    shape = {axis: size for axis, size in (*order, ("model", tp)) if size > 1}
-    expert = ("expert",) if ep > 1 else ()
-    in_shape = [a for a in ("data", "expert", "fsdp") if a in shape]
-    fsdp_axes = [a for a in (("expert", "fsdp") if from_fsdp else ("fsdp",)) if a in shape]
-    rules = ShardingRules(
-        batch=tuple(in_shape) or None,
-        embed=tuple(fsdp_axes) or None,
-        heads="model" if tp > 1 else None,
-        kv_heads="model" if tp > 1 and model.kv_heads % tp == 0 else None,
-        ffw="model" if tp > 1 else None,
-        vocab="model" if tp > 1 else None,
-        sequence="model" if sequence_parallel and tp > 1 else None,
-        layers="pipe" if pp > 1 else None,
-        context="context" if cp > 1 else None,
-        experts=expert or None,
-    )
-    slow_axes = tuple(ROLE_AXES[r] for r in slow if ROLE_AXES.get(r) in shape)
-    return Plan(
-        program="train_step",
-        mesh=make_mesh_axes(shape or {"data": 1}, slow_axes),
-        sizes={"batch": batch, "seq": seq_len},
-        name=name or f"{model.name}-train",
-        hardware=hardware,
-        dtype=canonical_dtype(dtype),
-        param_dtype=canonical_dtype(param_dtype),
-        model=model,
-        rules=rules,
-        remat=remat,
-        optimizer=optimizer,
-        options=options or Options(),  # the lab's Transformer as it compiles (Options' defaults)
-    )
-
-
 __all__ = [
     "COMPUTE_DTYPES",
     "FIELDS",
@@ -568,5 +534,4 @@ __all__ = [
     "Plan",
     "kernel_plan",
     "make_mesh_axes",
-    "plan_from_degrees",
 ]

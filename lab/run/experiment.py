@@ -50,9 +50,10 @@ from lab.core.programs import ProgramSpec, complete_mesh, get_program
 from lab.core.rules import FIELDS, PRESETS, ShardingRules, rules_from_table
 from lab.core.schema import Field, check_value, read_table
 from lab.core.units import RUN_DTYPES, canonical_dtype
-from lab.predict.training.config import MAX_CHECKPOINTS_PER_LAYER
+from lab.predict.training.config import ELEMENTWISE, MAX_CHECKPOINTS_PER_LAYER
 from lab.run.serve_table import serve_table
 
+# Over 500 lines on purpose: the experiment file's whole schema, a table a section, beside the one reader of it.
 DTYPES = (*RUN_DTYPES, "f32", "fp8")  # fp8: priced by the estimators, not run
 EXPERIMENT = {
     "name": Field("str", "the run directory's default name"),
@@ -94,6 +95,15 @@ OPTIONS = {
     "attention_block_q": Field("int+", "the attention kernel's query block (clipped to the sequence)"),
     "attention_block_k": Field("int+", "the attention kernel's key block (clipped to the sequence)"),
     "sharding_mode": Field("str", "JAX's sharding mode of the train step: propagated, or in the types", SHARDING_MODES),
+    # priced only (another stack's job: train estimate --plan; shardlab run refuses them), lab.core.plan.PRICED_ONLY
+    "zero_shard": Field("int0", "data-parallel ranks one copy of ZeRO's state spans (0: all)"),
+    "pp_embedding_slots": Field("bool", "the embedding and the loss take a pipeline slot each"),
+    "attention_kernel": Field("str", "the fused attention kernel on GPUs", ("fa2", "fa3")),
+    "elementwise": Field("str", "the layer's small ops: fused kernels or PyTorch eager", ELEMENTWISE),
+    "tp_comm_overlap": Field("bool", "sequence parallelism's collectives hidden under the GEMMs (Transformer Engine)"),
+    "dp_overlap": Field("bool", "the gradient reduction overlaps the backward, bucket by bucket"),
+    "dp_bucket_mb": Field("number+", "the gradient reduction's bucket, MiB"),
+    "capacity_factor": Field("number+", "a mixture of experts' capacity factor"),
 }
 RULES = {"preset": Field("str", "a preset the other keys override", tuple(PRESETS))} | {
     f: Field("strs", f"mesh axes of the logical dim {f}") for f in FIELDS
@@ -453,10 +463,11 @@ def load_experiment(path: str | Path) -> Experiment:
 
 
 def _estimator_only(plan: Plan) -> bool:
-    """A Plan only the estimators can take (pipeline, expert or context axes, fp8): checked for what it needs to
-    be priced; ``shardlab run`` refuses it with the reason."""
+    """A Plan only the estimators can take (pipeline, expert or context axes, fp8, another stack's options): checked
+    for what it needs to be priced; ``shardlab run`` refuses it with the reason."""
     rules = plan.rules
-    return plan.dtype not in ("fp32", "bf16") or any(rules.axes(d) for d in ("layers", "experts", "context"))
+    axes = any(rules.axes(d) for d in ("layers", "experts", "context"))
+    return plan.dtype not in ("fp32", "bf16") or axes or bool(plan.options.priced_only())
 
 
 def _locate(r: _Reader, msg: str) -> str:

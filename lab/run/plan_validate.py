@@ -3,7 +3,7 @@
 The planner ranks layouts by their estimated step time; this takes its K best that the lab's Transformer runs as
 they are priced (data, FSDP, tensor, context, pipeline and expert parallelism as :meth:`Plan.validate` admits them;
 one microbatch a step without a pipeline; no FSDP inside pipeline stages), builds each as a Plan
-(:func:`lab.core.plan.plan_from_degrees`), prices it as built, compiles it (XLA's memory per device against the
+(:func:`lab.core.plan_degrees.plan_from_degrees`), prices it as built, compiles it (XLA's memory per device against the
 estimate's fits verdict), runs and profiles it where it can (this host's devices), and ranks the layouts twice: by
 the estimate and by the measured step. A pipeline runs the schedule the lab has (GPipe for the planner's 1F1B, the
 circular schedule for its interleaved one), the planner's figure beside it. Spearman's and Kendall's rank
@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from lab.core.errors import UserError
-from lab.core.plan import Options, Plan, plan_from_degrees
+from lab.core.plan import Options, Plan
+from lab.core.plan_degrees import plan_from_degrees
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_seconds
 

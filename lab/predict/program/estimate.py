@@ -78,6 +78,8 @@ def train_config(plan: Plan, chip: Chip) -> TrainConfig:
         stage_split=opts.stage_split,
         cross_node=slow,
         cp_in_dp=not opts.spmd_context,  # the lab's Transformer sums the context shards' gradients apart
+        zero_shard=opts.zero_shard,
+        pp_embedding_slots=opts.pp_embedding_slots,
     )
     batch, replicas = plan.sizes["batch"], deg["dp"] * deg["fsdp"]
     assert plan.model is not None
@@ -104,8 +106,13 @@ def train_config(plan: Plan, chip: Chip) -> TrainConfig:
         remat_regathers_norms=opts.regather_norms,
         spmd_pipeline=opts.spmd_pipeline and opts.pp_schedule in ("gpipe", "interleaved"),  # what the lab runs
         spmd_context=opts.spmd_context,
-        capacity_factor=MOE_CAPACITY_FACTOR if plan.model.is_moe else 1.0,  # the lab's routing (kernels.moe)
+        capacity_factor=opts.capacity_factor or (MOE_CAPACITY_FACTOR if plan.model.is_moe else 1.0),  # kernels.moe
         moe_partial_router=plan.model.is_moe,
+        attention_kernel=opts.attention_kernel,
+        elementwise=opts.elementwise,
+        tp_comm_overlap=opts.tp_comm_overlap,
+        dp_overlap=opts.dp_overlap,
+        dp_bucket_bytes=opts.dp_bucket_mb * 2**20,
     )
 
 

@@ -77,7 +77,7 @@ class Comm:
 def experts_from_dp(lay: Layout) -> bool:
     """Expert parallelism carved out of the data-parallel replicas, so a routed expert's gradient is summed over
     ``dp / ep`` replicas only: where the FSDP group cannot hold the expert ranks (without FSDP, as Megatron-Core
-    and the lab's Transformer place it). Where it can, they come out of it (``lab.core.plan.plan_from_degrees``)
+    and the lab's Transformer place it). Where it can, they come out of it (``lab.core.plan_degrees.plan_from_degrees``)
     and the DP reduction is whole."""
     return lay.ep > 1 and lay.fsdp % lay.ep != 0 and lay.dp_eff % lay.ep == 0
 

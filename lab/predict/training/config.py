@@ -72,7 +72,7 @@ class Layout:
 
     def degrees(self) -> dict[str, int]:
         """The degrees as a Plan gives them (:meth:`lab.core.plan.Plan.degrees`, the keywords of
-        :func:`lab.core.plan.plan_from_degrees`): ``dp, fsdp, tp, pp, cp, ep`` and ``sequence_parallel``."""
+        :func:`lab.core.plan_degrees.plan_from_degrees`): ``dp, fsdp, tp, pp, cp, ep`` and ``sequence_parallel``."""
         return {k: getattr(self, k) for k in DEGREES} | {"sequence_parallel": self.sequence_parallel}
 
     @property
