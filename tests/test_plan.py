@@ -128,6 +128,18 @@ def test_flags_and_a_saved_plan_price_the_same_job(tmp_path):
     assert plan.degrees()["pp"] == 2 and plan.shape == {"pipe": 2, "fsdp": 4, "model": 4}
 
 
+def test_a_mixture_of_experts_job_is_saved_with_its_router_and_capacity_and_priced_the_same(tmp_path):
+    flags = ["train", "estimate", "--model", "mixtral-8x7b", "--hardware", "h100", "--chips", "16", "--dp", "8"]
+    flags += ["--tp", "2", "--ep", "4", "--capacity-factor", "1.25"]
+    saved = tmp_path / "plan.toml"
+    a = _json([*flags, "--save-plan", str(saved)])
+    b = _json(["train", "estimate", "--plan", str(saved)])
+    assert b["step_time_s"] == a["step_time_s"] and b["memory"] == a["memory"]
+    options = load_experiment(saved).plan.options  # Megatron's router and the stated capacity, not the lab's
+    assert options.moe_partial_router is False and options.capacity_factor == 1.25
+    assert options.priced_only() == ["capacity_factor = 1.25"]
+
+
 def test_an_uneven_pipeline_split_is_saved_and_priced_the_same(tmp_path):
     flags = ["train", "estimate", "--model", "llama3-8b", "--hardware", "h100", "--chips", "8", "--tp", "4"]
     flags += ["--pp", "2", "--pp-split", "15,17", "--global-batch", "16", "--microbatch", "2", "--pp-schedule", "gpipe"]

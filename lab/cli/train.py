@@ -337,6 +337,7 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
         jax_remat=cfg.jax_remat,
         spmd_pipeline=cfg.spmd_pipeline,
         spmd_context=cfg.spmd_context,
+        moe_partial_router=cfg.moe_partial_router,
         # how another stack runs it: recorded, priced by train estimate --plan (shardlab run refuses them)
         zero_shard=lay.zero_shard,
         pp_embedding_slots=lay.pp_embedding_slots,

@@ -115,6 +115,8 @@ class Options:
         sharding_mode: JAX's sharding mode of the Transformer's train step: ``auto`` (activations pinned, XLA
             propagates the rest) or ``explicit`` (``AxisType.Explicit`` mesh axes, shardings in the arrays' types:
             ``kernels/transformer/explicit.py``).
+        moe_partial_router: the expert layers weigh the TP ranks' partial sums (the lab's), so the router's
+            gradient is all-reduced over them; False: Megatron's router, which reads the whole input.
         zero_shard ... capacity_factor (PRICED_ONLY): how another stack runs the job (train estimate's flags,
             recorded by --save-plan), priced by train estimate --plan; the lab's Transformer runs the defaults
             (capacity_factor None: its own routing), and shardlab run refuses a Plan that changes one.
@@ -139,6 +141,7 @@ class Options:
     attention_block_q: int = DEFAULT_BLOCK
     attention_block_k: int = DEFAULT_BLOCK
     sharding_mode: str = "auto"
+    moe_partial_router: bool = True
     zero_shard: int = 0
     pp_embedding_slots: bool = False
     attention_kernel: str = "fa2"
@@ -150,8 +153,7 @@ class Options:
 
     def priced_only(self) -> list[str]:
         """The options set away from what the lab's Transformer runs: they price another stack's job only."""
-        default = Options()
-        return [f"{k} = {getattr(self, k)!r}" for k in PRICED_ONLY if getattr(self, k) != getattr(default, k)]
+        return [f"{k} = {getattr(self, k)!r}" for k in PRICED_ONLY if getattr(self, k) != getattr(_DEFAULTS, k)]
 
     def __post_init__(self) -> None:
         Attention(self.attention, self.attention_block_q, self.attention_block_k)  # refuses a bad name or size
@@ -492,6 +494,9 @@ class Plan:
         opts |= {"remat": self.remat, "optimizer": self.optimizer, "param_dtype": self.param_dtype}
         lines += ["", "[options]"] + [f"{k} = {val(v)}" for k, v in opts.items()]
         return "\n".join(lines) + "\n"
+
+
+_DEFAULTS = Options()
 
 
 def make_mesh_axes(shape: Mapping[str, int], slow: tuple[str, ...] = ()) -> tuple[MeshAxis, ...]:

@@ -95,6 +95,7 @@ OPTIONS = {
     "attention_block_q": Field("int+", "the attention kernel's query block (clipped to the sequence)"),
     "attention_block_k": Field("int+", "the attention kernel's key block (clipped to the sequence)"),
     "sharding_mode": Field("str", "JAX's sharding mode of the train step: propagated, or in the types", SHARDING_MODES),
+    "moe_partial_router": Field("bool", "the router's gradient summed over the TP ranks (the lab's expert layers)"),
     # priced only (another stack's job: train estimate --plan; shardlab run refuses them), lab.core.plan.PRICED_ONLY
     "zero_shard": Field("int0", "data-parallel ranks one copy of ZeRO's state spans (0: all)"),
     "pp_embedding_slots": Field("bool", "the embedding and the loss take a pipeline slot each"),

@@ -107,7 +107,7 @@ def train_config(plan: Plan, chip: Chip) -> TrainConfig:
         spmd_pipeline=opts.spmd_pipeline and opts.pp_schedule in ("gpipe", "interleaved"),  # what the lab runs
         spmd_context=opts.spmd_context,
         capacity_factor=opts.capacity_factor or (MOE_CAPACITY_FACTOR if plan.model.is_moe else 1.0),  # kernels.moe
-        moe_partial_router=plan.model.is_moe,
+        moe_partial_router=plan.model.is_moe and opts.moe_partial_router,
         attention_kernel=opts.attention_kernel,
         elementwise=opts.elementwise,
         tp_comm_overlap=opts.tp_comm_overlap,
