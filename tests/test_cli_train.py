@@ -434,3 +434,46 @@ def test_fp16_mixed_precision_and_adamw_are_priced_as_their_16_bit_and_adam_equa
     tpu = ["train", "estimate", "--model", "llama2-7b", "--hardware", "v5e", "--chips", "8", "--dtype", "fp16"]
     assert main(tpu) == 2
     assert "tpu-v5e has no fp16 peak" in capsys.readouterr().err
+
+
+# ----- the flags' job is read into its Plan, and the estimator prices the config made from that Plan ----------------
+
+FLAG_JOBS = [
+    "--model llama3-8b --hardware h100 --chips 8",
+    "--model llama3-8b --hardware h100 --chips 64 --tp 8 --dp 8 --sequence-parallel --zero 1",
+    "--model llama3-70b --hardware h100 --chips 64 --tp 8 --pp 4 --dp 2 --pp-schedule interleaved --interleave 2 "
+    "--remat full",
+    "--model llama3-70b --hardware h100 --chips 64 --tp 4 --fsdp 16 --remat minimal_offloaded",
+    "--model llama3-405b --hardware h100 --chips 1024 --tp 8 --pp 16 --dp 8",
+    "--model mixtral-8x7b --hardware h100 --chips 16 --dp 2 --fsdp 8 --ep 8",
+    "--model mixtral-8x7b --hardware h100 --chips 16 --dp 2 --fsdp 4 --tp 2 --ep 8 --capacity-factor 1.25",
+    "--model llama3-8b --hardware tpu-v5p --chips 256 --fsdp 64 --tp 4",
+    "--model llama3-8b --hardware h100 --chips 32 --cp 4 --dp 8 --zero 1 --seq-len 32768 --global-batch 16",
+    "--model llama3-8b --hardware a100 --chips 16 --dp 16 --zero 2 --zero-shard 8 --no-dp-overlap --dp-bucket-mb 100 "
+    "--elementwise eager",
+    "--model gpt3-175b --hardware h100 --chips 512 --tp 8 --pp 8 --dp 8 --sequence-parallel --tp-comm-overlap "
+    "--attention-kernel fa3 --dtype fp8",
+    "--model llama3-70b --hardware h100 --chips 128 --tp 8 --pp 16 --pp-split 4,5,5,5,5,5,5,5,5,5,5,5,5,5,5,2",
+    "--model llama3-8b --hardware h100 --chips 8 --dtype fp16 --optimizer adamw --no-flash-attention",
+    "--model llama3-8b --hardware h100 --chips 8 --checkpoints-per-layer 10 --remat selective --batch-tokens 4Mi",
+    "--model llama3-405b --hardware h100 --chips 2048 --tp 8 --pp 16 --dp 16 --pp-schedule interleaved "
+    "--interleave 7 --pp-embedding-slots",
+    "--model deepseek-v3 --hardware h100 --chips 2048 --pp 16 --dp 128 --ep 64",
+]
+
+
+@pytest.mark.parametrize("flags", FLAG_JOBS)
+def test_the_flags_job_is_priced_from_its_plan_whole(flags):
+    """Every degree and option the flags set survives the Plan (what --save-plan writes) and comes back in the config
+    the estimator prices, field for field: the flags' job is one description, the Plan."""
+    from lab.cli import train as cli_train
+    from lab.cli.args import chip_of
+    from lab.cli.main import build_parser
+
+    argv = ["train", "estimate", *flags.split()]
+    args = build_parser(argv).parse_args(argv)
+    chip = chip_of(args)
+    read = cli_train._flags_job(args, chip)
+    plan = cli_train.job_plan(read)
+    assert plan.degrees() == read.layout.degrees()
+    assert cli_train.train_config(args, chip) == read

@@ -147,6 +147,16 @@ _optimizer.kind = "optimizer"  # type: ignore[attr-defined]
 
 
 def train_config(args: argparse.Namespace, chip) -> TrainConfig:
+    """The job the flags describe as the estimator prices it: read into its Plan (:func:`job_plan`, what
+    ``--save-plan`` writes), and the estimator's config made from that Plan in the one place every Plan becomes one
+    (:func:`lab.predict.program.estimate.train_config`)."""
+    from lab.predict.training.from_plan import train_config as priced
+
+    return priced(job_plan(_flags_job(args, chip)), chip)
+
+
+def _flags_job(args: argparse.Namespace, chip) -> TrainConfig:
+    """The flags read into the estimator's terms, each checked: the degrees, the batch, the stack's options."""
     model = model_of(args)
     layout = uneven_stages(_layout(args), model.layers)
     seq = args.seq_len or model.max_seq_len
@@ -311,16 +321,13 @@ def cmd_train_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return d, text
 
 
-def save_plan(cfg: TrainConfig, path: str) -> str:
-    """Write the job as an experiment file (a Plan) that ``train estimate --plan`` prices the same way."""
-    from pathlib import Path
-
+def job_plan(cfg: TrainConfig):
+    """The job as a Plan: its degrees on named mesh axes and every option the flags set (Megatron's program, as
+    ``train estimate`` prices by default), from which the estimator's config is made back whole."""
     from lab.core.plan import Options
     from lab.core.plan_degrees import plan_from_degrees
 
     lay = cfg.layout
-    if cfg.remat not in ("none", "selective", "full"):
-        raise UserError(f"--save-plan cannot record --remat {cfg.remat} (a Plan runs none, selective or full)")
     options = Options(
         microbatch=cfg.microbatch,
         zero=lay.zero,
@@ -346,7 +353,7 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
         tp_comm_overlap=cfg.tp_comm_overlap,
         dp_overlap=cfg.dp_overlap,
         dp_bucket_mb=cfg.dp_bucket_bytes / 2**20,
-        capacity_factor=cfg.capacity_factor if cfg.model.is_moe else None,
+        capacity_factor=cfg.capacity_factor if cfg.model.is_moe or cfg.capacity_factor != 1.0 else None,
     )
     plan = plan_from_degrees(
         cfg.model,
@@ -360,6 +367,17 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
         optimizer=cfg.optimizer,
         options=options,
     )
+    return plan
+
+
+def save_plan(cfg: TrainConfig, path: str) -> str:
+    """Write the job as an experiment file (a Plan) that ``train estimate --plan`` prices the same way."""
+    from pathlib import Path
+
+    if cfg.remat not in ("none", "selective", "full"):
+        raise UserError(f"--save-plan cannot record --remat {cfg.remat} (a Plan runs none, selective or full)")
+    plan = job_plan(cfg)
+    lay = cfg.layout
     text = plan.to_toml(
         f"{cfg.model.name} on {lay.chips} x {cfg.chip.name}, {lay.describe()}: written by shardlab train estimate"
     )

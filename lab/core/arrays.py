@@ -13,11 +13,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from lab.core.errors import UserError
 from lab.core.models import ModelConfig
 from lab.core.rules import ShardingRules
+
+TYPE_CHECKING = False  # typing is not imported at run time: annotations only
+if TYPE_CHECKING:
+    from typing import Any
 
 
 @dataclass(frozen=True)

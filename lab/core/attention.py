@@ -16,9 +16,12 @@ clipped sizes must divide it. What the backend cannot run is refused when the pr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from lab.core.errors import UserError
+
+TYPE_CHECKING = False  # typing is not imported at run time: annotations only
+if TYPE_CHECKING:
+    from typing import Any
 
 IMPLEMENTATIONS = ("xla", "pallas", "splash", "cudnn")
 # The kernels whose work is counted block pair by block pair (lab.core.pallas_cost): the lab's flash and paged

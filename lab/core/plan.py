@@ -21,23 +21,19 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from lab.core.arrays import check_transformer, unsupported_features
 from lab.core.attention import DEFAULT_BLOCK, Attention, check_plan
 from lab.core.errors import UserError
 from lab.core.models import ModelConfig
-from lab.core.programs import (
-    ProgramSpec,
-    check_attention_sizes,
-    check_circular_sizes,
-    check_moe_sizes,
-    check_pipeline_sizes,
-    complete_mesh,
-    get_program,
-)
 from lab.core.rules import FIELDS, NOT_EXECUTED, ShardingRules
 from lab.core.units import NUMPY_NAME, canonical_dtype, numpy_name
+
+TYPE_CHECKING = False  # typing is not imported at run time: annotations only
+if TYPE_CHECKING:
+    from typing import Any
+
+    from lab.core.programs import ProgramSpec
 
 LINKS = {"fast": "ICI / NVLink: inside a slice or node", "slow": "DCN / scale-out: across slices or nodes"}
 COMPUTE_DTYPES = ("fp32", "bf16")
@@ -199,6 +195,8 @@ class Plan:
 
     @property
     def spec(self) -> ProgramSpec:
+        from lab.core.programs import get_program  # the program table: not for the analytic train estimate
+
         return get_program(self.program)
 
     @property
@@ -344,15 +342,17 @@ class Plan:
             raise UserError(
                 f"[options] configure the Transformer's train_step and decode; {spec.name} takes none (remove them)"
             )
+        from lab.core import programs as P
+
         if spec.family == "attention":  # T over context, B over data
-            check_attention_sizes(spec.name, self.shape, dict(self.sizes))
+            P.check_attention_sizes(spec.name, self.shape, dict(self.sizes))
         if spec.family == "moe":  # E over expert, T over data x expert
-            check_moe_sizes(spec.name, self.shape, dict(self.sizes))
+            P.check_moe_sizes(spec.name, self.shape, dict(self.sizes))
         if spec.family == "pipeline":  # L over pipe (the even split: a Plan carries none), B over data x M
             if spec.name == "pipeline_circular":
-                check_circular_sizes(spec.name, self.shape, dict(self.sizes))
+                P.check_circular_sizes(spec.name, self.shape, dict(self.sizes))
             else:
-                check_pipeline_sizes(spec.name, self.shape, dict(self.sizes))
+                P.check_pipeline_sizes(spec.name, self.shape, dict(self.sizes))
         if spec.notation:
             from lab.core.notation import parse_matmul
 
@@ -514,6 +514,8 @@ def kernel_plan(
     name: str = "",
 ) -> Plan:
     """A Plan for a registry kernel, its mesh completed with the axes the kernel looks up by name."""
+    from lab.core.programs import complete_mesh, get_program
+
     spec = get_program(program)
     if spec.needs_model:
         raise UserError(f"{program} needs a model and sharding rules: describe it in an experiment file")

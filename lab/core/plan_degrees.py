@@ -3,6 +3,8 @@ Plan (the reverse of :meth:`lab.core.plan.Plan.degrees`)."""
 
 from __future__ import annotations
 
+import math
+
 from lab.core.errors import UserError
 from lab.core.models import ModelConfig
 from lab.core.plan import Options, Plan, make_mesh_axes
@@ -36,19 +38,23 @@ def plan_from_degrees(
     """A train-step Plan from the estimators' parallel degrees (flags, or a planner result).
 
     Axes are named after their role, major to minor ``pipe, data, fsdp, context, model`` (tensor parallelism
-    innermost, pipeline outermost, as the estimator places them); expert parallelism is carved out of the fsdp
-    (else the data) axis as an ``expert`` axis. ``slow`` names roles whose axes cross the slow link. Without
-    ``options`` the Plan is the lab's Transformer as it compiles (:class:`Options`' defaults).
+    innermost, pipeline outermost, as the estimator places them); expert parallelism is carved out of the fsdp (else
+    the data) axis as an ``expert`` axis, or out of both (``expert_dp`` from data) where it divides neither.
+    ``slow`` names roles whose axes cross the slow link. Without ``options`` the Plan is the lab's Transformer as it
+    compiles (:class:`Options`' defaults).
     """
-    if ep > 1 and fsdp % ep and dp % ep:
-        raise UserError(f"ep={ep} divides neither fsdp={fsdp} nor dp={dp}; the Plan cannot name its axis")
-    from_fsdp = ep > 1 and fsdp % ep == 0
-    carved = {"data": dp // ep if ep > 1 and not from_fsdp else dp, "fsdp": fsdp // ep if from_fsdp else fsdp}
-    order = (("pipe", pp), ("data", carved["data"]), ("expert", ep), ("fsdp", carved["fsdp"]), ("context", cp))
+    # the experts' ranks come out of fsdp (``expert`` in fsdp's shard group), else out of data; where ep divides
+    # neither but their product, out of both: ``expert`` from fsdp and ``expert_dp`` from data
+    e_fsdp = ep if fsdp % ep == 0 else (math.gcd(ep, fsdp) if dp % ep else 1)
+    e_data = ep // e_fsdp
+    if dp % e_data:
+        raise UserError(f"ep={ep} divides neither dp={dp} x fsdp={fsdp}; the Plan cannot name its axis")
+    order = (("pipe", pp), ("data", dp // e_data), ("expert_dp", e_data if e_fsdp > 1 else 1))
+    order += (("expert", e_fsdp if e_fsdp > 1 else e_data), ("fsdp", fsdp // e_fsdp), ("context", cp))
     shape = {axis: size for axis, size in (*order, ("model", tp)) if size > 1}
-    expert = ("expert",) if ep > 1 else ()
-    in_shape = [a for a in ("data", "expert", "fsdp") if a in shape]
-    fsdp_axes = [a for a in (("expert", "fsdp") if from_fsdp else ("fsdp",)) if a in shape]
+    expert = tuple(a for a in ("expert_dp", "expert") if a in shape)
+    in_shape = [a for a in ("data", "expert_dp", "expert", "fsdp") if a in shape]
+    fsdp_axes = [a for a in (("expert", "fsdp") if e_fsdp > 1 else ("fsdp",)) if a in shape]
     rules = ShardingRules(
         batch=tuple(in_shape) or None,
         embed=tuple(fsdp_axes) or None,

@@ -28,7 +28,6 @@ from lab.core.errors import UserError
 from lab.core.hardware import Chip
 from lab.core.notation import parse_matmul
 from lab.core.plan import Plan
-from lab.core.programs import MOE_CAPACITY_FACTOR
 from lab.core.units import dtype_bytes
 from lab.predict.inference.estimate import InferConfig, estimate_inference
 from lab.predict.inference.ops import decode_ops, generate_ops
@@ -42,78 +41,12 @@ from lab.predict.program.ops import (
     live,
 )
 from lab.predict.program.sharded_matmul import plan_sharded_matmul
-from lab.predict.training.config import Layout, TrainConfig
 from lab.predict.training.estimate import estimate, step_ops
+from lab.predict.training.from_plan import check_estimable as _check_estimable
+from lab.predict.training.from_plan import train_config
 
 # The lab's blocks name their two matmuls (kernels/blocks.py); the book's kernels leave theirs unscoped.
 BLOCK_SCOPES = ("mlp/up", "mlp/down")
-
-
-def _check_estimable(plan: Plan) -> None:
-    """The estimators describe tensor parallelism as one group splitting heads, kv_heads, ffw (and vocab)."""
-    r = plan.rules
-    assert r is not None
-    tp = set(r.live("heads", plan.shape))
-    for dim in ("ffw", "kv_heads", "vocab"):
-        got = set(r.live(dim, plan.shape))
-        if got and got != tp:
-            raise UserError(
-                f"[rules] {dim} = {sorted(got)} and heads = {sorted(tp)}: the estimators price tensor parallelism "
-                "as one group of mesh axes splitting heads, kv_heads, ffw and vocab; give them the same axes"
-            )
-    if set(r.live("sequence", plan.shape)) - tp:
-        raise UserError("[rules] sequence: sequence parallelism must use the tensor-parallel (heads) axes")
-
-
-def train_config(plan: Plan, chip: Chip) -> TrainConfig:
-    """The training estimator's config of a train-step Plan: degrees from its rules, options from its program."""
-    _check_estimable(plan)
-    deg, opts = plan.degrees(), plan.options
-    slow = tuple(role for role, link in plan.role_links().items() if link == "slow")
-    layout = Layout(
-        **deg,
-        zero=opts.zero,
-        pp_schedule=opts.pp_schedule,
-        interleave=opts.interleave,
-        stage_split=opts.stage_split,
-        cross_node=slow,
-        cp_in_dp=not opts.spmd_context,  # the lab's Transformer sums the context shards' gradients apart
-        zero_shard=opts.zero_shard,
-        pp_embedding_slots=opts.pp_embedding_slots,
-    )
-    batch, replicas = plan.sizes["batch"], deg["dp"] * deg["fsdp"]
-    assert plan.model is not None
-    att = from_options(opts)
-    return TrainConfig(
-        model=plan.model,
-        chip=chip,
-        layout=layout,
-        seq_len=plan.sizes["seq"],
-        global_batch=batch,
-        microbatch=opts.microbatch or max(1, batch // replicas),
-        remat=plan.remat,
-        checkpoints_per_layer=opts.checkpoints_per_layer,
-        dtype=plan.dtype,
-        optimizer=plan.optimizer,
-        flash_attention=opts.flash_attention or att.fused,  # a kernel keeps no score matrix
-        pallas_blocks=(att.block_q, att.block_k) if att.impl in BLOCK_KERNELS else None,
-        causal=opts.causal,
-        param_dtype=plan.param_dtype,
-        fused_projections=opts.fused_projections,
-        cast_first=opts.cast_first,
-        cast_first_out_table=opts.cast_first_out_table,
-        jax_remat=opts.jax_remat,
-        remat_regathers_norms=opts.regather_norms,
-        spmd_pipeline=opts.spmd_pipeline and opts.pp_schedule in ("gpipe", "interleaved"),  # what the lab runs
-        spmd_context=opts.spmd_context,
-        capacity_factor=opts.capacity_factor or (MOE_CAPACITY_FACTOR if plan.model.is_moe else 1.0),  # kernels.moe
-        moe_partial_router=plan.model.is_moe and opts.moe_partial_router,
-        attention_kernel=opts.attention_kernel,
-        elementwise=opts.elementwise,
-        tp_comm_overlap=opts.tp_comm_overlap,
-        dp_overlap=opts.dp_overlap,
-        dp_bucket_bytes=opts.dp_bucket_mb * 2**20,
-    )
 
 
 def serving_degrees(plan: Plan) -> tuple[int, int]:
