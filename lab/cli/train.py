@@ -149,7 +149,7 @@ _optimizer.kind = "optimizer"  # type: ignore[attr-defined]
 def train_config(args: argparse.Namespace, chip) -> TrainConfig:
     """The job the flags describe as the estimator prices it: read into its Plan (:func:`job_plan`, what
     ``--save-plan`` writes), and the estimator's config made from that Plan in the one place every Plan becomes one
-    (:func:`lab.predict.program.estimate.train_config`)."""
+    (:func:`lab.predict.training.from_plan.train_config`)."""
     from lab.predict.training.from_plan import train_config as priced
 
     return priced(job_plan(_flags_job(args, chip)), chip)
