@@ -262,23 +262,6 @@ def test_validate_command(capsys):
         ),
         (["train", "estimate", "--model", "llama9", "--hardware", "h100", "--chips", "8"], "unknown model 'llama9'"),
         (
-            [
-                "train",
-                "estimate",
-                "--model",
-                "llama3-8b",
-                "--hardware",
-                "h100",
-                "--chips",
-                "8",
-                "--remat",
-                "minimal",
-                "--save-plan",
-                "/tmp/p.toml",
-            ],
-            "--save-plan cannot record --remat minimal",
-        ),
-        (
             ["train", "estimate", "--model", "llama3-8b", "--hardware", "h100", "--chips", "8", "--remat", "most"],
             "argument --remat: invalid choice: 'most' (choose from 'none', 'selective', 'full', 'minimal'",
         ),
@@ -477,3 +460,18 @@ def test_the_flags_job_is_priced_from_its_plan_whole(flags):
     plan = cli_train.job_plan(read)
     assert plan.degrees() == read.layout.degrees()
     assert cli_train.train_config(args, chip) == read
+
+
+def test_a_named_recomputation_policy_is_saved_priced_the_same_and_not_run(tmp_path, capsys):
+    from lab.cli.main import main
+
+    saved = tmp_path / "p.toml"
+    argv = ["train", "estimate", "--model", "llama3-70b", "--hardware", "h100", "--chips", "64", "--tp", "4"]
+    argv += ["--fsdp", "16", "--remat", "minimal_offloaded", "--json"]
+    assert main([*argv, "--save-plan", str(saved)]) == 0
+    flags = json.loads(capsys.readouterr().out)
+    assert main(["train", "estimate", "--plan", str(saved), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step_time_s"] == flags["step_time_s"]
+    assert main(["run", str(saved)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "remat 'minimal_offloaded': the lab's Transformer runs none, selective, full" in err[0]

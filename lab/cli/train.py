@@ -374,8 +374,6 @@ def save_plan(cfg: TrainConfig, path: str) -> str:
     """Write the job as an experiment file (a Plan) that ``train estimate --plan`` prices the same way."""
     from pathlib import Path
 
-    if cfg.remat not in ("none", "selective", "full"):
-        raise UserError(f"--save-plan cannot record --remat {cfg.remat} (a Plan runs none, selective or full)")
     plan = job_plan(cfg)
     lay = cfg.layout
     text = plan.to_toml(

@@ -307,8 +307,11 @@ class Plan:
             raise UserError(f"dtype {self.dtype!r} is not one of float32, bfloat16")
         if self.param_dtype not in ("fp32", "bf16"):
             raise UserError(f"param_dtype {self.param_dtype!r} is not one of float32, bfloat16 (the weights' dtype)")
-        if self.remat not in REMAT:
-            raise UserError(f"remat {self.remat!r} is not one of {', '.join(REMAT)}")
+        if self.remat not in REMAT and executable:  # a named policy (train estimate --remat) prices only
+            raise UserError(
+                f"remat {self.remat!r}: the lab's Transformer runs {', '.join(REMAT)} (a named policy is priced only: "
+                "train estimate --plan)"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise UserError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         if self.axes is not None:

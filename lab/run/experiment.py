@@ -51,6 +51,7 @@ from lab.core.rules import FIELDS, PRESETS, ShardingRules, rules_from_table
 from lab.core.schema import Field, check_value, read_table
 from lab.core.units import RUN_DTYPES, canonical_dtype
 from lab.predict.training.config import ELEMENTWISE, MAX_CHECKPOINTS_PER_LAYER
+from lab.predict.training.remat import ALL as REMAT_ALL
 from lab.run.serve_table import serve_table
 
 # Over 500 lines on purpose: the experiment file's whole schema, a table a section, beside the one reader of it.
@@ -73,7 +74,7 @@ RUN = {
     "remat": Field("str", "activation recomputation (earlier files; now [options] remat)", REMAT),
 }
 OPTIONS = {
-    "remat": Field("str", "activation recomputation", REMAT),
+    "remat": Field("str", "activation recomputation (a named policy prices only)", REMAT_ALL),
     "optimizer": Field("str", "optimizer whose state is kept", ("adam", "adamw", "sgd", "adafactor")),
     "param_dtype": Field("str", "dtype the parameters are stored in", DTYPES),
     "microbatch": Field("int+", "sequences per microbatch on each data-parallel replica"),
@@ -468,7 +469,7 @@ def _estimator_only(plan: Plan) -> bool:
     for what it needs to be priced; ``shardlab run`` refuses it with the reason."""
     rules = plan.rules
     axes = any(rules.axes(d) for d in ("layers", "experts", "context"))
-    return plan.dtype not in ("fp32", "bf16") or axes or bool(plan.options.priced_only())
+    return plan.dtype not in ("fp32", "bf16") or axes or bool(plan.options.priced_only()) or plan.remat not in REMAT
 
 
 def _locate(r: _Reader, msg: str) -> str:
