@@ -291,6 +291,16 @@ def fused_moe_layers(cfg: InferConfig) -> int:
     return cfg.model.moe_layers if cfg.model.is_moe and cfg.moe_weights == "routed" else 0
 
 
+def step_weight_bytes(cfg: InferConfig, tokens: float) -> float:
+    """One chip's weight bytes a step over ``tokens`` tokens of a replica reads: with a mixture of experts every
+    local expert's (``moe_weights`` all) or each some token routes to (routed)."""
+    m = cfg.model
+    touched = 1.0
+    if m.is_moe and cfg.moe_weights == "routed":
+        touched = 1.0 - (1.0 - m.experts_per_token / m.experts) ** tokens
+    return weight_bytes_per_chip(m, cfg.tp, cfg.ep, cfg.weights, cfg.attention_dp, touched)
+
+
 def _kv_shards(cfg: InferConfig, seqs: float | None = None) -> float:
     """:func:`holdings.kv_shards` of the config's replica (``seqs`` a rank group's sequences, default its share)."""
     return kv_shards(cfg.model, cfg.tp, cfg.replica_batch / cfg.ep if seqs is None else seqs, cfg.attention_dp)
@@ -324,11 +334,7 @@ def decode_step(cfg: InferConfig, context: int | None = None) -> dict[str, float
     m, chip = cfg.model, cfg.chip
     ctx = cfg.context if context is None else context
     b = cfg.replica_batch  # sequences per replica, one new token each
-    # MoE: every local expert's weights (moe_weights "all"), or each if any of the replica's tokens routes to it.
-    touched = 1.0
-    if m.is_moe and cfg.moe_weights == "routed":
-        touched = 1.0 - (1.0 - m.experts_per_token / m.experts) ** b
-    weight_bytes = weight_bytes_per_chip(m, cfg.tp, cfg.ep, cfg.weights, cfg.attention_dp, touched)
+    weight_bytes = step_weight_bytes(cfg, b)
     kv_bytes = kv_bytes_per_sequence(m, ctx, cfg.kv) * b / (_kv_shards(cfg, b / cfg.ep) * cfg.ep)
     # Matmul FLOPs per chip: 2 x active weights x tokens, attention scores 4 S N H per layer per token.
     mm = m.matmul_flops_per_token() * b / (cfg.tp * cfg.ep)

@@ -56,9 +56,24 @@ def kv_shards(m: ModelConfig, tp: int, batch: float, attention_dp: bool = False)
     return min(tp, m.kv_heads * max(batch, 1.0))
 
 
+def pool_split(m: ModelConfig, tp: int, attention_dp: bool = False) -> int:
+    """Ways a paged KV pool splits one token's cache over a replica's tp ranks (``infer serve``): by KV heads, MLA's
+    not at all, the whole group's under data-parallel attention (each rank's pages its own requests')."""
+    if attention_dp:
+        return tp
+    return min(tp, 1 if m.is_mla else m.kv_heads)
+
+
 def kv_bytes_per_sequence(m: ModelConfig, context: int, kv: str) -> float:
     """One sequence's cache at ``context`` tokens (a windowed layer's last ``sliding_window`` only)."""
     return m.kv_bytes(context, kv)
 
 
-__all__ = ["kv_bytes_per_sequence", "kv_shards", "replicated_params", "split_params", "weight_bytes_per_chip"]
+__all__ = [
+    "kv_bytes_per_sequence",
+    "kv_shards",
+    "pool_split",
+    "replicated_params",
+    "split_params",
+    "weight_bytes_per_chip",
+]

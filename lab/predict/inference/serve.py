@@ -30,8 +30,8 @@ from lab.core.errors import UserError
 from lab.core.serving import Lengths, PoolConfig, Request, Served, Step, drive, poisson_requests, summarize
 from lab.predict import efficiency as eff
 from lab.predict.inference.allreduce import comm_time
-from lab.predict.inference.estimate import InferConfig, check_infer, comms, fused_moe_layers
-from lab.predict.inference.holdings import kv_shards, weight_bytes_per_chip
+from lab.predict.inference.estimate import InferConfig, check_infer, comms, fused_moe_layers, step_weight_bytes
+from lab.predict.inference.holdings import kv_shards, pool_split, weight_bytes_per_chip
 from lab.predict.inference.rates import flop_time, matmul_shape_factor, mem_time
 
 # vLLM's default gpu_memory_utilization: weights, activations and the KV pool share 90% of each chip's memory.
@@ -66,10 +66,7 @@ class StepPricer:
             return hit
         cfg, m, chip = self.cfg, self.cfg.model, self.cfg.chip
         spf = flop_time(chip, 1.0, cfg.compute, True, tokens, self.row_tile, self.shape)
-        touched = 1.0
-        if m.is_moe and cfg.moe_weights == "routed":
-            touched = 1.0 - (1.0 - m.experts_per_token / m.experts) ** tokens
-        wbytes = weight_bytes_per_chip(m, cfg.tp, cfg.ep, cfg.weights, cfg.attention_dp, touched)
+        wbytes = step_weight_bytes(cfg, tokens)
         weights_s = eff.decode_weights_time(chip, wbytes, cfg.weights, cfg.compute, cfg.fp8_scaling)
         comm_s = sum(calls * comm_time(cfg, k, b, g, True)[0] for k, b, calls, g, _ in comms(cfg, tokens))
         kv_spb = mem_time(chip, 1.0, True) / kv_shards(m, cfg.tp, seqs / cfg.ep, cfg.attention_dp)
@@ -123,10 +120,7 @@ def pool_for(cfg: InferConfig, page_size: int = 16, max_seqs: int = 256, token_b
     """A replica's KV pool: ``MEMORY_UTILIZATION`` of its chips' memory less the weights, in pages."""
     m, chip = cfg.model, cfg.chip
     free = chip.hbm_bytes * MEMORY_UTILIZATION - weight_bytes_per_chip(m, cfg.tp, cfg.ep, cfg.weights, cfg.attention_dp)
-    # a token's cache on one chip: split by KV heads (MLA's latent whole on every rank), by request under data-parallel
-    # attention (lab.predict.inference.holdings)
-    split = cfg.tp if cfg.attention_dp else min(cfg.tp, 1 if m.is_mla else m.kv_heads)
-    per_token = m.kv_bytes_per_token(cfg.kv) / (split * cfg.ep)
+    per_token = m.kv_bytes_per_token(cfg.kv) / (pool_split(m, cfg.tp, cfg.attention_dp) * cfg.ep)
     pages = int(free // (per_token * page_size)) if free > 0 else 0
     if pages < 1:
         raise UserError(
