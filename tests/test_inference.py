@@ -203,7 +203,7 @@ def test_cli_keys_and_warning(capsys):
         (["--batch", "0", "--context", "10"], "--batch"),
         (["--batch", "1", "--context", "-5"], "--context"),
         (["--batch", "1", "--context", "10", "--weights", "int3"], "'int3' is not a storage dtype"),
-        (["--batch", "1", "--context", "10", "--tp", "3"], "tp x dp x ep must equal --chips 8"),
+        (["--batch", "1", "--context", "10", "--tp", "3"], "--tp x --dp x --ep must equal --chips 8"),
     ],
 )
 def test_cli_bad_input_exit_2(argv, needle):

@@ -30,6 +30,8 @@ from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
 from lab.predict.efficiency import FP8_DECODE_TIME_VS_BF16, FP8_SCALINGS, eager_host_time
 from lab.predict.inference.allreduce import priced_allreduce
 from lab.predict.inference.estimate import MOE_WEIGHTS, WEIGHT_DTYPES, InferConfig, estimate_inference
+from lab.predict.inference.from_plan import fill_degrees, serving_plan
+from lab.predict.inference.from_plan import infer_config as plan_infer_config
 from lab.predict.intervals import for_inference
 from lab.predict.intervals import text as interval_text
 
@@ -71,17 +73,7 @@ def infer_config(args: argparse.Namespace, chip) -> InferConfig:
     if missing:
         raise UserError(f"the following arguments are required: {', '.join(missing)}")
     model = model_of(args)
-    n = args.chips
-    tp, dp, ep = args.tp, args.dp, args.ep or 1
-    if tp is None and dp is None:
-        tp = n // ep  # generation shards the model, not the batch (inference.md)
-    elif tp is None:
-        tp = n // (dp * ep) if n % (dp * ep) == 0 else 0
-    if dp is None:
-        dp = n // (tp * ep) if tp and n % (tp * ep) == 0 else 0
-    if not tp or not dp or tp * dp * ep != n:
-        given = ", ".join(f"{k}={v}" for k, v in (("tp", args.tp), ("dp", args.dp), ("ep", ep)) if v is not None)
-        raise UserError(f"tp x dp x ep must equal --chips {n}; got {given} (leave one out to fill the rest)")
+    tp, dp, ep = fill_degrees(args.chips, args.tp, args.dp, args.ep, ep_flag=True)
     if args.prefill_len is not None and args.prefill_len > args.context:
         raise UserError(
             f"--prefill-len {args.prefill_len} is longer than --context {args.context}: the KV cache holds the "
@@ -101,19 +93,16 @@ def infer_config(args: argparse.Namespace, chip) -> InferConfig:
             "it with --weights fp8 --compute fp8 --achievable, or drop it"
         )
     _warn_context(args, model)
-    return InferConfig(
-        model=model,
-        chip=chip,
-        batch=args.batch,
+    plan = serving_plan(
+        model, batch=args.batch, tp=tp, dp=dp, ep=ep, prefill_len=args.prefill_len, generate=args.generate
+    )
+    return plan_infer_config(
+        plan,
+        chip,
         context=args.context,
-        tp=tp,
-        dp=dp,
-        ep=ep,
         weights=args.weights,
         kv=args.kv,
         compute=args.compute,
-        prefill_len=args.prefill_len,
-        generate=args.generate,
         mfu=args.mfu,
         achievable=args.achievable,
         fp8_scaling=scaling or "dynamic",

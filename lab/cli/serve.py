@@ -52,27 +52,17 @@ _lengths.kind = "lengths"
 
 def _deployment(args: argparse.Namespace, chip):
     """The InferConfig of ``--chips`` split as ``--tp`` x ``--dp`` (tensor parallel first, as infer estimate)."""
-    from lab.predict.inference.estimate import InferConfig, check_infer
+    from lab.predict.inference.estimate import check_infer
+    from lab.predict.inference.from_plan import fill_degrees, infer_config, serving_plan
 
     model = model_of(args)
-    n, tp, dp = args.chips, args.tp, args.dp
-    if tp is None:
-        tp = n // dp if dp and n % dp == 0 else (n if dp is None else 0)
-    if dp is None:
-        dp = n // tp if tp and n % tp == 0 else 0
-    if not tp or not dp or tp * dp != n:
-        raise UserError(f"--tp x --dp must equal --chips {n}; got tp={args.tp}, dp={args.dp} (leave one out)")
-    cfg = InferConfig(
-        model=model,
-        chip=chip,
-        batch=dp,
-        context=model.max_seq_len,
-        tp=tp,
-        dp=dp,
+    tp, dp, _ = fill_degrees(args.chips, args.tp, args.dp)
+    cfg = infer_config(
+        serving_plan(model, batch=dp, tp=tp, dp=dp),
+        chip,
         weights=args.weights,
         kv=args.kv,
         compute=args.compute,
-        achievable=True,
         moe_weights=args.moe_weights,
         step_overhead_s=args.step_overhead,
         tp_allreduce=args.tp_allreduce,

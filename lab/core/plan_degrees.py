@@ -1,5 +1,6 @@
 """A train-step Plan from the estimators' parallel degrees (flags, or a planner result): the one way degrees become a
-Plan (the reverse of :meth:`lab.core.plan.Plan.degrees`)."""
+Plan's mesh axes and rules (the reverse of :meth:`lab.core.plan.Plan.degrees`); a serving layout's decode Plan is
+made from one (``lab.predict.inference.from_plan.serving_plan``)."""
 
 from __future__ import annotations
 

@@ -34,7 +34,8 @@ from lab.core.models import ModelConfig
 from lab.core.paths import chart_metadata
 from lab.core.table import render
 from lab.core.units import fmt_bytes
-from lab.predict.inference.estimate import InferConfig, InferEstimate, estimate_inference, max_replica_batch
+from lab.predict.inference.estimate import InferEstimate, estimate_inference, max_replica_batch
+from lab.predict.inference.from_plan import infer_config, serving_plan
 from lab.studies.serving import _chip, _model, _positive_int, _storage_dtype
 
 
@@ -326,7 +327,8 @@ def _decode(
     b = max_batch if batch is None else batch
     if b < 1:
         return None, 0, max_batch
-    cfg = InferConfig(model=m, chip=chip, batch=b, context=context, tp=tp, weights=weights, kv=kv)
+    plan = serving_plan(m, batch=b, tp=tp)
+    cfg = infer_config(plan, chip, context=context, weights=weights, kv=kv, achievable=False)
     return estimate_inference(cfg), b, max_batch
 
 

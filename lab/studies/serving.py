@@ -35,10 +35,10 @@ from lab.core.table import render
 from lab.core.units import canonical_dtype, dtype_bytes, fmt_bytes
 from lab.predict.inference.estimate import (
     WEIGHT_DTYPES,
-    InferConfig,
     estimate_inference,
     max_replica_batch,
 )
+from lab.predict.inference.from_plan import infer_config, serving_plan
 from lab.predict.inference.holdings import kv_bytes_per_sequence, weight_bytes_per_chip
 
 # Default topologies: the chip counts a slice or a set of NVLink nodes is commonly rented in.
@@ -325,9 +325,8 @@ def sweep(
         for b in sorted({*batch_list, max_batch}):
             if b > max_batch:
                 continue
-            cfg = InferConfig(
-                model=m, chip=chip, batch=b, context=context, tp=tp, weights=weights, kv=kv, achievable=achievable
-            )
+            plan = serving_plan(m, batch=b, tp=tp)
+            cfg = infer_config(plan, chip, context=context, weights=weights, kv=kv, achievable=achievable)
             e = estimate_inference(cfg)
             if not e.fits:
                 continue

@@ -33,7 +33,8 @@ from lab.core.errors import UserError
 from lab.core.hardware import get_chip
 from lab.core.models import get_model
 from lab.core.table import render
-from lab.predict.inference.estimate import InferConfig, estimate_inference
+from lab.predict.inference.estimate import estimate_inference
+from lab.predict.inference.from_plan import infer_config, serving_plan
 from lab.predict.training.config import Layout, TrainConfig, uneven_stages
 from lab.predict.training.estimate import estimate
 from lab.studies.public_runs import TRAINING, PublicRun
@@ -196,18 +197,14 @@ def _serving_config(run: PublicRun, batch: int, context: int, *, dp: int = 1, pr
     """The inference estimator's config of a serving run (one place for every way a run is priced): its model, chip,
     tensor parallelism and dtypes (a weight-only dtype computes in bf16), under the efficiency model, with the options
     it states."""
-    return InferConfig(
-        model=_model(run),
-        chip=_chip(run),
-        batch=batch,
+    plan = serving_plan(_model(run), batch=batch, tp=int(run.layout["tp"]), dp=dp, prefill_len=prefill_len)  # type: ignore[call-overload]
+    return infer_config(
+        plan,
+        _chip(run),
         context=context,
-        tp=int(run.layout["tp"]),  # type: ignore[call-overload]
-        dp=dp,
         weights=run.dtype,
         kv=run.kv_dtype or run.dtype,
         compute=run.dtype if run.dtype in ("bf16", "fp8") else "bf16",
-        prefill_len=prefill_len,
-        achievable=True,
         **_infer_options(run),
     )
 

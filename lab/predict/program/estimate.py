@@ -30,6 +30,8 @@ from lab.core.notation import parse_matmul
 from lab.core.plan import Plan
 from lab.core.units import dtype_bytes
 from lab.predict.inference.estimate import InferConfig, estimate_inference
+from lab.predict.inference.from_plan import infer_config as plan_infer_config
+from lab.predict.inference.from_plan import serving_degrees
 from lab.predict.inference.ops import decode_ops, generate_ops
 from lab.predict.program.axis_programs import AXIS_ESTIMATES
 from lab.predict.program.ops import (
@@ -42,41 +44,19 @@ from lab.predict.program.ops import (
 )
 from lab.predict.program.sharded_matmul import plan_sharded_matmul
 from lab.predict.training.estimate import estimate, step_ops
-from lab.predict.training.from_plan import check_estimable as _check_estimable
 from lab.predict.training.from_plan import train_config
 
 # The lab's blocks name their two matmuls (kernels/blocks.py); the book's kernels leave theirs unscoped.
 BLOCK_SCOPES = ("mlp/up", "mlp/down")
 
 
-def serving_degrees(plan: Plan) -> tuple[int, int]:
-    """``(tp, dp)`` of a decode or serve Plan as the inference estimator counts them: the heads' axes, and the
-    batch's axes (data and fsdp alike) as replicas. The one place a serving Plan becomes the estimator's degrees."""
-    deg = plan.degrees()
-    return deg["tp"], deg["dp"] * deg["fsdp"]
-
-
 def infer_config(plan: Plan, chip: Chip) -> InferConfig:
-    """The inference estimator's config of a decode Plan: the program reads the whole allocated cache each step."""
-    _check_estimable(plan)
-    m, att = plan.model, from_options(plan.options)
-    assert m is not None and plan.rules is not None
-    tp, dp = serving_degrees(plan)
-    return InferConfig(
-        model=m,
-        chip=chip,
-        batch=plan.sizes["batch"],
-        context=m.max_seq_len,
-        tp=tp,
-        dp=dp,
-        weights=plan.param_dtype,
-        kv=plan.dtype,
-        compute=plan.dtype,
-        prefill_len=plan.sizes["prompt_len"],
-        generate=plan.sizes["steps"],
-        achievable=True,
-        vocab_parallel=bool(plan.rules.live("vocab", plan.shape)),
-        flash_attention=plan.options.flash_attention,
+    """The inference estimator's config of a decode Plan as the lab's program runs it: it reads the whole allocated
+    cache each step, its attention as its options say, its all-reduces as XLA compiles them."""
+    att = from_options(plan.options)
+    return plan_infer_config(
+        plan,
+        chip,
         pallas_blocks=(att.block_q, att.block_k) if att.impl in BLOCK_KERNELS else None,
         tp_allreduce=xla_allreduce(chip),
     )
@@ -92,23 +72,16 @@ def serve_config(plan: Plan, chip: Chip) -> InferConfig:
     computes all ``token_budget`` slots (padding too: the shapes are fixed) and each slot gathers its sequence's
     whole page-table row, ``ceil(max_seq_len / page_size)`` pages (kernels.transformer.paged). That is a decode
     step of ``token_budget`` sequences per replica at a context of that row's positions."""
-    _check_estimable(plan)
     m, z = plan.model, plan.sizes
-    assert m is not None and plan.rules is not None
-    tp, replicas = serving_degrees(plan)
+    assert m is not None
+    replicas = serving_degrees(plan)[1]
     row = min(z["pages"], -(-m.max_seq_len // z["page_size"])) * z["page_size"]
-    return InferConfig(
-        model=m,
-        chip=chip,
+    return plan_infer_config(
+        plan,
+        chip,
         batch=z["token_budget"] * replicas,
         context=row,
-        tp=tp,
-        dp=replicas,
-        weights=plan.param_dtype,
-        kv=plan.dtype,
-        compute=plan.dtype,
-        achievable=True,
-        vocab_parallel=bool(plan.rules.live("vocab", plan.shape)),
+        flash_attention=True,
         tp_allreduce=xla_allreduce(chip),
     )
 
