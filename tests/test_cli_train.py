@@ -452,12 +452,13 @@ def test_the_flags_job_is_priced_from_its_plan_whole(flags):
     from lab.cli import train as cli_train
     from lab.cli.args import chip_of
     from lab.cli.main import build_parser
+    from lab.predict.training.from_plan import job_plan
 
     argv = ["train", "estimate", *flags.split()]
     args = build_parser(argv).parse_args(argv)
     chip = chip_of(args)
     read = cli_train._flags_job(args, chip)
-    plan = cli_train.job_plan(read)
+    plan = job_plan(read)
     assert plan.degrees() == read.layout.degrees()
     assert cli_train.train_config(args, chip) == read
 

@@ -160,6 +160,24 @@ def test_plan_from_degrees_round_trips_every_layout_degree():
         assert plan.devices == math_prod(v for k, v in kw.items() if k != "ep")  # ep draws from dp x fsdp
 
 
+def test_a_job_crossing_the_slow_link_keeps_it_through_its_plan():
+    """A published run's data-parallel group stated across nodes is priced as its Plan: the data axis on the slow
+    link, the role back in the config, the step the stated job's (and not the one inside a node)."""
+    from lab.predict.training.from_plan import job_plan
+    from lab.predict.training.from_plan import train_config as from_plan
+
+    chip = get_chip("h100")
+    lay = Layout(dp=4, tp=2, zero=1, cross_node=("dp",))  # 8 chips: one node unless said otherwise
+    job = TrainConfig(model=get_model("llama3-8b"), chip=chip, layout=lay, seq_len=4096, global_batch=32)
+    plan = job_plan(job)
+    assert plan.slow_axes == ("data",)
+    back = from_plan(plan, chip)
+    assert "dp" in back.layout.cross_node
+    assert estimate(back).step_time_s == estimate(job).step_time_s
+    inside = dataclasses.replace(job, layout=dataclasses.replace(lay, cross_node=()))
+    assert estimate(inside).step_time_s != estimate(job).step_time_s
+
+
 def math_prod(xs) -> int:
     out = 1
     for x in xs:

@@ -147,9 +147,10 @@ _optimizer.kind = "optimizer"  # type: ignore[attr-defined]
 
 
 def train_config(args: argparse.Namespace, chip) -> TrainConfig:
-    """The job the flags describe as the estimator prices it: read into its Plan (:func:`job_plan`, what
+    """The job the flags describe as the estimator prices it: read into its Plan (``from_plan.job_plan``, what
     ``--save-plan`` writes), and the estimator's config made from that Plan in the one place every Plan becomes one
     (:func:`lab.predict.training.from_plan.train_config`)."""
+    from lab.predict.training.from_plan import job_plan
     from lab.predict.training.from_plan import train_config as priced
 
     return priced(job_plan(_flags_job(args, chip)), chip)
@@ -321,58 +322,11 @@ def cmd_train_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return d, text
 
 
-def job_plan(cfg: TrainConfig):
-    """The job as a Plan: its degrees on named mesh axes and every option the flags set (Megatron's program, as
-    ``train estimate`` prices by default), from which the estimator's config is made back whole."""
-    from lab.core.plan import Options
-    from lab.core.plan_degrees import plan_from_degrees
-
-    lay = cfg.layout
-    options = Options(
-        microbatch=cfg.microbatch,
-        zero=lay.zero,
-        pp_schedule=lay.pp_schedule,
-        interleave=lay.interleave,
-        stage_split=lay.stage_split,
-        checkpoints_per_layer=cfg.checkpoints_per_layer,
-        flash_attention=cfg.flash_attention,
-        fused_projections=cfg.fused_projections,
-        causal=cfg.causal,
-        cast_first=cfg.cast_first,
-        cast_first_out_table=cfg.cast_first_out_table,
-        regather_norms=cfg.remat_regathers_norms,
-        jax_remat=cfg.jax_remat,
-        spmd_pipeline=cfg.spmd_pipeline,
-        spmd_context=cfg.spmd_context,
-        moe_partial_router=cfg.moe_partial_router,
-        # how another stack runs it: recorded, priced by train estimate --plan (shardlab run refuses them)
-        zero_shard=lay.zero_shard,
-        pp_embedding_slots=lay.pp_embedding_slots,
-        attention_kernel=cfg.attention_kernel,
-        elementwise=cfg.elementwise,
-        tp_comm_overlap=cfg.tp_comm_overlap,
-        dp_overlap=cfg.dp_overlap,
-        dp_bucket_mb=cfg.dp_bucket_bytes / 2**20,
-        capacity_factor=cfg.capacity_factor if cfg.model.is_moe or cfg.capacity_factor != 1.0 else None,
-    )
-    plan = plan_from_degrees(
-        cfg.model,
-        hardware=cfg.chip.name,
-        batch=cfg.global_batch,
-        seq_len=cfg.seq_len,
-        **lay.degrees(),
-        dtype=cfg.dtype,
-        param_dtype=cfg.param_dtype,
-        remat=cfg.remat,
-        optimizer=cfg.optimizer,
-        options=options,
-    )
-    return plan
-
-
 def save_plan(cfg: TrainConfig, path: str) -> str:
     """Write the job as an experiment file (a Plan) that ``train estimate --plan`` prices the same way."""
     from pathlib import Path
+
+    from lab.predict.training.from_plan import job_plan
 
     plan = job_plan(cfg)
     lay = cfg.layout

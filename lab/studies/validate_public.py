@@ -37,6 +37,7 @@ from lab.predict.inference.estimate import estimate_inference
 from lab.predict.inference.from_plan import infer_config, serving_plan
 from lab.predict.training.config import Layout, TrainConfig, uneven_stages
 from lab.predict.training.estimate import estimate
+from lab.predict.training.from_plan import job_plan, train_config
 from lab.studies.public_runs import TRAINING, PublicRun
 from lab.studies.public_serving import SERVING
 
@@ -127,7 +128,7 @@ def _train(run: PublicRun) -> tuple[float, float, str]:
     model = _model(run)
     # stages the layers do not divide are built uneven, as train estimate's flags take them (config.uneven_stages)
     lay = uneven_stages(Layout(**run.layout), model.layers)  # type: ignore[arg-type]
-    cfg = TrainConfig(
+    stated = TrainConfig(
         model=model,
         chip=_chip(run),
         layout=lay,
@@ -143,6 +144,7 @@ def _train(run: PublicRun) -> tuple[float, float, str]:
         elementwise=run.elementwise,
         tp_comm_overlap=run.tp_comm_overlap,
     )
+    cfg = train_config(job_plan(stated), stated.chip)  # priced as its Plan, as a user's would be
     est = estimate(cfg)
     step = est.step_time_s
     tokens_per_chip = cfg.batch_tokens / step / run.chips

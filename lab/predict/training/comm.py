@@ -95,8 +95,8 @@ def layout_group(lay: Layout, role: str) -> tuple[int, int, bool]:
         return lay.ep, lay.tp * lay.cp, cross
     if role == "fsdp":  # the context shards inside it where they share its weights (Layout.cp_in_fsdp)
         return lay.fsdp_eff, lay.tp * (1 if lay.cp_in_fsdp else lay.cp), cross
-    if role == "batch":
-        return lay.dp * lay.fsdp, lay.tp * lay.cp, cross
+    if role == "batch":  # every batch axis: it crosses where the data-parallel or FSDP group does (as a Plan reads)
+        return lay.dp * lay.fsdp, lay.tp * lay.cp, cross or bool({"dp", "fsdp"} & set(lay.cross_node))
     # the data-parallel reduction, the context shards inside it where they join it (Layout.cp_in_dp_group)
     cp = 1 if lay.cp_in_dp_group else lay.cp
     if role == "dp":

@@ -1,14 +1,16 @@
 """The training estimator's config of a train-step Plan: the one place a Plan's degrees and options become the
 estimator's :class:`~lab.predict.training.config.Layout` and :class:`~lab.predict.training.config.TrainConfig`, for a
-Plan read from an experiment file, a planner's layout, or ``train estimate``'s flags (``cli.train.job_plan``). A module
-of its own so the analytic command imports the Plan and this, not the program estimator's op tables."""
+Plan read from an experiment file, a planner's layout, ``train estimate``'s flags or a published run (each read into
+its estimator's terms, checked, then made a Plan by :func:`job_plan`). A module of its own so the analytic command
+imports the Plan and this, not the program estimator's op tables."""
 
 from __future__ import annotations
 
 from lab.core.attention import BLOCK_KERNELS, from_options
 from lab.core.errors import UserError
 from lab.core.hardware import Chip
-from lab.core.plan import Plan
+from lab.core.plan import Options, Plan
+from lab.core.plan_degrees import plan_from_degrees
 from lab.predict.training.config import Layout, TrainConfig
 
 
@@ -79,6 +81,53 @@ def train_config(plan: Plan, chip: Chip) -> TrainConfig:
     )
 
 
+def job_plan(cfg: TrainConfig) -> Plan:
+    """A job in the estimator's terms as a Plan: its degrees on named mesh axes (the roles known to cross the slow
+    link on the slow one) and every option it sets (Megatron's program, as ``train estimate`` prices by default),
+    from which :func:`train_config` makes the config back whole."""
+    lay = cfg.layout
+    options = Options(
+        microbatch=cfg.microbatch,
+        zero=lay.zero,
+        pp_schedule=lay.pp_schedule,
+        interleave=lay.interleave,
+        stage_split=lay.stage_split,
+        checkpoints_per_layer=cfg.checkpoints_per_layer,
+        flash_attention=cfg.flash_attention,
+        fused_projections=cfg.fused_projections,
+        causal=cfg.causal,
+        cast_first=cfg.cast_first,
+        cast_first_out_table=cfg.cast_first_out_table,
+        regather_norms=cfg.remat_regathers_norms,
+        jax_remat=cfg.jax_remat,
+        spmd_pipeline=cfg.spmd_pipeline,
+        spmd_context=cfg.spmd_context,
+        moe_partial_router=cfg.moe_partial_router,
+        # how another stack runs it: recorded, priced by train estimate --plan (shardlab run refuses them)
+        zero_shard=lay.zero_shard,
+        pp_embedding_slots=lay.pp_embedding_slots,
+        attention_kernel=cfg.attention_kernel,
+        elementwise=cfg.elementwise,
+        tp_comm_overlap=cfg.tp_comm_overlap,
+        dp_overlap=cfg.dp_overlap,
+        dp_bucket_mb=cfg.dp_bucket_bytes / 2**20,
+        capacity_factor=cfg.capacity_factor if cfg.model.is_moe or cfg.capacity_factor != 1.0 else None,
+    )
+    return plan_from_degrees(
+        cfg.model,
+        hardware=cfg.chip.name,
+        batch=cfg.global_batch,
+        seq_len=cfg.seq_len,
+        **lay.degrees(),
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        remat=cfg.remat,
+        optimizer=cfg.optimizer,
+        options=options,
+        slow=lay.cross_node,
+    )
+
+
 def _lab_capacity(moe: bool) -> float:
     """The lab's expert routing's capacity factor (kernels.moe); 1.0 for a dense model."""
     if not moe:
@@ -88,4 +137,4 @@ def _lab_capacity(moe: bool) -> float:
     return MOE_CAPACITY_FACTOR
 
 
-__all__ = ["check_estimable", "train_config"]
+__all__ = ["check_estimable", "job_plan", "train_config"]
