@@ -334,6 +334,21 @@ def test_every_planned_estimate_is_estimates_own(
         _assert_same_estimate(est, estimate(est.config, check=True))
 
 
+@pytest.mark.parametrize(("name", "hardware", "chips", "seq_len", "gb", "remats", "microbatches"), EXACT_SEARCHES)
+def test_the_search_ranks_by_the_price_its_plans_are_given(name, hardware, chips, seq_len, gb, remats, microbatches):
+    """The search ranks points by the step its cached parts sum to; what it reports is each point's Plan priced as any
+    Plan is. The two are one number (no tolerance), so the ranking is the reported one."""
+    from lab.predict.planner.search import Search
+
+    model, chip = get_model(name), get_chip(hardware)
+    search = Search(TrainConfig(model, chip, Layout(), seq_len, gb), remats, ALL, True)
+    for lay, mbs in _space(model, chip, chips, seq_len, gb, microbatches):
+        search.search(lay, mbs)
+    ranked = sorted(-step for step, _, _ in search.heap)
+    reported = [est.step_time_s for est in search.best()]
+    assert len(reported) > 10 and reported == ranked
+
+
 def _reference_plan(model, chip, chips, seq_len, gb, remats, microbatches, top, screen_memory):
     """The planner's documented search, one checked estimate() per point, nothing cached: (screened, evaluated,
     feasible, the `top` fastest that fit, ties in search order)."""

@@ -31,6 +31,7 @@ from lab.predict.training.estimate import (
     layer_cost,
     layer_key,
 )
+from lab.predict.training.from_plan import job_plan, train_config
 from lab.predict.training.memory import (
     activation_bytes_per_layer,
     activation_key,
@@ -241,20 +242,22 @@ class Search:
                     continue
                 self.feasible += 1
                 if len(heap) < self.top:
-                    heapq.heappush(heap, (-step, -self.evaluated, (lay, mb, remat, lc, (lt, mt, ft))))
+                    heapq.heappush(heap, (-step, -self.evaluated, (lay, mb, remat)))
                 elif step < -heap[0][0]:  # faster than the slowest kept (ties: the earlier one stays)
-                    heapq.heapreplace(heap, (-step, -self.evaluated, (lay, mb, remat, lc, (lt, mt, ft))))
+                    heapq.heapreplace(heap, (-step, -self.evaluated, (lay, mb, remat)))
 
     def best(self) -> tuple[TrainEstimate, ...]:
-        """The kept points, best first, as full estimates (estimate() with the parts priced here)."""
+        """The kept points, best first, each made its Plan and priced from it as any Plan is
+        (:mod:`lab.predict.training.from_plan`): what the planner reports is what ``train estimate --plan`` and
+        ``plan --validate`` price. The search's own parts rank the points (the same sum: a test holds them equal)."""
         out = []
-        for _, _, (lay, mb, remat, lc, terms) in sorted(self.heap, key=lambda it: (-it[0], -it[1])):
-            est = estimate(self.config(lay, mb, remat), check=False, layer=lc, terms=terms)
+        for _, _, (lay, mb, remat) in sorted(self.heap, key=lambda it: (-it[0], -it[1])):
+            cfg = self.config(lay, mb, remat)
             try:  # the cheap filters of _space replicate check_config; make sure of it for what we return
-                check_config(est.config)
+                check_config(cfg)
             except UserError as exc:  # pragma: no cover - a planner bug, not a user mistake
                 raise RuntimeError(f"planner produced an invalid layout {lay}: {exc}") from exc
-            out.append(est)
+            out.append(estimate(train_config(job_plan(cfg), cfg.chip), check=False))
         return tuple(out)
 
 
