@@ -47,6 +47,19 @@ from lab.core.plan import Plan
 from lab.core.rules import PRESETS, ShardingRules
 
 
+def _cached_out(x: jax.Array, o: jax.Array, p: Params, lay: _Layout) -> jax.Array:
+    """A cached step's attention output projected into the residual stream (scope ``out``, inside ``attention``):
+    decode's and the paged serving step's, one program."""
+    with jax.named_scope("out"):
+        return x + lay.constrain(jnp.einsum("btnh,nhd->btd", o, p["wo"].astype(lay.dtype)), RESIDUAL)
+
+
+def _cached_mlp(x: jax.Array, p: Params, cfg: ModelConfig, lay: _Layout) -> jax.Array:
+    """A cached step's MLP half of the block, residual added (scope ``mlp``)."""
+    with jax.named_scope("mlp"):
+        return x + lay.constrain(_mlp(_rms_norm(x, p["mlp_norm"], cfg.norm_eps), p, cfg, lay), RESIDUAL)
+
+
 def _layout(
     rules: ShardingRules | None, mesh: Mesh | None, dtype: str, decode: bool = False, attention: Attention | None = None
 ) -> _Layout:
@@ -100,11 +113,8 @@ def decode_step(
             ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (zero, pos, zero, zero))
             cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (zero, pos, zero, zero))
             o = lay.constrain(_attend_cache(q, ck, cv, pos, visible, cfg, lay), HEADS)
-            with jax.named_scope("out"):
-                x = x + lay.constrain(jnp.einsum("btnh,nhd->btd", o, p["wo"].astype(lay.dtype)), RESIDUAL)
-        with jax.named_scope("mlp"):
-            x = x + lay.constrain(_mlp(_rms_norm(x, p["mlp_norm"], cfg.norm_eps), p, cfg, lay), RESIDUAL)
-        return x, (ck, cv)
+            x = _cached_out(x, o, p, lay)
+        return _cached_mlp(x, p, cfg, lay), (ck, cv)
 
     x, (k, v) = jax.lax.scan(body, x, (params["layers"], cache["k"], cache["v"]))
     cache_axes = cache_info(cfg, token.shape[0])["k"].logical_axes

@@ -42,6 +42,7 @@ from jax.sharding import Mesh
 
 from kernels.mesh import make_mesh
 from kernels.program import Built
+from kernels.transformer.decode import _cached_mlp, _cached_out
 from kernels.transformer.model import (
     HEADS,
     RESIDUAL,
@@ -52,7 +53,6 @@ from kernels.transformer.model import (
     _embed,
     _Layout,
     _logits,
-    _mlp,
     _qkv,
     _rms_norm,
     abstract,
@@ -173,11 +173,8 @@ def paged_step(params: Params, kv: Cache, batch: dict[str, jax.Array], cfg: Mode
                 pk, pv = _write(pk, page, off, k), _write(pv, page, off, v)
                 ks, vs = _gather(pk, seq_pages), _gather(pv, seq_pages)
             o = lay.constrain(_attend_slots(q, ks.astype(q.dtype), vs.astype(q.dtype), visible, cfg), HEADS)
-            with jax.named_scope("out"):
-                x = x + lay.constrain(jnp.einsum("btnh,nhd->btd", o, p["wo"].astype(lay.dtype)), RESIDUAL)
-        with jax.named_scope("mlp"):
-            x = x + lay.constrain(_mlp(_rms_norm(x, p["mlp_norm"], cfg.norm_eps), p, cfg, lay), RESIDUAL)
-        return x, (pk, pv)
+            x = _cached_out(x, o, p, lay)
+        return _cached_mlp(x, p, cfg, lay), (pk, pv)
 
     x, (k, v) = jax.lax.scan(body, x, (params["layers"], kv["k"], kv["v"]))
     axes = ("layers", "batch", None, None, "kv_heads", "head_dim")
