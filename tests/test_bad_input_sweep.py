@@ -218,7 +218,7 @@ def test_a_plan_files_unknown_hardware_names_the_file(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        ([*INFER, "--tp", "3"], "got tp=3, ep=1 (leave one out"),
+        ([*INFER, "--tp", "3"], "got tp=3 (leave one out"),
         (["model", "show", "/dev/null"], "'/dev/null' is not a regular file"),
         (["train", "estimate", *LLAMA, "--batch-tokens", "4M"], "is not a multiple of --seq-len 8192"),
     ],
@@ -256,7 +256,7 @@ INFER_PLAN = ["infer", "estimate", "--plan", str(EXPERIMENTS / "decode_tp.toml")
         ([*TRAIN_PLAN, "--elementwise", "eager"], "--elementwise"),
         ([*TRAIN_PLAN, "--no-flash-attention"], "--flash-attention"),
         ([*INFER_PLAN, "--weights", "int8"], "--weights"),
-        ([*INFER_PLAN, "--achievable"], "--achievable"),
+        ([*INFER_PLAN, "--ideal"], "--ideal"),
         ([*INFER_PLAN, "--fp8-scaling", "static"], "--fp8-scaling"),
         ([*TRAIN_PLAN, "--tp-comm-overlap"], "--tp-comm-overlap"),
     ],
@@ -297,7 +297,10 @@ DISAGG = ["infer", "disaggregate", "--model", "llama3-70b", *H100, "--prefill-le
         ([*DISAGG, "--batch", "32", "--chips", "8"], "required: --context"),
         ([*INFER[:-4], "--batch", "32", "--context", "8192", "--mfu", "0.5"], "give --prefill-len too"),
         ([*INFER[:-4], "--batch", "32", "--context", "8192", "--fp8-scaling", "static"], "--weights fp8 --compute"),
-        ([*INFER[:-4], "--batch", "8", "--context", "8", *FP8_W8A8, "--fp8-scaling", "dynamic"], "--achievable, or"),
+        (
+            [*INFER[:-4], "--batch", "8", "--context", "8", *FP8_W8A8, "--fp8-scaling", "dynamic", "--ideal"],
+            "without --ideal",
+        ),
     ],
 )
 def test_a_flag_that_would_change_nothing_is_refused(capsys, argv, needle):

@@ -281,6 +281,7 @@ def test_serving_commands(capsys, tmp_path):
                 "512",
                 "--mfu",
                 "0.4",
+                "--ideal",  # the book's roofline
                 "--json",
             ]
         )

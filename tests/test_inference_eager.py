@@ -60,7 +60,7 @@ def test_cli_prints_the_host_line_and_json(capsys):
     [
         (["--hardware", "tpu-v5e", "--chips", "8", "--achievable"], "on a GPU; tpu-v5e is a tpu"),
         (["--hardware", "h100", "--chips", "2", "--achievable"], "got tp=2, ep=1: give --tp 1"),
-        (["--hardware", "h100", "--chips", "1"], "add --achievable"),
+        (["--hardware", "h100", "--chips", "1", "--ideal"], "drop --ideal"),
     ],
 )
 def test_eager_where_it_cannot_be_priced_is_one_line_and_exit_2(capsys, extra, words):

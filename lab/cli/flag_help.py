@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 
 HELP = {
-    "--achievable": "price with achievable efficiency (measured fractions of peak) instead of the ideal roofline",
     "--batch-tokens": "tokens per optimizer step, all sequences together (e.g. 4Mi or 4194304)",
     "--chips": "number of chips",
     "--context": "tokens held in each sequence's KV cache",

@@ -23,7 +23,7 @@ from lab.cli.args import (
 )
 from lab.cli.commands import help_of
 from lab.cli.model_args import model_of, model_parent, ops_table, plan_of, plan_options
-from lab.cli.stack_args import add_attention_dp, add_step_overhead, add_tp_allreduce
+from lab.cli.stack_args import add_attention_dp, add_ideal, add_step_overhead, add_tp_allreduce
 from lab.core.errors import UserError
 from lab.core.table import render
 from lab.core.units import fmt_bytes, fmt_count, fmt_seconds
@@ -87,10 +87,10 @@ def infer_config(args: argparse.Namespace, chip) -> InferConfig:
             "(e.g. 512)"
         )
     scaling = getattr(args, "fp8_scaling", None)
-    if scaling is not None and not (args.achievable and args.weights == "fp8" and args.compute == "fp8"):
+    if scaling is not None and not (not args.ideal and args.weights == "fp8" and args.compute == "fp8"):
         raise UserError(
             f"--fp8-scaling {scaling} prices fp8 weights multiplying fp8 activations under the efficiency model; give "
-            "it with --weights fp8 --compute fp8 --achievable, or drop it"
+            "it with --weights fp8 --compute fp8 and without --ideal, or drop it"
         )
     _warn_context(args, model)
     plan = serving_plan(
@@ -104,7 +104,7 @@ def infer_config(args: argparse.Namespace, chip) -> InferConfig:
         kv=args.kv,
         compute=args.compute,
         mfu=args.mfu,
-        achievable=args.achievable,
+        achievable=not args.ideal,
         fp8_scaling=scaling or "dynamic",
         moe_weights=getattr(args, "moe_weights", "all"),  # infer estimate's flags; the other commands price the default
         step_overhead_s=getattr(args, "step_overhead", 0.0),
@@ -234,7 +234,7 @@ def cmd_infer_sweep(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         kv=args.kv,
         chips=args.chips,
         batches=args.batches,
-        achievable=args.achievable,
+        achievable=not args.ideal,
         hardware_file=args.hardware_file,
         scale=args.scale,
     )
@@ -356,11 +356,11 @@ def _register_estimate(isub, common):
     ie.add_argument(
         "--mfu", type=fraction("--mfu"), help="prefill at this MFU (2 N tokens FLOPs) instead of the roofline"
     )
-    ie.add_argument("--achievable", action="store_true", help="apply the efficiency model instead of ideal peaks")
+    add_ideal(ie)
     ie.add_argument(
         "--fp8-scaling",
         choices=FP8_SCALINGS,
-        help="with --weights fp8 --compute fp8 --achievable: activation scales computed each step (vLLM, SGLang, "
+        help="with --weights fp8 --compute fp8 (not --ideal): activation scales computed each step (vLLM, SGLang, "
         f"TorchAO; fp8 GEMMs take {FP8_DECODE_TIME_VS_BF16:g} of bf16's time) or static ones fused before (0.5) "
         "(default dynamic)",
     )
@@ -378,7 +378,7 @@ def _register_estimate(isub, common):
     ie.add_argument(
         "--eager",
         action="store_true",
-        help="with --achievable, one model per GPU: PyTorch eager generate (Hugging Face transformers without CUDA "
+        help="one model per GPU (not --ideal): PyTorch eager generate (Hugging Face transformers without CUDA "
         "graphs or torch.compile), whose host issues every op from Python: a step takes the longer of the host's "
         f"time ({(eager_host_time(1) - eager_host_time(0)) * 1e3:.2f} ms a layer, measured) and the GPU's",
     )
@@ -390,7 +390,7 @@ def _register_estimate(isub, common):
         "kv",
         "compute",
         "mfu",
-        "achievable",
+        "ideal",
         "fp8_scaling",
         "moe_weights",
         "step_overhead",
@@ -426,7 +426,7 @@ def _register_sweep(isub, common) -> None:
         metavar="B,B,...",
         help="batch sizes to try (default powers of two and the max)",
     )
-    sw.add_argument("--achievable", action="store_true")
+    add_ideal(sw)
     sw.add_argument("--png", type=chart_path("--png"), metavar="PATH")
     add_overwrite(sw)
     command(sw, cmd_infer_sweep)
@@ -465,7 +465,7 @@ def _register_disaggregate(isub, common, hw, with_chip, ie) -> None:
             "dp",
             "ep",
             "mfu",
-            "achievable",
+            "ideal",
             "fp8_scaling",
         ):
             dg._add_action(action)

@@ -1,4 +1,5 @@
-"""The flags that state a serving stack's own choices and costs, shared by ``infer estimate`` and ``infer serve``."""
+"""The flags that state a serving stack's own choices and costs, shared by ``infer estimate`` and ``infer serve``,
+and the one that asks for the book's ideal roofline instead of the lab's prediction."""
 
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ def add_tp_allreduce(parser) -> None:
     parser.add_argument(
         "--tp-allreduce",
         choices=("custom", "nccl"),
-        help="with --achievable on GPUs: the tensor-parallel all-reduces as the serving stack runs them: custom, its "
-        "own one-shot/two-shot kernel inside an NVLink or xGMI node (vLLM, SGLang, TensorRT-LLM, LMDeploy; the "
-        "default where it runs: A100, H100, H200, B200, MI300X), or nccl (PyTorch, DeepSpeed-Inference, TGI, JAX/XLA) "
+        help="on GPUs, under the efficiency model: the tensor-parallel all-reduces as the serving stack runs them: "
+        "custom, its own one-shot/two-shot kernel inside an NVLink or xGMI node (vLLM, SGLang, TensorRT-LLM, "
+        "LMDeploy; the default where it runs: A100, H100, H200, B200, MI300X), or nccl (PyTorch, DeepSpeed-Inference, "
+        "TGI, JAX/XLA) "
         "(docs/reference/microbenchmarks-added.md AR1-AR8)",
     )
 
@@ -40,4 +42,22 @@ def add_attention_dp(parser) -> None:
         help="attention data-parallel over the --tp group, as SGLang's --enable-dp-attention runs it: each GPU holds "
         "the whole attention and only its own requests' KV cache, the MLP or MoE stays tensor-parallel (for MLA models "
         "such as DeepSeek, whose latent cache tensor parallelism keeps whole on every GPU)",
+    )
+
+
+def add_ideal(parser) -> None:
+    """``--ideal`` (``args.ideal``): the scaling book's roofline at peak rates instead of the efficiency model, the
+    default of every serving estimate; ``--achievable`` names that default (scripts that give it keep working)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--ideal",
+        action="store_true",
+        help="the scaling book's roofline: peak FLOP/s and bandwidth, no efficiency model; a bound the step does not "
+        "beat, printed with the interval of the lab's prediction (the default prices the efficiency model)",
+    )
+    group.add_argument(
+        "--achievable",
+        dest="ideal",
+        action="store_false",
+        help="the efficiency model (measured fractions of peak): the default, named for scripts that give it",
     )

@@ -20,10 +20,11 @@ Serving after the scaling book's inference chapters (inference.md, applied-infer
 * **Prefill** of ``P`` tokens per sequence: ``2 N_active P B`` matmul FLOPs plus causal attention;
   at ``--mfu`` when given, otherwise the roofline max of FLOPs and weight bytes plus the same
   AllReduces over ``[B P, D]``.
-* **Ideal by default.** Like the book, the default prices peak FLOP/s and bandwidth;
-  ``achievable=True`` applies the efficiency model of :mod:`lab.predict.efficiency` instead: the GEMM ceiling
-  and, as the training estimator prices a matmul, the tile factor of every dimension: the pass's rows (a decode
-  batch of 128 computes at half the ceiling) and each projection's K and N on one chip (rates.matmul_shape_factor).
+* **Ideal by default** (here; ``infer estimate`` prices achievable unless ``--ideal``). Like the book, the default
+  prices peak FLOP/s and bandwidth; ``achievable=True`` applies the efficiency model of :mod:`lab.predict.efficiency`
+  instead: the GEMM ceiling and, as the training estimator prices a matmul, the tile factor of every dimension: the
+  pass's rows (a decode batch of 128 computes at half the ceiling) and each projection's K and N on one chip
+  (rates.matmul_shape_factor).
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def _check_eager(cfg: InferConfig) -> None:
             "(replicas with --dp), or drop --eager"
         )
     if not cfg.achievable:
-        raise UserError("--eager prices the host's work under the efficiency model; add --achievable")
+        raise UserError("--eager prices the host's work under the efficiency model; drop --ideal")
 
 
 @dataclass(frozen=True)
