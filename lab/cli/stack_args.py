@@ -15,9 +15,9 @@ def add_step_overhead(parser) -> None:
         default=0.0,
         metavar="SECONDS",
         help="the serving stack's host work per decode step that the device does not hide (default 0: the device "
-        "alone). Measured: vLLM 0.5 spent 62%% of its time outside the GPU on Llama 3 8B (H100); engines that "
-        "schedule a step ahead (vLLM V1, SGLang's overlap scheduler) hide most of it "
-        "(docs/reference/microbenchmarks-added.md S1-S5)",
+        "alone). Measured: about 0.004 a step in vLLM V0 and 0.002 in SGLang without its overlap scheduler; "
+        "0.00015-0.0006 where the engine schedules a step ahead (vLLM V1's asynchronous scheduling, TensorRT-LLM's "
+        "PyTorch executor) (docs/reference/microbenchmarks-added.md S1-S17)",
     )
 
 
