@@ -39,6 +39,7 @@ from lab.core.models import ModelConfig, get_model
 from lab.core.paths import chart_metadata
 from lab.core.table import render
 from lab.predict.training.estimate import Layout, TrainConfig, TrainEstimate, check_config, estimate
+from lab.predict.training.from_plan import job_plan, train_config
 
 TP, PP, INTERLEAVE = 8, 8, 2
 MICROBATCH = 1
@@ -281,7 +282,8 @@ class GenerationsStudy:
 
 
 def _config(model: ModelConfig, chip: Chip, layout: Layout, seq_len: int, global_batch: int, dtype: str) -> TrainConfig:
-    return TrainConfig(
+    """The study's job on one chip, priced as its Plan (``training.from_plan``), as any job the lab prices is."""
+    job = TrainConfig(
         model=model,
         chip=chip,
         layout=layout,
@@ -292,6 +294,7 @@ def _config(model: ModelConfig, chip: Chip, layout: Layout, seq_len: int, global
         dtype=dtype,
         flash_attention=True,
     )
+    return train_config(job_plan(job), chip)
 
 
 def study_layout(model: ModelConfig, chip: Chip, chips: int, seq_len: int, global_batch: int) -> Layout:

@@ -28,6 +28,7 @@ from lab.core.hardware import get_chip
 from lab.core.models import get_model
 from lab.core.table import render
 from lab.predict.training.estimate import Layout, TrainConfig, activation_bytes_per_layer, estimate, layer_cost
+from lab.predict.training.from_plan import job_plan, train_config
 from lab.studies import published_runs as pub
 
 GiB = 2**30
@@ -136,7 +137,7 @@ def _config_for(c: pub.MegatronConfig, recompute: str, sp: bool, microbatch: int
         pp_schedule="interleaved" if interleaved else "1f1b",
         interleave=c.interleave,
     )
-    return TrainConfig(
+    job = TrainConfig(
         model=get_model(c.model),
         chip=get_chip("a100-80gb"),
         layout=layout,
@@ -147,6 +148,7 @@ def _config_for(c: pub.MegatronConfig, recompute: str, sp: bool, microbatch: int
         flash_attention=False,
         causal=False,
     )
+    return train_config(job_plan(job), job.chip)  # priced as its Plan, as any job the lab prices is
 
 
 def _summarise(rows: list[Row]) -> list[GroupSummary]:
