@@ -408,3 +408,15 @@ def test_a_sliding_window_caps_what_a_decode_step_reads_and_holds():
     whole = est(context=32768, **(kw | {"model": dataclasses.replace(mistral, sliding_window=0)}))
     assert whole.kv_bytes == pytest.approx(8 * past.kv_bytes)
     assert whole.kv_s > 4 * past.kv_s
+
+
+def test_the_estimate_says_which_experts_a_step_reads(capsys):
+    """A mixture of experts' decode step names its assumption: every expert (the default) or the routed ones, whose
+    expected count at batch 1 is the experts one token chooses; a dense model has no such line."""
+    base = ["infer", "estimate", "--hardware", "h100", "--chips", "2", "--batch", "1", "--context", "2048"]
+    assert main([*base, "--model", "mixtral-8x7b"]) == 0
+    assert "experts read           all 8 of each MoE layer every step" in capsys.readouterr().out
+    assert main([*base, "--model", "mixtral-8x7b", "--moe-weights", "routed"]) == 0
+    assert "experts read           2 of 8 of each MoE layer on average" in capsys.readouterr().out
+    assert main([*base, "--model", "llama3-8b"]) == 0
+    assert "experts read" not in capsys.readouterr().out

@@ -122,6 +122,16 @@ def _collectives_note(e) -> str:
     return f"  ({'; '.join(bits)})" if bits else ""
 
 
+def _experts_note(cfg) -> str:
+    """What a mixture of experts' decode step is assumed to read: every expert (the default) or the routed ones."""
+    from lab.predict.inference.estimate import experts_read
+
+    n = cfg.model.experts
+    if cfg.moe_weights == "all":
+        return f"all {n} of each MoE layer every step (--moe-weights all, as common JAX code reads; routed: vLLM's)"
+    return f"{n * experts_read(cfg, cfg.replica_batch):.3g} of {n} of each MoE layer on average (--moe-weights routed)"
+
+
 def _likely(iv, cfg) -> str:
     """``; likely 5.9-7.9 ms`` (80%: the achievable prediction's interval, which an ideal bound sits below)."""
     if iv is None:
@@ -188,6 +198,7 @@ def cmd_infer_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         ["decode step", f"{fmt_seconds(e.decode_step_s)} ({e.bound}-bound){_likely(decode_iv, cfg)}"],
         ["  KV reads", fmt_seconds(e.kv_s)],
         ["  weight reads / FLOPs", f"{fmt_seconds(e.weights_s)} / {fmt_seconds(e.compute_s)}"],
+        *([["  experts read", _experts_note(cfg)]] if m.is_moe else []),
         ["  collectives", fmt_seconds(e.comm_s) + _collectives_note(e)],
         *([["  host (eager)", f"{fmt_seconds(e.host_s)}  (its ops issued from Python)"]] if cfg.eager else []),
         ["throughput", f"{fmt_count(e.tokens_per_s)} tokens/s ({e.tokens_per_s_per_chip:,.0f} per chip)"],

@@ -295,11 +295,17 @@ def fused_moe_layers(cfg: InferConfig) -> int:
 def step_weight_bytes(cfg: InferConfig, tokens: float) -> float:
     """One chip's weight bytes a step over ``tokens`` tokens of a replica reads: with a mixture of experts every
     local expert's (``moe_weights`` all) or each some token routes to (routed)."""
+    return weight_bytes_per_chip(cfg.model, cfg.tp, cfg.ep, cfg.weights, cfg.attention_dp, experts_read(cfg, tokens))
+
+
+def experts_read(cfg: InferConfig, tokens: float) -> float:
+    """The share of a MoE layer's experts a step over ``tokens`` tokens reads: all of them (``moe_weights`` all), or
+    the expected share some token routes to, each choosing ``experts_per_token`` of ``experts`` (routed); 1.0 for a
+    dense model."""
     m = cfg.model
-    touched = 1.0
     if m.is_moe and cfg.moe_weights == "routed":
-        touched = 1.0 - (1.0 - m.experts_per_token / m.experts) ** tokens
-    return weight_bytes_per_chip(m, cfg.tp, cfg.ep, cfg.weights, cfg.attention_dp, touched)
+        return 1.0 - (1.0 - m.experts_per_token / m.experts) ** tokens
+    return 1.0
 
 
 def _kv_shards(cfg: InferConfig, seqs: float | None = None) -> float:
