@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from lab.cli.args import (
     MAX_SEQ_LEN,
@@ -300,7 +301,7 @@ def cmd_infer_disaggregate(args: argparse.Namespace, chip) -> tuple[dict[str, An
     cfg = infer_config(args, chip)
     if cfg.prefill_len is None or cfg.generate is None:
         raise UserError("infer disaggregate needs --prefill-len P and --generate G (median prompt and output lengths)")
-    single = InferConfig(**{**cfg.__dict__, "batch": cfg.dp, "context": cfg.prefill_len})
+    single = dataclasses.replace(cfg, batch=cfg.dp, context=cfg.prefill_len)  # one sequence a replica
     prefill_s = estimate_inference(single).prefill_s / cfg.dp
     decode = estimate_inference(cfg)
     ratio = disaggregate(prefill_s, decode.decode_step_s, cfg.batch, cfg.generate)
