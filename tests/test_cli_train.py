@@ -442,6 +442,7 @@ FLAG_JOBS = [
     "--model llama3-405b --hardware h100 --chips 2048 --tp 8 --pp 16 --dp 16 --pp-schedule interleaved "
     "--interleave 7 --pp-embedding-slots",
     "--model deepseek-v3 --hardware h100 --chips 2048 --pp 16 --dp 128 --ep 64",
+    "--model llama3-8b --hardware h100 --chips 64 --dp 64 --zero 1 --grad-reduce fp32",
 ]
 
 

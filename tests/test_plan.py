@@ -140,6 +140,30 @@ def test_a_mixture_of_experts_job_is_saved_with_its_router_and_capacity_and_pric
     assert options.priced_only() == ["capacity_factor = 1.25"]
 
 
+def test_gradients_reduced_in_fp32_double_what_the_reduction_moves_not_what_zero_gathers(tmp_path):
+    """--grad-reduce fp32 (Megatron-LM's default for bf16 training): plain data parallelism all-reduces twice the
+    bytes; under ZeRO-1 over the whole group only the ReduceScatter half doubles, the AllGather of the bf16 weights
+    stays, so the reduction takes about 1.5x (bandwidth-bound: 1.4-1.6 fixed before looking). The Plan records the
+    choice, priced the same, and shardlab run names it as priced only."""
+    base = ["train", "estimate", "--model", "llama3-8b", "--hardware", "h100", "--chips", "64", "--dp", "64"]
+
+    def dp_s(*extra: str) -> float:
+        return _json([*base, *extra])["breakdown"]["dp_reduction_s"]
+
+    def dp_bytes(*extra: str) -> float:
+        return next(o["bytes"] for o in _json([*base, *extra])["ops"] if o["name"] == "DP gradient AllReduce")
+
+    assert dp_bytes("--grad-reduce", "fp32") == 2 * dp_bytes()
+    assert dp_s("--grad-reduce", "fp32") > 1.8 * dp_s()
+    zero = 1.4 < dp_s("--zero", "1", "--grad-reduce", "fp32") / dp_s("--zero", "1") < 1.6
+    assert zero and dp_s("--zero", "1", "--grad-reduce", "bf16") == dp_s("--zero", "1")
+    saved = tmp_path / "plan.toml"
+    a = _json([*base, "--zero", "1", "--grad-reduce", "fp32", "--save-plan", str(saved)])
+    assert _json(["train", "estimate", "--plan", str(saved)])["step_time_s"] == a["step_time_s"]
+    assert load_experiment(saved).plan.options.priced_only() == ["grad_reduce = 'fp32'"]
+    assert "gradients reduced in fp32" in " ".join(a["assumptions"])
+
+
 def test_an_uneven_pipeline_split_is_saved_and_priced_the_same(tmp_path):
     flags = ["train", "estimate", "--model", "llama3-8b", "--hardware", "h100", "--chips", "8", "--tp", "4"]
     flags += ["--pp", "2", "--pp-split", "15,17", "--global-batch", "16", "--microbatch", "2", "--pp-schedule", "gpipe"]

@@ -30,7 +30,7 @@ from lab.core.table import render
 from lab.core.units import fmt_count, fmt_seconds, fmt_share
 from lab.predict.intervals import for_training
 from lab.predict.intervals import text as interval_text
-from lab.predict.training.config import ELEMENTWISE, uneven_stages
+from lab.predict.training.config import ELEMENTWISE, GRAD_REDUCE, uneven_stages
 from lab.predict.training.estimate import OPTIMIZERS, SCHEDULES, Layout, TrainConfig, estimate
 from lab.predict.training.remat import ALL as REMAT_ALL
 
@@ -61,6 +61,7 @@ TRAIN_OPTIONS = (
     "zero_shard",
     "no_dp_overlap",
     "dp_bucket_mb",
+    "grad_reduce",
 )
 MIN_MFU = 1e-3  # an MFU below 0.1% is a typo: large training runs reach 0.3-0.6 (the calibration set's Megatron runs)
 # A whole number of sequences: 4Mi = 4,194,304 = 512 x 8192 divides by every power-of-two --seq-len (4M does not)
@@ -196,6 +197,7 @@ def _flags_job(args: argparse.Namespace, chip) -> TrainConfig:
         capacity_factor=args.capacity_factor,
         dp_overlap=not args.no_dp_overlap,
         dp_bucket_bytes=args.dp_bucket_mb * 2**20,
+        grad_reduce=args.grad_reduce,
     )
 
 
@@ -477,6 +479,13 @@ def _stack_flags(te) -> None:
         help="how the stack runs norms, rotary embedding and the activation: fused (one kernel each, as "
         "Megatron/Transformer Engine, XLA and torch.compile do; default) or eager (PyTorch eager ops, fp32 "
         "intermediates, as the reference LLaMA code writes them)",
+    )
+    te.add_argument(
+        "--grad-reduce",
+        choices=GRAD_REDUCE,
+        help="the dtype gradients are reduced in (default: the weights', bf16 under mixed precision, the book's "
+        "convention): fp32 is Megatron-LM's default for bf16 training (unless --grad-reduce-in-bf16), torchtitan's "
+        "FSDP2 default and nanotron's (twice the data-parallel bytes)",
     )
     te.add_argument(
         "--tp-comm-overlap",

@@ -74,6 +74,7 @@ PRICED_ONLY = (
     "dp_overlap",
     "dp_bucket_mb",
     "capacity_factor",
+    "grad_reduce",
 )
 
 
@@ -113,9 +114,10 @@ class Options:
             ``kernels/transformer/explicit.py``).
         moe_partial_router: the expert layers weigh the TP ranks' partial sums (the lab's), so the router's
             gradient is all-reduced over them; False: Megatron's router, which reads the whole input.
-        zero_shard ... capacity_factor (PRICED_ONLY): how another stack runs the job (train estimate's flags,
+        zero_shard ... grad_reduce (PRICED_ONLY): how another stack runs the job (train estimate's flags,
             recorded by --save-plan), priced by train estimate --plan; the lab's Transformer runs the defaults
-            (capacity_factor None: its own routing), and shardlab run refuses a Plan that changes one.
+            (capacity_factor None: its own routing; grad_reduce None: gradients reduced in the weights' dtype), and
+            shardlab run refuses a Plan that changes one.
     """
 
     microbatch: int | None = None
@@ -146,6 +148,7 @@ class Options:
     dp_overlap: bool = True
     dp_bucket_mb: float = 25.0
     capacity_factor: float | None = None
+    grad_reduce: str | None = None
 
     def priced_only(self) -> list[str]:
         """The options set away from what the lab's Transformer runs: they price another stack's job only."""
@@ -157,6 +160,8 @@ class Options:
             raise UserError(f"sharding_mode {self.sharding_mode!r} is not one of {', '.join(SHARDING_MODES)}")
         if self.zero not in (0, 1, 2, 3):
             raise UserError(f"zero = {self.zero!r} is not one of 0, 1, 2, 3")
+        if self.grad_reduce not in (None, "fp32", "bf16"):
+            raise UserError(f"grad_reduce = {self.grad_reduce!r} is not one of fp32, bf16")
         if self.pp_schedule not in PP_SCHEDULES:
             raise UserError(f"pp_schedule = {self.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
         for name in ("microbatch", "interleave"):

@@ -106,6 +106,7 @@ OPTIONS = {
     "dp_overlap": Field("bool", "the gradient reduction overlaps the backward, bucket by bucket"),
     "dp_bucket_mb": Field("number+", "the gradient reduction's bucket, MiB"),
     "capacity_factor": Field("number+", "a mixture of experts' capacity factor"),
+    "grad_reduce": Field("str", "the dtype gradients are reduced in (default: the weights')", ("fp32", "bf16")),
 }
 RULES = {"preset": Field("str", "a preset the other keys override", tuple(PRESETS))} | {
     f: Field("strs", f"mesh axes of the logical dim {f}") for f in FIELDS

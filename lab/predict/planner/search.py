@@ -155,7 +155,7 @@ class Search:
             comms = self.comms.get(content)
             if comms is None:
                 comms = self.comms[content] = role_comms(self.config(lay, mb, remat), name)
-            extra = (self.job.dp_bucket_bytes,) if name == "dp" else ()
+            extra = (self.job.dp_bucket_bytes, self.job.weights_per_grad) if name == "dp" else ()
             out = self.priced[key] = _PRICE[name](self.job.chip, lay, comms, *extra)
         return out
 

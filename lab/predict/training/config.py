@@ -25,6 +25,7 @@ PARAM_DTYPES = ("bf16", "fp32")
 # lab.predict.training.estimate: fused (one kernel each: Megatron/Transformer Engine, XLA, torch.compile) or eager
 # (PyTorch eager ops as the reference LLaMA code writes them, fp32 intermediates between kernels).
 ELEMENTWISE = ("fused", "eager")
+GRAD_REDUCE = ("fp32", "bf16")
 
 
 # The book's k saved [tokens, d_model] tensors per layer: a few (selective recomputation) to a few hundred (every
@@ -169,6 +170,11 @@ class TrainConfig:
     # ZeRO-1/2 default, overlap_comm false).
     dp_overlap: bool = True
     dp_bucket_bytes: float = 25 * 2**20
+    # The dtype the gradients are reduced in (data parallel, FSDP, the sequence-parallel norms' over TP): None, the
+    # weights' (bf16 under mixed precision: the book's convention); "fp32", the fp32 main gradients Megatron-LM reduces
+    # in bf16 training unless --grad-reduce-in-bf16 (arguments.py: accumulate_allreduce_grads_in_fp32), torchtitan's
+    # FSDP2 mixed_precision_reduce default and nanotron's ACCUMULATE_GRAD_IN_FP32.
+    grad_reduce: str | None = None
     # How the program is written, where XLA or a framework does it differently (the lab's own Transformer keeps
     # fp32 weights and separate Q/K/V and gate/up projections; Megatron-style defaults below).
     param_dtype: str = "bf16"  # bf16: mixed precision (fp32 master copy in the optimizer state); fp32: weights are it
@@ -225,8 +231,17 @@ class TrainConfig:
 
     @property
     def grad_reduce_bytes(self) -> float:
-        """Bytes per gradient element on the wire: bf16 under mixed precision (the book's convention), else fp32."""
+        """Bytes per gradient element on the wire: ``grad_reduce``'s, else the weights' (bf16 under mixed precision,
+        the book's convention; fp32 weights, fp32)."""
+        if self.grad_reduce is not None:
+            return 4.0 if self.grad_reduce == "fp32" else 2.0
         return 2.0 if self.param_dtype == "bf16" else 4.0
+
+    @property
+    def weights_per_grad(self) -> float:
+        """A weight's bytes over a reduced gradient's: what ZeRO's gather of the updated weights moves per byte the
+        gradients' reduction moved (1 unless ``grad_reduce`` differs from the weights' dtype)."""
+        return self.weight_bytes / self.grad_reduce_bytes
 
     @property
     def act_bytes(self) -> float:
@@ -307,6 +322,8 @@ def _check_options(cfg: TrainConfig) -> None:
         raise UserError(f"--attention-kernel {cfg.attention_kernel!r} is not one of fa2, fa3")
     if cfg.elementwise not in ELEMENTWISE:
         raise UserError(f"--elementwise {cfg.elementwise!r} is not one of {', '.join(ELEMENTWISE)}")
+    if cfg.grad_reduce is not None and cfg.grad_reduce not in GRAD_REDUCE:
+        raise UserError(f"--grad-reduce {cfg.grad_reduce!r} is not one of {', '.join(GRAD_REDUCE)}")
     if lay.pp_schedule not in SCHEDULES:
         raise UserError(f"--pp-schedule {lay.pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
     if cfg.tp_comm_overlap and not (lay.tp > 1 and lay.sequence_parallel):

@@ -444,7 +444,7 @@ def step_terms(cfg: TrainConfig) -> tuple[LayoutTerms, MicrobatchTerms, FsdpTerm
     """The step's parts besides the layer cost (:mod:`lab.predict.training.step`), priced for ``cfg``."""
     chip, lay = cfg.chip, cfg.layout
     local = local_params(cfg.model, lay, ends_on_every_stage=cfg.spmd_pipeline)
-    dp, loss, tail, gather = dp_times(chip, lay, role_comms(cfg, "dp"), cfg.dp_bucket_bytes)
+    dp, loss, tail, gather = dp_times(chip, lay, role_comms(cfg, "dp"), cfg.dp_bucket_bytes, cfg.weights_per_grad)
     lt = layout_terms(cfg.model, chip, lay, cfg.optimizer, dp, loss, local, tail, gather, cfg.dp_overlap)
     pp, tp = pp_time(chip, lay, role_comms(cfg, "pp")), tp_microbatch_time(chip, lay, role_comms(cfg, "tp"))
     mt = microbatch_terms(lay, cfg.microbatches, pp, tp)
@@ -540,9 +540,8 @@ def step_ops(est: TrainEstimate) -> list[dict[str, Any]]:
 
 
 def _precision(cfg: TrainConfig) -> str:
-    if cfg.param_dtype == "bf16":
-        return "gradients reduced in bf16; weights bf16; optimizer state fp32"
-    return "gradients reduced in fp32; weights fp32 (the master copy); optimizer moments fp32"
+    kept = "bf16; optimizer state fp32" if cfg.param_dtype == "bf16" else "fp32 (master copy); optimizer moments fp32"
+    return f"gradients reduced in {'fp32' if cfg.grad_reduce_bytes == 4.0 else 'bf16'}; weights {kept}"
 
 
 ASSUMPTIONS = (

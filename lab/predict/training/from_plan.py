@@ -78,6 +78,7 @@ def train_config(plan: Plan, chip: Chip) -> TrainConfig:
         tp_comm_overlap=opts.tp_comm_overlap,
         dp_overlap=opts.dp_overlap,
         dp_bucket_bytes=opts.dp_bucket_mb * 2**20,
+        grad_reduce=opts.grad_reduce,
     )
 
 
@@ -112,6 +113,7 @@ def job_plan(cfg: TrainConfig) -> Plan:
         dp_overlap=cfg.dp_overlap,
         dp_bucket_mb=cfg.dp_bucket_bytes / 2**20,
         capacity_factor=cfg.capacity_factor if cfg.model.is_moe or cfg.capacity_factor != 1.0 else None,
+        grad_reduce=cfg.grad_reduce,
     )
     return plan_from_degrees(
         cfg.model,

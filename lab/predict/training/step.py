@@ -155,7 +155,7 @@ def role_comms(cfg: TrainConfig, term: str) -> tuple[Comm, ...]:
 
 
 def dp_times(
-    chip: Chip, lay: Layout, comms: tuple[Comm, ...], bucket: float = 25 * 2**20
+    chip: Chip, lay: Layout, comms: tuple[Comm, ...], bucket: float = 25 * 2**20, weights_per_grad: float = 1.0
 ) -> tuple[float, float, float, float]:
     """The DP gradient reduction (with the SPMD pipeline's reductions over the stages), the loss mean over the batch
     axes, the reduction's last bucket and ZeRO's gather of the updated weights (``role_comms(cfg, "dp")``): seconds,
@@ -163,7 +163,9 @@ def dp_times(
     ReduceScatter of the gradients and an AllGather of the weights, half each; sharded over part of it (zero_shard),
     the gradients are all-reduced whole and the weights gathered inside the part. The whole reduction is priced at its
     size (NCCL keeps the buckets in flight back to back); its last bucket, which the backward's end leaves exposed, at
-    the bucket's (``bucket``: TrainConfig.dp_bucket_bytes)."""
+    the bucket's (``bucket``: TrainConfig.dp_bucket_bytes). ``weights_per_grad``: a weight's bytes over a reduced
+    gradient's (0.5 for bf16 weights and fp32 gradients, TrainConfig.grad_reduce), what ZeRO's gather moves per byte
+    the reduction moved."""
     grads = loss = tail = 0.0
     dp_bytes = 0.0
     for c, t in zip(comms, prices(chip, lay, comms), strict=True):
@@ -178,13 +180,14 @@ def dp_times(
     gather = 0.0
     if lay.zero >= 1 and lay.dp_eff > 1 and grads:
         if lay.zero_group >= lay.dp_eff:  # the all-reduce's AllGather half moves out of the backward
-            gather = grads / 2
-            grads -= gather
+            gather = grads / 2 * weights_per_grad
+            grads -= grads / 2
             tail = min(tail, grads)
         elif lay.zero_group > 1:  # the weights gathered inside the shard group (as the gradients were reduced)
             _, stride, cross = layout_group(lay, "dp")
+            nbytes = dp_bytes * weights_per_grad
             gather = eff.comm_time(
-                chip, "all-gather", dp_bytes, lay.zero_group, **placement(chip, lay.zero_group, stride, cross)
+                chip, "all-gather", nbytes, lay.zero_group, **placement(chip, lay.zero_group, stride, cross)
             )
     return grads, loss, tail, gather
 
