@@ -164,6 +164,25 @@ def test_gradients_reduced_in_fp32_double_what_the_reduction_moves_not_what_zero
     assert "gradients reduced in fp32" in " ".join(a["assumptions"])
 
 
+def test_zero_2_reduces_the_gradients_after_every_microbatch():
+    """ZeRO-2 partitions the gradients, so each microbatch's backward reduce-scatters them (DeepSpeed's stage 2) and
+    the updated weights are gathered once a step: with n microbatches the reduction moves (n + 1) / 2 times ZeRO-1's
+    (a ReduceScatter half each microbatch, one AllGather half); with one microbatch the two are the same."""
+    base = ["train", "estimate", "--model", "llama2-7b", "--hardware", "a100", "--chips", "8", "--dp", "4"]
+    base += ["--tp", "2", "--seq-len", "4096", "--global-batch", "64"]
+
+    def run(zero: str, mb: str) -> dict:
+        return _json([*base, "--zero", zero, "--microbatch", mb])
+
+    one, two = run("1", "2"), run("2", "2")  # 8 microbatches a replica
+    assert two["microbatches"] == 8
+    reduced = two["breakdown"]["dp_reduction_s"] / one["breakdown"]["dp_reduction_s"]
+    assert reduced == pytest.approx(9 / 2, rel=1e-9)
+    assert two["step_time_s"] > one["step_time_s"]
+    whole = ["--global-batch", "4", "--microbatch", "1"]
+    assert _json([*base, "--zero", "2", *whole])["step_time_s"] == _json([*base, "--zero", "1", *whole])["step_time_s"]
+
+
 def test_an_uneven_pipeline_split_is_saved_and_priced_the_same(tmp_path):
     flags = ["train", "estimate", "--model", "llama3-8b", "--hardware", "h100", "--chips", "8", "--tp", "4"]
     flags += ["--pp", "2", "--pp-split", "15,17", "--global-batch", "16", "--microbatch", "2", "--pp-schedule", "gpipe"]

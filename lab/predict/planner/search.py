@@ -171,7 +171,8 @@ class Search:
         )
         where = (_where(lay, "dp", grads), _where(lay, "edp", experts), _where(lay, "batch", loss))
         dp_s, loss_s, tail, gather = self.term("dp", (grads, experts, loss), where, lay, mb, remat)
-        return layout_terms(j.model, j.chip, lay, j.optimizer, dp_s, loss_s, local, tail, gather, j.dp_overlap)
+        terms = (dp_s, loss_s, local, tail, gather, j.dp_overlap, j.spmd_pipeline)
+        return layout_terms(j.model, j.chip, lay, j.optimizer, *terms)
 
     def microbatch_keys(self, lay: Layout, remat: str) -> tuple[tuple, tuple, tuple, tuple]:
         """A layout's content keys (less the microbatch) and groups of the collectives once per microbatch: PP's

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from lab.predict.axis_costs import moe_exchange_bytes, ring_kv_block_bytes, ring_passes
 from lab.predict.placement import placement
-from lab.predict.training.config import Layout, TrainConfig
+from lab.predict.training.config import Layout, TrainConfig, reduces_each_microbatch
 from lab.predict.training.memory import end_params, layer_params_local, local_params, routed_params_local
 from lab.predict.training.remat import policy as remat_policy
 from lab.predict.training.remat import recomputed
@@ -398,7 +398,10 @@ def _dp(cfg: TrainConfig) -> list[Comm]:
             if lay.dp_eff > lay.ep:
                 what = "EP: the routed experts' gradients over the replicas holding them"
                 out.append(Comm("edp", "all-reduce", experts, 1, "step", what, "backward", dt))
-        out.append(Comm("dp", "all-reduce", grads, 1, "step", "DP gradient AllReduce", "backward", dt))
+        what = "DP gradient AllReduce"
+        if reduces_each_microbatch(lay, cfg.spmd_pipeline):  # the step's breakdown counts each microbatch's
+            what += f" (ZeRO-2: its ReduceScatter after each of the {cfg.microbatches} microbatches)"
+        out.append(Comm("dp", "all-reduce", grads, 1, "step", what, "backward", dt))
     if lay.dp * lay.fsdp > 1:
         out.append(Comm("batch", "all-reduce", LOSS_BYTES, 1, "step", "the loss mean over the batch", dtype="fp32"))
     return out

@@ -278,6 +278,12 @@ def _nearest(n: int, options: list[int]) -> int:
     return min(options, key=lambda d: (abs(d - n), d))
 
 
+def reduces_each_microbatch(lay: Layout, spmd_pipeline: bool) -> bool:
+    """Whether the data-parallel reduction follows every microbatch's backward: under ZeRO-2 (gradients partitioned,
+    DeepSpeed's stage 2), except in the lab's SPMD pipeline, which sums its microbatches' gradients in the program."""
+    return lay.zero == 2 and not spmd_pipeline
+
+
 def check_config(cfg: TrainConfig) -> None:
     """Raise a UserError naming the bad value and a nearby valid one: the layout's own values, then the options,
     then how the layout fits the model and the batch (in that order, so the first error names the first cause)."""

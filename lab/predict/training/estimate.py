@@ -445,7 +445,8 @@ def step_terms(cfg: TrainConfig) -> tuple[LayoutTerms, MicrobatchTerms, FsdpTerm
     chip, lay = cfg.chip, cfg.layout
     local = local_params(cfg.model, lay, ends_on_every_stage=cfg.spmd_pipeline)
     dp, loss, tail, gather = dp_times(chip, lay, role_comms(cfg, "dp"), cfg.dp_bucket_bytes, cfg.weights_per_grad)
-    lt = layout_terms(cfg.model, chip, lay, cfg.optimizer, dp, loss, local, tail, gather, cfg.dp_overlap)
+    terms = (dp, loss, local, tail, gather, cfg.dp_overlap, cfg.spmd_pipeline)
+    lt = layout_terms(cfg.model, chip, lay, cfg.optimizer, *terms)
     pp, tp = pp_time(chip, lay, role_comms(cfg, "pp")), tp_microbatch_time(chip, lay, role_comms(cfg, "tp"))
     mt = microbatch_terms(lay, cfg.microbatches, pp, tp)
     return lt, mt, fsdp_terms(chip, lay, role_comms(cfg, "fsdp"))

@@ -29,7 +29,7 @@ from lab.predict import efficiency as eff
 from lab.predict.axis_costs import bubble_over_work
 from lab.predict.placement import placement
 from lab.predict.training.comm import Comm, collectives, layout_group
-from lab.predict.training.config import UPDATE_BYTES, Layout, TrainConfig
+from lab.predict.training.config import UPDATE_BYTES, Layout, TrainConfig, reduces_each_microbatch
 from lab.predict.training.memory import local_params
 
 
@@ -127,10 +127,14 @@ def comm_time(cfg: TrainConfig, c: Comm) -> float:
 # slots: the embedding and the loss take a layer's slot on the first and last stage; dp: the data-parallel gradient
 # reduction, once per step (0 without one); loss: the loss mean over the batch axes; optimizer: the optimizer's
 # memory-bound pass over this chip's share of the state. (Plain named tuples: typing is not imported at run time.)
-LayoutTerms = namedtuple("LayoutTerms", "layers split slots dp loss optimizer dp_tail dp_gather dp_overlap")
+LayoutTerms = namedtuple(
+    "LayoutTerms", "layers split slots dp loss optimizer dp_tail dp_gather dp_overlap dp_each_microbatch"
+)
 # dp_tail: the last bucket of the gradient reduction (exposed after the backward when it overlaps); dp_gather: under
 # ZeRO, the updated weights gathered after the optimizer (behind the next forward when it overlaps); dp_overlap: the
-# job's TrainConfig.dp_overlap. dp is the reduction, bucket by bucket.
+# job's TrainConfig.dp_overlap. dp is the reduction, bucket by bucket: once a step, or under ZeRO-2 after every
+# microbatch's backward (dp_each_microbatch): each rank keeps only its partition of the gradients, so they are
+# reduced as each backward makes them (DeepSpeed's stage 2; its maintainers, deepspeedai/DeepSpeed issue #2252).
 # FSDP's collectives per layer (ahead of the forward, in the backward) and per microbatch (seconds), and those once a
 # step, exposed (the lab's SPMD pipeline gathers a stage's weights before its loop and reduces their gradients after);
 # scatter: a layer's gradient ReduceScatter (the backward's last has no layer left to hide behind).
@@ -203,14 +207,18 @@ def layout_terms(
     tail: float = 0.0,
     gather: float = 0.0,
     overlap: bool = True,
+    spmd_pipeline: bool = False,
 ) -> LayoutTerms:
     """The layout's terms, with its DP reduction, loss mean, last bucket and ZeRO gather (:func:`dp_times`) priced
-    (``local``: the layout's ``training.memory.local_params``, when at hand; ``overlap``: TrainConfig.dp_overlap)."""
+    (``local``: the layout's ``training.memory.local_params``, when at hand; ``overlap``: TrainConfig.dp_overlap;
+    ``spmd_pipeline``: TrainConfig.spmd_pipeline, for :func:`reduces_each_microbatch`)."""
     shard = lay.zero_shards if lay.zero >= 1 else lay.fsdp_eff
     local = local_params(model, lay) if local is None else local
     update = eff.memory_time(chip, local / shard * UPDATE_BYTES[optimizer])
     slots = lay.pp > 1 and lay.pp_embedding_slots
-    return LayoutTerms(lay.stage_layers(model.layers), lay.stage_split, slots, dp, loss, update, tail, gather, overlap)
+    each = reduces_each_microbatch(lay, spmd_pipeline)
+    layers = lay.stage_layers(model.layers)
+    return LayoutTerms(layers, lay.stage_split, slots, dp, loss, update, tail, gather, overlap, each)
 
 
 def fsdp_terms(chip: Chip, lay: Layout, comms: tuple[Comm, ...]) -> FsdpTerms | None:
@@ -263,16 +271,17 @@ def fsdp_exposed(slowdown: float, ft: FsdpTerms, lc: LayerCost, layers: float) -
     return exposed + hide(slowdown, ft.rest, lc.logits) if ft.rest else exposed
 
 
-def dp_exposed(slowdown: float, lt: LayoutTerms, lc: LayerCost) -> float:
+def dp_exposed(slowdown: float, lt: LayoutTerms, lc: LayerCost, n_mb: int = 1) -> float:
     """The data-parallel reduction per step: with overlap, every bucket but the last under the last microbatch's
     backward (the last bucket after it), and ZeRO's weight gather under the next step's first forward; without, all of
-    it after the backward. The loss mean besides."""
-    layers = lt.layers
+    it after the backward. Under ZeRO-2 (``lt.dp_each_microbatch``) the reduction follows each of the ``n_mb``
+    microbatches' backward the same way. The loss mean besides."""
+    layers, times = lt.layers, (n_mb if lt.dp_each_microbatch else 1)
     if not lt.dp_overlap:
-        return lt.dp + lt.dp_gather + lt.loss
+        return times * lt.dp + lt.dp_gather + lt.loss
     under = eff.overlapped(slowdown, max(lt.dp - lt.dp_tail, 0.0), layers * (lc.bwd + lc.recompute))
     after = eff.overlapped(slowdown, lt.dp_gather, layers * lc.fwd) if lt.dp_gather else 0.0
-    return min(lt.dp_tail, lt.dp) + under + after + lt.loss
+    return times * (min(lt.dp_tail, lt.dp) + under) + after + lt.loss
 
 
 def step_parts(
@@ -299,7 +308,7 @@ def step_parts(
     t_mb = compute_mb + tp_mb + ep_mb + cp_mb + pp_mb + fsdp_mb + offload_mb
     bubble = mt.bubble * n_mb * t_mb  # (p - 1) / v microbatch times (axis_costs)
     # Data parallelism: the gradient reduction in buckets behind the last microbatch's backward (dp_exposed)
-    dp_exposed_s = dp_exposed(slowdown, lt, lc)
+    dp_exposed_s = dp_exposed(slowdown, lt, lc, n_mb)
     fsdp_step = 0.0 if ft is None else ft.step
     step = n_mb * t_mb + bubble + dp_exposed_s + fsdp_step + lt.optimizer
     return step, compute_mb, tp_mb, ep_mb, cp_mb, pp_mb, fsdp_mb, offload_mb, bubble, dp_exposed_s, fsdp_step
@@ -320,7 +329,7 @@ def breakdown(parts: tuple[float, ...], lt: LayoutTerms, mt: MicrobatchTerms) ->
         "comm_pp_s": n_mb * pp_mb,
         "comm_fsdp_s": n_mb * fsdp_mb + fsdp_step,
         "comm_dp_s": dp_exposed,
-        "dp_reduction_s": lt.dp + lt.dp_gather,
+        "dp_reduction_s": (n_mb if lt.dp_each_microbatch else 1) * lt.dp + lt.dp_gather,
         "offload_s": n_mb * offload_mb,
     }
 
