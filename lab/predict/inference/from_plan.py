@@ -65,19 +65,14 @@ def serving_plan(
     """The decode Plan of a serving layout, in the book's form (inference.md): ``dp`` replicas of ``tp x ep`` chips,
     attention and dense layers tensor-parallel over ``tp`` (kv_heads too where they divide), the experts over ``ep``
     with the batch split over replicas and expert ranks, the embedding and logits replicated, attention fused."""
-    plan = plan_from_degrees(model, hardware=hardware, batch=batch, seq_len=1, dp=dp * ep, tp=tp, ep=ep, dtype=dtype)
+    degrees = {"dp": dp * ep, "tp": tp, "ep": ep}
+    plan = plan_from_degrees(
+        model, hardware=hardware, batch=batch, seq_len=1, **degrees, dtype=dtype, param_dtype=dtype, remat="none",
+        options=Options(flash_attention=True), name=f"{model.name}-decode",
+    )  # fmt: skip
     assert plan.rules is not None
     sizes = {"batch": batch} | {k: v for k, v in (("prompt_len", prefill_len), ("steps", generate)) if v is not None}
-    return dataclasses.replace(
-        plan,
-        program="decode",
-        sizes=sizes,
-        name=f"{model.name}-decode",
-        param_dtype=dtype,
-        rules=dataclasses.replace(plan.rules, vocab=None),
-        remat="none",
-        options=Options(flash_attention=True),
-    )
+    return dataclasses.replace(plan, program="decode", sizes=sizes, rules=dataclasses.replace(plan.rules, vocab=None))
 
 
 def serving_degrees(plan: Plan) -> tuple[int, int, int]:
